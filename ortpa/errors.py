@@ -1,0 +1,96 @@
+"""Typed errors shared by every layer of ortpa.
+
+Every error says what was expected, what was found, and where (node, input or attribute, rule id).
+Each derives from :class:`OrtpaError` and from the builtin exception a caller would naturally catch
+(``ValueError`` for bad input, ``NotImplementedError`` for unsupported modes, ...).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConversionError",
+    "InvalidArgument",
+    "InvalidModel",
+    "NotImplementedByBackend",
+    "OrtpaError",
+    "OutOfBlocks",
+]
+
+
+class OrtpaError(Exception):
+    """Base class of every error ortpa raises on purpose."""
+
+
+class InvalidArgument(OrtpaError, ValueError):
+    """A PagedAttention input or attribute breaks one of ONNX Runtime's rules.
+
+    ``rule`` is a stable id (``"1.5.2"`` style ids follow the reference's sections, ``"ctor.*"`` the kernel
+    constructor, ``"schema.*"`` shape inference); ``name`` is the offending input or attribute;
+    ``message`` is ONNX Runtime's own error text; ``node`` the node name when known.
+    """
+
+    def __init__(self, rule: str, name: str, message: str, node: str | None = None) -> None:
+        self.rule = rule
+        self.name = name
+        self.message = message
+        self.node = node
+        where = f"node {node!r}, " if node else ""
+        super().__init__(f"[{rule}] {where}{name}: {message}")
+
+    def __reduce__(self):  # keep the error picklable across processes
+        return (type(self), (self.rule, self.name, self.message, self.node))
+
+
+class NotImplementedByBackend(OrtpaError, NotImplementedError):
+    """A schema-valid PagedAttention node uses a feature the chosen backend cannot run."""
+
+    def __init__(self, backend: str, feature: str, detail: str = "", node: str | None = None) -> None:
+        self.backend = backend
+        self.feature = feature
+        self.detail = detail
+        self.node = node
+        where = f" (node {node!r})" if node else ""
+        extra = f": {detail}" if detail else ""
+        super().__init__(f"backend {backend!r} does not implement {feature}{where}{extra}")
+
+    def __reduce__(self):
+        return (type(self), (self.backend, self.feature, self.detail, self.node))
+
+
+class InvalidModel(OrtpaError, ValueError):
+    """A model file cannot be read or is not a well-formed ONNX model."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
+
+
+class ConversionError(OrtpaError):
+    """A model, or one of its layers, could not be converted; nothing was written."""
+
+    def __init__(self, reason: str, failures: list[tuple[str, str]] | None = None) -> None:
+        self.reason = reason
+        self.failures = list(failures or [])
+        lines = [reason] + [f"  {where}: {why}" for where, why in self.failures]
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self):
+        return (type(self), (self.reason, self.failures))
+
+
+class OutOfBlocks(OrtpaError, RuntimeError):
+    """The KV block pool cannot satisfy a request; nothing was allocated."""
+
+    def __init__(self, requested: int, free: int, what: str = "") -> None:
+        self.requested = requested
+        self.free = free
+        self.what = what
+        ctx = f" for {what}" if what else ""
+        super().__init__(f"out of KV cache blocks{ctx}: needed {requested}, {free} free")
+
+    def __reduce__(self):
+        return (type(self), (self.requested, self.free, self.what))

@@ -9,9 +9,10 @@ declares none), ``kernel_default`` is what the kernels use when the attribute is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Literal
 
 __all__ = [
     "DOMAIN",

@@ -1,4 +1,18 @@
-"""ortpa: dense-attention ONNX LLMs to paged-KV models on ONNX Runtime's PagedAttention."""
+"""ortpa: dense-attention ONNX LLMs to paged-KV models on ONNX Runtime's PagedAttention.
+
+The public API, re-exported from the modules that implement it:
+
+* :func:`convert` / :func:`convert_file` — dense ONNX (MLA, MHA, GQA) -> paged PagedAttention model.
+* :func:`validate` — check every PagedAttention node of a model against ONNX Runtime's rules and a backend.
+* :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` running PagedAttention on any EP.
+* :class:`PagedSession` — caches owned as OrtValues and updated in place through IO binding.
+* :class:`PagedKVCache` — the block manager that emits the op's index tensors.
+* :func:`export_hf` — Hugging Face config or local model dir -> dense ONNX (needs the ``export`` extra).
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 from ortpa.errors import (
     ConversionError,
@@ -8,15 +22,40 @@ from ortpa.errors import (
     OrtpaError,
     OutOfBlocks,
 )
+from ortpa.ops.node_check import ValidationReport, validate
+from ortpa.ops.validate import check_inputs
+from ortpa.rewriter.pipeline import convert, convert_file
+from ortpa.runtime.kv import PagedKVCache, StepInputs
+from ortpa.runtime.session import InferenceSession, PagedSession
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConversionError",
+    "InferenceSession",
     "InvalidArgument",
     "InvalidModel",
     "NotImplementedByBackend",
     "OrtpaError",
     "OutOfBlocks",
+    "PagedKVCache",
+    "PagedSession",
+    "StepInputs",
+    "ValidationReport",
     "__version__",
+    "check_inputs",
+    "convert",
+    "convert_file",
+    "export_hf",
+    "validate",
 ]
+
+
+def export_hf(*args: Any, **kwargs: Any):
+    """Export a Hugging Face model (config with random weights, or a local model dir) to dense ONNX.
+
+    Needs the ``export`` extra (``pip install 'ortpa[export]'``); see :func:`ortpa.export.export_hf`.
+    """
+    from ortpa.export import export_hf as _export_hf
+
+    return _export_hf(*args, **kwargs)

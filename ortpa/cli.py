@@ -57,14 +57,157 @@ def _register_validate(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="path to an .onnx file")
-    p.add_argument("--backend", choices=["cuda", "webgpu", "portable"], default=None,
-                   help="also check that this backend implements every feature the nodes use")
+    p.add_argument(
+        "--backend",
+        choices=["cuda", "webgpu", "portable"],
+        default=None,
+        help="also check that this backend implements every feature the nodes use",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_common(p)
     p.set_defaults(func=_cmd_validate)
 
 
-_REGISTRARS: list[Callable] = [_register_validate]
+# ---------------------------------------------------------------------------------------------- convert
+def _progress_printer(args: argparse.Namespace) -> Callable[[str], None] | None:
+    if args.quiet:
+        return None
+    return lambda message: print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from ortpa.rewriter.pipeline import convert_file
+
+    proto = convert_file(
+        args.input,
+        args.output,
+        dtype=args.dtype,
+        rope_in_op=args.rope_in_op,
+        logits=args.logits,
+        kv_cache_dtype=args.kv_cache_dtype,
+        progress=_progress_printer(args),
+    )
+    nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
+    result = {"output": args.output, "paged_attention_nodes": nodes}
+    if args.json:
+        print(json.dumps(result))
+    elif not args.quiet:
+        print(f"wrote {args.output}: {nodes} PagedAttention node(s)")
+    return EXIT_OK
+
+
+def _register_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a dense-attention ONNX model to a paged PagedAttention model",
+        description="Rewrite dense MLA attention (DeepSeek-style) into PagedAttention LATENT and MHA/GQA into "
+        "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
+        "The input is never modified; a model or layer that does not match is reported and nothing is written.",
+        epilog="examples:\n  ortpa convert dense.onnx paged.onnx\n"
+        "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("input", help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)")
+    p.add_argument("output", help="where to write the paged model")
+    p.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="convert the whole model; default keeps its precision and casts at the attention boundary",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["float16", "bfloat16", "int8", "float8e4m3fn"],
+        default=None,
+        help="element type of the KV caches",
+    )
+    p.add_argument("--rope-in-op", action="store_true", help="move RoPE into the op (do_rotary=1)")
+    p.add_argument(
+        "--logits",
+        choices=["last", "all"],
+        default="last",
+        help="logits for each sequence's last new token (default) or for every packed token",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_common(p)
+    p.set_defaults(func=_cmd_convert)
+
+
+# ----------------------------------------------------------------------------------------------- export
+def _cmd_export(args: argparse.Namespace) -> int:
+    try:
+        from ortpa.export import export_hf
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        print(f"ortpa export needs the export extra (pip install 'ortpa[export]'): {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    dense = args.output if args.dense_only else args.output + ".dense.onnx"
+    info = export_hf(
+        args.model,
+        dense,
+        random_weights=args.random_weights,
+        opset=args.opset,
+        attn_implementation=args.attn_implementation,
+    )
+    if not args.dense_only:
+        from ortpa.rewriter.pipeline import convert_file
+
+        convert_file(dense, args.output, dtype=args.dtype, progress=_progress_printer(args))
+    if args.json:
+        print(json.dumps({"dense": dense, "output": args.output, "info": dict(info)}, default=str))
+    elif not args.quiet:
+        print(f"wrote {dense}" + ("" if args.dense_only else f" and {args.output}"))
+    return EXIT_OK
+
+
+def _register_export(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a Hugging Face model (local dir or config) to dense ONNX, then convert it",
+        description="Export with torch.onnx.export(dynamo=True) and convert. Needs the `export` extra. "
+        "No downloads: MODEL is a local model directory or a config.json (use --random-weights).",
+        epilog="examples:\n  ortpa export ./deepseek-tiny/config.json paged.onnx --random-weights\n"
+        "  ortpa export ./my-llama-dir paged.onnx --dtype float16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="local Hugging Face model directory or config.json")
+    p.add_argument("output", help="paged model path (the dense export is written next to it)")
+    p.add_argument("--random-weights", action="store_true", help="seeded random weights from the config")
+    p.add_argument("--opset", type=int, default=18)
+    p.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa")
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], default=None)
+    p.add_argument("--dense-only", action="store_true", help="write only the dense export to OUTPUT")
+    p.add_argument("--json", action="store_true")
+    _add_common(p)
+    p.set_defaults(func=_cmd_export)
+
+
+# ------------------------------------------------------------------------------------------------ bench
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ortpa.bench import format_table, run_benchmarks
+
+    rows = run_benchmarks(args.path, names=args.only, quick=args.quick, progress=_progress_printer(args))
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return EXIT_OK
+
+
+def _register_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmarks in benchmarks/ and print one table",
+        description="Each benchmarks/*.py module exposes run(quick) -> rows; ratios are measured against a "
+        "baseline in the same run.",
+        epilog="examples:\n  ortpa bench --quick\n  ortpa bench --only oracle portable --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--path", default="benchmarks", help="benchmarks folder (default: ./benchmarks)")
+    p.add_argument("--only", nargs="*", default=None, help="module names to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--json", action="store_true")
+    _add_common(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+_REGISTRARS: list[Callable] = [_register_convert, _register_validate, _register_export, _register_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

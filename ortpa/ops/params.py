@@ -25,7 +25,7 @@ class PagedAttentionParams:
     num_blocks: int | None
     block_size: int | None
     max_blocks_per_seq: int | None
-    rotary_dim: int  # 2 * cos_cache.shape[1]; 0 without rotary caches
+    rotary_dim: int | None  # 2 * cos_cache.shape[1]; 0 without rotary caches; None if cos dim 1 is unknown
     # modes
     layout: str  # "SEPARATE" | "LATENT"
     is_packed_qkv: bool
@@ -43,11 +43,13 @@ class PagedAttentionParams:
     has_slot_mapping: bool
     has_attention_metadata: bool
     # caches
-    cache_storage_dtype: str  # "float16" | "bfloat16" | "int8" | "float8e4m3fn" | "int4"
+    cache_storage_dtype: str | None  # "float16" | "bfloat16" | "int8" | "float8e4m3fn" | "int4"; None: unknown type
     k_quant_type: str  # "NONE" | "PER_TENSOR" | "PER_CHANNEL"
     v_quant_type: str
     k_cache_dtype: str  # logical type after resolving '' against the tensor
-    v_cache_dtype: str
+    v_cache_dtype: str  # LATENT: the key's (the value elements are the key elements)
+    # the activation type T ("float16" | "bfloat16"); None when not declared. Defaulted: added later.
+    activation_dtype: str | None = None
 
     @property
     def is_latent(self) -> bool:

@@ -1,0 +1,176 @@
+"""Decode step of the portable PagedAttention on ONNX Runtime CPU.
+
+Rows (``run(quick)`` returns them; ``python benchmarks/portable.py [--quick]`` prints a table):
+
+* ``decode_ms/portable`` and ``decode_ms/ort_gqa`` at contexts 512 / 2048 / 8192: one new token per sequence,
+  GQA 32 query / 8 KV heads of 128, float16. The portable op binds its caches aliased (in place); ONNX
+  Runtime's own CPU attention (``com.microsoft::GroupQueryAttention``) binds past and present KV to one shared
+  buffer, its fastest decode mode. ``ratio`` = portable / GQA (target: within 2x).
+* ``linearity``: time per 1k context tokens at 8192 over the same at 2048 (1.0 = linear).
+* ``pool_ratio``: the portable step with 4096 allocated blocks over 64 blocks at the same context (target ~1:
+  the aliased ScatterND never copies the pool), and the unaliased 4096-block step for contrast.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from ortpa.ops.portable import portable_single_node_model
+
+__all__ = ["run"]
+
+N, KVH, H, BS = 32, 8, 128, 16
+
+
+def _session(model) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def _paged_inputs(batch: int, ctx: int, num_blocks: int, rng) -> dict:
+    per_seq = -(-(ctx + 1) // BS)
+    if batch * per_seq > num_blocks:
+        raise ValueError(f"pool: expected at least {batch * per_seq} blocks, found {num_blocks}")
+    blocks = rng.permutation(num_blocks)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+    return {
+        "query": rng.standard_normal((batch, N * H)).astype(np.float16),
+        "key": rng.standard_normal((batch, KVH * H)).astype(np.float16),
+        "value": rng.standard_normal((batch, KVH * H)).astype(np.float16),
+        "key_cache": rng.standard_normal((num_blocks, BS, KVH, H)).astype(np.float16),
+        "value_cache": rng.standard_normal((num_blocks, BS, KVH, H)).astype(np.float16),
+        "cumulative_sequence_length": np.arange(batch + 1, dtype=np.int32),
+        "past_seqlens": np.full(batch, ctx, np.int32),
+        "block_table": blocks,
+    }
+
+
+def _portable_step(sess: ort.InferenceSession, x: dict, *, alias: bool):
+    io = sess.io_binding()
+    caches = {}
+    for name, a in x.items():
+        if name in ("key_cache", "value_cache"):
+            caches[name] = ort.OrtValue.ortvalue_from_numpy(a)
+            io.bind_ortvalue_input(name, caches[name])
+        else:
+            io.bind_cpu_input(name, a)
+    io.bind_output("output")
+    for out, src in (("key_cache_out", "key_cache"), ("value_cache_out", "value_cache")):
+        if alias:
+            io.bind_ortvalue_output(out, caches[src])
+        else:
+            io.bind_output(out)
+    return lambda: sess.run_with_iobinding(io)
+
+
+def _gqa_model():
+    f16 = TensorProto.FLOAT16
+
+    def vi(name, shape, dt=f16):
+        return helper.make_tensor_value_info(name, dt, shape)
+
+    names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        names,
+        ["output", "present_key", "present_value"],
+        domain="com.microsoft",
+        num_heads=N,
+        kv_num_heads=KVH,
+    )
+    kv = ["B", KVH, "P", H]
+    graph = helper.make_graph(
+        [node],
+        "gqa",
+        [vi("query", ["B", 1, N * H]), vi("key", ["B", 1, KVH * H]), vi("value", ["B", 1, KVH * H]),
+         vi("past_key", kv), vi("past_value", kv), vi("seqlens_k", ["B"], TensorProto.INT32),
+         vi("total_sequence_length", [], TensorProto.INT32)],
+        [vi("output", ["B", 1, N * H]), vi("present_key", kv), vi("present_value", kv)],
+    )  # fmt: skip
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
+
+
+def _gqa_step(sess: ort.InferenceSession, batch: int, ctx: int, rng):
+    cap = ctx + 64  # shared past/present buffer with room to grow, as genai binds it
+    pk = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((batch, KVH, cap, H)).astype(np.float16))
+    pv = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((batch, KVH, cap, H)).astype(np.float16))
+    io = sess.io_binding()
+    io.bind_cpu_input("query", rng.standard_normal((batch, 1, N * H)).astype(np.float16))
+    io.bind_cpu_input("key", rng.standard_normal((batch, 1, KVH * H)).astype(np.float16))
+    io.bind_cpu_input("value", rng.standard_normal((batch, 1, KVH * H)).astype(np.float16))
+    io.bind_ortvalue_input("past_key", pk)
+    io.bind_ortvalue_input("past_value", pv)
+    io.bind_cpu_input("seqlens_k", np.full(batch, ctx, np.int32))
+    io.bind_cpu_input("total_sequence_length", np.array(ctx + 1, np.int32))
+    io.bind_output("output")
+    io.bind_ortvalue_output("present_key", pk)
+    io.bind_ortvalue_output("present_value", pv)
+    return lambda: sess.run_with_iobinding(io)
+
+
+def _row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
+    return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}
+
+
+def run(quick: bool = False) -> list[dict]:
+    rng = np.random.default_rng(0)
+    batch = 1
+    repeats = 5 if quick else 20
+    contexts = (512, 2048, 8192)
+    attrs = {"num_heads": N, "kv_num_heads": KVH}
+    portable = _session(portable_single_node_model(_paged_inputs(1, 16, 8, rng), attrs))
+    gqa = _session(_gqa_model())
+    rows: list[dict] = []
+    per_k: dict[int, float] = {}
+    for ctx in contexts:
+        blocks = batch * (-(-(ctx + 1) // BS)) + 8
+        p_ms = _median_ms(_portable_step(portable, _paged_inputs(batch, ctx, blocks, rng), alias=True), repeats)
+        g_ms = _median_ms(_gqa_step(gqa, batch, ctx, rng), repeats)
+        per_k[ctx] = p_ms / (ctx / 1024)
+        shape = f"batch {batch}, GQA {N}/{KVH}x{H}, fp16, block {BS}"
+        rows.append(_row(f"decode_ms/portable/ctx{ctx}", "step_time", p_ms, "ms", shape + ", aliased caches"))
+        rows.append(_row(f"decode_ms/ort_gqa/ctx{ctx}", "step_time", g_ms, "ms", shape + ", shared past/present"))
+        rows.append(_row(f"ratio/ctx{ctx}", "portable_over_gqa", p_ms / g_ms, "x", "target <= 2"))
+    rows.append(
+        _row("linearity/8192_vs_2048", "ms_per_1k_ratio", per_k[8192] / per_k[2048], "x", "1.0 = linear in context")
+    )
+
+    ctx = 512
+    small = _median_ms(_portable_step(portable, _paged_inputs(1, ctx, 64, rng), alias=True), repeats)
+    big_x = _paged_inputs(1, ctx, 4096, rng)
+    big = _median_ms(_portable_step(portable, big_x, alias=True), repeats)
+    big_copy = _median_ms(_portable_step(portable, big_x, alias=False), max(3, repeats // 4))
+    note = f"ctx {ctx}, same step, 64 vs 4096 blocks of {BS}"
+    rows.append(_row("pool/64_blocks", "step_time", small, "ms", note + ", aliased"))
+    rows.append(_row("pool/4096_blocks", "step_time", big, "ms", note + ", aliased"))
+    rows.append(_row("pool/4096_blocks_unaliased", "step_time", big_copy, "ms", "fresh cache outputs (full copy)"))
+    rows.append(_row("pool_ratio/4096_vs_64", "step_time_ratio", big / small, "x", "target ~1 (in-place write)"))
+    return rows
+
+
+def _print(rows: list[dict]) -> None:
+    w = max(len(r["name"]) for r in rows)
+    print(f"{'name':<{w}}  {'metric':<18} {'value':>10} {'unit':<4} notes")
+    for r in rows:
+        print(f"{r['name']:<{w}}  {r['metric']:<18} {r['value']:>10.4g} {r['unit']:<4} {r['notes']}")
+
+
+if __name__ == "__main__":
+    _print(run(quick="--quick" in sys.argv[1:]))

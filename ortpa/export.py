@@ -1,0 +1,216 @@
+"""Hugging Face / torch causal LMs -> dense ONNX with past/present KV (the optional ``export`` extra).
+
+The exported graph is what :func:`ortpa.rewriter.pipeline.convert` consumes:
+
+* inputs ``input_ids`` int64[batch, seq], ``attention_mask`` int64[batch, past + seq], ``position_ids``
+  int64[batch, seq], and per layer ``past_key_values.{i}.key`` / ``.value``;
+* outputs ``logits`` float[batch, seq, vocab] and per layer ``present.{i}.key`` / ``.value``.
+
+For MLA models (DeepSeek-V3, GLM-4-MoE-Lite, ...) transformers 5.x caches the normalised latent as ``key``
+(``[batch, 1, past, kv_lora_rank]``) and the roped shared key as ``value`` (``[batch, 1, past, qk_rope]``).
+
+No network: models are built from a config with seeded random weights, or loaded from a local directory.
+torch and transformers are imported lazily so that ``import ortpa`` never needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ExportInfo", "build_model", "export_hf", "versions"]
+
+
+class ExportInfo(dict):
+    """What :func:`export_hf` did: versions, config summary, I/O names (a plain dict, JSON-serialisable)."""
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries that shape an export (recorded next to every fixture)."""
+    import onnx
+    import onnxscript
+    import torch
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+    }
+
+
+def _load_config(config_or_model_dir: Any):
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config_or_model_dir, PretrainedConfig):
+        return config_or_model_dir
+    if isinstance(config_or_model_dir, Mapping):
+        cfg = dict(config_or_model_dir)
+        model_type = cfg.pop("model_type")
+        return AutoConfig.for_model(model_type, **cfg)
+    path = Path(config_or_model_dir)
+    if path.is_file():  # a config.json
+        return _load_config(json.loads(path.read_text()))
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def build_model(config_or_model_dir: Any, *, random_weights: bool = True, seed: int = 0, attn_implementation="sdpa"):
+    """A causal LM in eval mode, float32: random (seeded) weights from a config, or local pretrained weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _load_config(config_or_model_dir)
+    config._attn_implementation = attn_implementation
+    if random_weights:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        # transformers initialises weights with std=initializer_range; tiny random models then produce nearly
+        # uniform logits, which make greedy-token parity meaningless. Re-draw with a larger spread.
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                elif p.ndim >= 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(config_or_model_dir), local_files_only=True, attn_implementation=attn_implementation
+        )
+    return model.float().eval()
+
+
+def _has_sliding_layers(config) -> bool:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or []
+    return getattr(text, "sliding_window", None) is not None or any(t != "full_attention" for t in layer_types)
+
+
+def _full_cache(cache_class, config):
+    """A cache whose every layer keeps the whole past, so that ``present = Concat(past, new)`` on every layer.
+
+    ``DynamicCache(config=...)`` gives sliding-window layers a cropped cache (``present`` keeps only the last
+    ``sliding_window - 1`` tokens, a fixed size baked into the export); the window then lives in the attention
+    mask only, which is what the paged conversion reads (``local_window_size``). Configs without sliding layers
+    keep ``DynamicCache(config=...)`` unchanged.
+    """
+    return cache_class() if _has_sliding_layers(config) else cache_class(config=config)
+
+
+def _cache_shapes(model, batch: int, past: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per layer (key shape, value shape) of the cache, found by running one token through the model."""
+    import torch
+    from transformers import DynamicCache
+
+    ids = torch.zeros((batch, 1), dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
+    shapes = []
+    for layer in out.cache.layers:
+        k, v = layer.keys, layer.values
+        shapes.append(((batch, *k.shape[1:2], past, k.shape[3]), (batch, *v.shape[1:2], past, v.shape[3])))
+    return shapes
+
+
+def export_hf(
+    config_or_model_dir: Any,
+    out_path: str | os.PathLike,
+    *,
+    random_weights: bool = True,
+    opset: int = 18,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    optimize: bool = True,
+) -> ExportInfo:
+    """Export a causal LM to dense ONNX with past/present KV; returns an :class:`ExportInfo`.
+
+    ``config_or_model_dir``: a ``PretrainedConfig``, a dict with ``model_type``, a ``config.json`` path or a
+    local model directory. The graph has symbolic ``batch``, ``seq`` and ``past`` dimensions.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    model = build_model(
+        config_or_model_dir, random_weights=random_weights, seed=seed, attn_implementation=attn_implementation
+    )
+    n_layers = model.config.num_hidden_layers
+    batch, seq, past = 2, 3, 4  # distinct sizes, all > 1, so that no dimension is specialised away
+    shapes = _cache_shapes(model, batch, past)
+
+    class _Wrapper(torch.nn.Module):
+        """Flat past tensors in, flat present tensors out: no pytree registration of Cache classes needed."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = _full_cache(DynamicCache, self.inner.config)
+            for i in range(n_layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.inner(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+            presents = []
+            for layer in out.cache.layers:
+                presents += [layer.keys, layer.values]
+            return (out.logits, *presents)
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    args = [
+        torch.randint(0, vocab, (batch, seq), generator=gen),
+        torch.ones((batch, past + seq), dtype=torch.long),
+        (torch.arange(seq) + past).unsqueeze(0).expand(batch, seq).contiguous(),
+    ]
+    for k_shape, v_shape in shapes:
+        args += [torch.randn(k_shape, generator=gen), torch.randn(v_shape, generator=gen)]
+
+    b, s, p = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
+    total = torch.export.Dim("total")  # past + seq; torch cannot express a sum of two dims
+    dynamic_shapes = (
+        {0: b, 1: s},
+        {0: b, 1: total},
+        {0: b, 1: s},
+        tuple({0: b, 2: p} for _ in range(2 * n_layers)),
+    )
+    input_names = ["input_ids", "attention_mask", "position_ids"]
+    output_names = ["logits"]
+    for i in range(n_layers):
+        input_names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        output_names += [f"present.{i}.key", f"present.{i}.value"]
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            _Wrapper(model).eval(),
+            tuple(args),
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            input_names=input_names,
+            output_names=output_names,
+            opset_version=opset,
+            optimize=optimize,
+            verbose=False,
+        )
+    program.save(str(out_path))
+    cfg = model.config
+    return ExportInfo(
+        path=str(out_path),
+        model_type=cfg.model_type,
+        opset=opset,
+        attn_implementation=attn_implementation,
+        num_hidden_layers=n_layers,
+        input_names=input_names,
+        output_names=output_names,
+        versions=versions(),
+    )

@@ -1,0 +1,303 @@
+"""``com.microsoft::PagedAttention`` in standard ONNX ops, runnable by any execution provider (ONNX Runtime CPU).
+
+:func:`lower_to_portable` replaces each PagedAttention node by a call to a model-local ONNX function (built by
+:mod:`ortpa.ops.portable_graph`, one per distinct configuration) with the node's inputs and outputs, so graph
+input/output names are unchanged. The function is specialised on the node's attributes, on which optional
+inputs are present and on the declared element types; it computes in float32 from float16/bfloat16 inputs
+and writes the caches in their own element type.
+
+In-place cache update: ``key_cache_out`` / ``value_cache_out`` come straight out of a ``ScatterND`` whose
+data input is the cache graph input. Bind the same OrtValue to a cache input and its cache output
+(IO binding) and ONNX Runtime's CPU ScatterND sees input buffer == output buffer and skips its full-cache
+copy: the step costs the same with 64 or 4096 blocks. With plain ``session.run`` the cache outputs are
+fresh arrays (a full copy per call). A node without cache outputs still attends to the new tokens, but the
+written cache is then internal to the call: the caller's cache is not updated (unlike CUDA, which writes
+through a const input).
+
+Memory per call (``B`` sequences, ``max_q``/``max_kv`` the largest query / live KV length among them):
+float32 scores and probabilities ``O(B * max_q * max_kv * num_heads)``; gathered K and V
+``O(B * max_kv * kv_heads * head_size)`` in the cache type plus a float32 copy; padded Q and output
+``O(B * max_q * num_heads * head_size)``; index tensors ``O(B * (max_q + max_kv) + tokens * B)``. Nothing is
+proportional to ``num_blocks``. A long prefill (one sequence of ``L`` tokens) therefore needs
+``num_heads * L * L * 4`` bytes of scores: chunk prefills on CPU.
+
+Unsupported (raise :class:`~ortpa.errors.NotImplementedByBackend` before any run): float8e4m3fn caches (ONNX
+``Gather``/``ScatterND`` do not accept float8, so neither the in-place write nor a block-wise read exists),
+packed int4 (uint8) caches, and head sizes or rotary widths that are not static in the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+from onnx import helper
+
+from ortpa.errors import NotImplementedByBackend
+from ortpa.ops.backends import BACKENDS
+from ortpa.ops.params import PagedAttentionParams
+from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
+from ortpa.ops.shape_inference import infer_shapes
+from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
+from ortpa.ops.validate import TensorInfo, check_inputs, dtype_name
+
+__all__ = [
+    "BACKEND",
+    "FUNCTION_DOMAIN",
+    "PORTABLE_FEATURES",
+    "lower_to_portable",
+    "paged_attention_model",
+    "portable_config",
+    "portable_single_node_model",
+]
+
+BACKEND = "portable"
+
+# What this backend implements, in ortpa.ops.backends' feature vocabulary (its `portable` entry must match).
+# What this backend implements: declared once, in the backend gate.
+PORTABLE_FEATURES: frozenset[str] = BACKENDS[BACKEND].supported
+
+_MIN_OPSET = 18  # ReduceMax/ReduceMean with axes as an input, Split num_outputs
+_FUNCTION_OPSET = 21
+_ELEM = {
+    "float16": onnx.TensorProto.FLOAT16,
+    "bfloat16": onnx.TensorProto.BFLOAT16,
+    "int8": onnx.TensorProto.INT8,
+    "float8e4m3fn": onnx.TensorProto.FLOAT8E4M3FN,
+    "uint8": onnx.TensorProto.UINT8,
+    "int32": onnx.TensorProto.INT32,
+    "float32": onnx.TensorProto.FLOAT,
+}
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        out[a.name] = v.decode() if isinstance(v, bytes) else v
+    return out
+
+
+def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    g = infer_shapes(model).graph  # knows PagedAttention, so later layers' queries get shapes too
+    types = {v.name: v.type for v in [*g.input, *g.value_info, *g.output]}
+    for init in g.initializer:
+        types.setdefault(init.name, helper.make_tensor_type_proto(init.data_type, list(init.dims)))
+    return types
+
+
+def _tensor_info(tp: onnx.TypeProto | None) -> TensorInfo:
+    if tp is None or not tp.HasField("tensor_type"):
+        return TensorInfo(shape=None, dtype=None)
+    tt = tp.tensor_type
+    shape = None
+    if tt.HasField("shape"):
+        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+    return TensorInfo(shape=shape, dtype=tt.elem_type or None)
+
+
+def portable_config(
+    node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int = _FUNCTION_OPSET
+) -> PortableConfig:
+    """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration."""
+    where = node.name or None
+    names = list(node.input) + [""] * (len(PAGED_ATTENTION.inputs) - len(node.input))
+    inputs = {f.name: _tensor_info(types.get(names[f.index])) for f in PAGED_ATTENTION.inputs if names[f.index] != ""}
+    attrs = _attrs(node)
+    p: PagedAttentionParams = check_inputs(inputs, attrs, node=where, max_threads_per_block=0)
+
+    storage = dtype_name(inputs["key_cache"].dtype)
+    if storage in ("float8e4m3fn", "uint8"):
+        kind = "float8e4m3fn" if storage == "float8e4m3fn" else "int4 (packed uint8)"
+        raise NotImplementedByBackend(
+            BACKEND,
+            f"{kind} KV cache",
+            "expected a float16, bfloat16 or int8 cache: ONNX Gather/ScatterND have no float8 or nibble form, "
+            f"found key_cache of type {storage}",
+            node=where,
+        )
+    if p.head_size is None or p.v_head_size is None:
+        raise NotImplementedByBackend(
+            BACKEND,
+            "symbolic head size",
+            "expected static hidden dimensions on 'query' (and 'key'), found a symbolic one",
+            node=where,
+        )
+    if p.do_rotary and "cos_cache" in inputs and inputs["cos_cache"].shape is not None:
+        if _dim(inputs["cos_cache"].shape, 1) is None:
+            raise NotImplementedByBackend(
+                BACKEND, "symbolic rotary width", "expected a static cos_cache dimension 1, found a symbolic one", where
+            )
+    act = dtype_name(inputs["query"].dtype)
+    if act not in ("float16", "bfloat16") or storage is None:
+        raise NotImplementedByBackend(
+            BACKEND,
+            "undeclared element types",
+            f"expected declared types for 'query' and 'key_cache', found {act!r} and {storage!r}",
+            node=where,
+        )
+    rotary = p.do_rotary and p.rotary_dim > 0
+    needed = {"query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length", "past_seqlens"}
+    needed |= {"block_table", "slot_mapping", "head_sink", "q_norm_weight", "k_norm_weight"}
+    if rotary:
+        needed |= {"cos_cache", "sin_cache"}
+    if p.k_quant_type != "NONE":
+        needed.add("k_scale")
+    if p.v_quant_type != "NONE" and not p.is_latent:
+        needed.add("v_scale")
+    present = tuple(f.name for f in PAGED_ATTENTION.inputs if f.name in inputs and f.name in needed)
+    outs = list(node.output) + [""] * (3 - len(node.output))
+    present_outputs = tuple(o.name for o in PAGED_ATTENTION.outputs if outs[o.index] != "")
+    return PortableConfig(
+        present_inputs=present,
+        present_outputs=present_outputs,
+        act_dtype=int(ir.DataType(_ELEM[act])),
+        cache_dtype=int(ir.DataType(_ELEM[storage])),
+        num_heads=p.num_heads,
+        kv_num_heads=p.kv_num_heads,
+        head_size=int(p.head_size),
+        v_head_size=int(p.v_head_size),
+        query_width=_dim(inputs["query"].shape, 1),
+        latent=p.is_latent,
+        packed_qkv=p.is_packed_qkv,
+        scale=float(p.scale),
+        softcap=float(p.softcap) if p.softcap > 0 else 0.0,
+        local_window_size=int(p.local_window_size) if p.local_window_size > 0 else 0,
+        is_causal=p.is_causal,
+        rotary_dim=int(p.rotary_dim) if rotary else 0,
+        rotary_interleaved=p.rotary_interleaved,
+        rotary_offset=int(p.rotary_offset) if rotary else 0,
+        use_qk_norm=p.use_qk_norm,
+        qk_norm_epsilon=float(p.qk_norm_epsilon),
+        k_quant=p.k_quant_type,
+        v_quant="NONE" if p.is_latent else p.v_quant_type,
+        opset=opset,
+    )
+
+
+def _dim(shape: tuple | None, i: int) -> int | None:
+    if shape is None or len(shape) <= i:
+        return None
+    return shape[i]
+
+
+def lower_to_portable(model: onnx.ModelProto, node_names: Collection[str] | None = None) -> onnx.ModelProto:
+    """A copy of ``model`` whose (selected) PagedAttention nodes call portable local functions.
+
+    ``node_names`` selects nodes by name (``None``: all). Raises :class:`~ortpa.errors.InvalidArgument` for a
+    node ONNX Runtime would reject and :class:`~ortpa.errors.NotImplementedByBackend` for an unsupported mode;
+    ``model`` is never mutated.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    opsets = {o.domain: o.version for o in out.opset_import}
+    main_opset = opsets.get("", opsets.get("ai.onnx", 0))
+    if main_opset < _MIN_OPSET:
+        raise NotImplementedByBackend(
+            BACKEND,
+            f"default-domain opset {main_opset}",
+            f"expected a model importing opset >= {_MIN_OPSET} of the default domain, found {main_opset}",
+        )
+    # the function imports the model's own default-domain version, as local functions must
+    fn_opset = main_opset
+    types = _value_infos(out)
+    wanted = None if node_names is None else set(node_names)
+    functions: dict[PortableConfig, onnx.FunctionProto] = {}
+    for i, node in enumerate(out.graph.node):
+        if node.op_type != OP_TYPE or node.domain != DOMAIN:
+            continue
+        if wanted is not None and node.name not in wanted:
+            continue
+        cfg = portable_config(node, types, fn_opset)
+        if cfg not in functions:
+            functions[cfg] = ir.serde.serialize_function(build_function(cfg))
+        idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+        call = helper.make_node(
+            cfg.function_name(),
+            [node.input[idx[name]] for name in cfg.present_inputs],
+            [o for o in node.output if o],
+            name=node.name,
+            domain=FUNCTION_DOMAIN,
+        )
+        out.graph.node[i].CopyFrom(call)
+    if wanted is not None:
+        missing = wanted - {n.name for n in out.graph.node if n.domain == FUNCTION_DOMAIN}
+        if missing:
+            raise ValueError(f"node_names: expected PagedAttention node names, found unknown {sorted(missing)}")
+    out.functions.extend(functions.values())
+    if functions and FUNCTION_DOMAIN not in opsets:
+        out.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
+    return out
+
+
+def _elem(array: Any) -> int:
+    name = dtype_name(array.dtype)
+    if name not in _ELEM:
+        raise TypeError(f"paged_attention_model: expected an element type in {sorted(_ELEM)}, found {name}")
+    return _ELEM[name]
+
+
+def paged_attention_model(
+    inputs: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    *,
+    cache_outputs: bool = True,
+    opset: int = _FUNCTION_OPSET,
+    node_name: str = "PagedAttention_0",
+) -> onnx.ModelProto:
+    """A one-node ``com.microsoft::PagedAttention`` model whose graph inputs are the present ``inputs``.
+
+    ``inputs`` maps schema names to arrays (or ``.shape``/``.dtype`` stand-ins); only their element types and
+    head dimensions are fixed in the model: token, batch, block and row counts are symbolic, so one session
+    serves every batch. Graph names are the schema names (outputs: ``output``, ``key_cache_out``,
+    ``value_cache_out``).
+    """
+    sym = {
+        "query": ["T", None],
+        "key": ["T", None],
+        "value": ["T", None],
+        "key_cache": ["NB", "BS", None, None],
+        "value_cache": ["NB", "BS", None, None],
+        "cumulative_sequence_length": ["B1"],
+        "past_seqlens": ["B"],
+        "block_table": ["B", "MB"],
+        "cos_cache": ["P", None],
+        "sin_cache": ["P", None],
+        "slot_mapping": ["T"],
+    }
+    names, vis = [], []
+    for f in PAGED_ATTENTION.inputs:
+        a = inputs.get(f.name)
+        if a is None:
+            names.append("")
+            continue
+        dims = [s if s is not None else d for s, d in zip(sym.get(f.name, [None] * len(a.shape)), a.shape, strict=True)]
+        names.append(f.name)
+        vis.append(helper.make_tensor_value_info(f.name, _elem(a), dims))
+    while names and names[-1] == "":
+        names.pop()
+    latent = attrs.get("kv_cache_layout", "SEPARATE") == "LATENT"
+    out_names = ["output"]
+    if cache_outputs:
+        out_names += ["key_cache_out"] if latent else ["key_cache_out", "value_cache_out"]
+    q = inputs["query"]
+    outs = [helper.make_tensor_value_info("output", _elem(q), ["T", None])]
+    for name, src in (("key_cache_out", "key_cache"), ("value_cache_out", "value_cache")):
+        if name in out_names:
+            outs.append(helper.make_tensor_value_info(name, _elem(inputs[src]), ["NB", "BS", None, None]))
+    node = helper.make_node(OP_TYPE, names, out_names, name=node_name, domain=DOMAIN, **dict(attrs))
+    graph = helper.make_graph([node], "paged_attention", vis, outs)
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)],
+        ir_version=10,
+    )
+
+
+def portable_single_node_model(
+    inputs: Mapping[str, Any], attrs: Mapping[str, Any], *, cache_outputs: bool = True
+) -> onnx.ModelProto:
+    """:func:`paged_attention_model` lowered by :func:`lower_to_portable` (the test and benchmark harness)."""
+    return lower_to_portable(paged_attention_model(inputs, attrs, cache_outputs=cache_outputs))

@@ -1,0 +1,369 @@
+"""The body of the portable PagedAttention: one ONNX function per static configuration.
+
+:func:`build_function` traces the op with onnxscript's graph builder into an ``onnx_ir.Function`` whose formal
+inputs are the node's present inputs (schema order) and whose outputs are the node's present outputs. The
+graph has no loops and no custom ops; it follows the oracle (``ortpa.ops.oracle``) step by step:
+
+1. sanitize ``block_table`` / ``cumulative_sequence_length`` / ``past_seqlens`` (reference §3.4(a));
+2. prologue: split packed QKV, QK RMSNorm in float32 rounded to T, RoPE in T arithmetic (§3.4(b));
+3. cache write: every written token's K/V is encoded to the cache type, the write set is compacted with
+   ``NonZero`` + ``Gather`` and stored by one ``ScatterND`` whose data input IS the cache graph input, so that
+   ONNX Runtime updates an IO-bound, aliased cache in place (§3.4(c), §3.5);
+4. attention over a padded ``[batch, max_q, max_kv]`` grid: only the attended positions are gathered from the
+   ScatterND output through the block table, one row per (sequence, kv head, position) (§3.4(d)/(e)).
+
+Memory per call (float32 unless said): scores/probabilities ``B * max_q * max_kv * num_heads`` (a few live
+copies), gathered K and V ``B * max_kv * kv_heads * head_size`` in the cache type plus a float32 copy each,
+padded Q ``B * max_q * num_heads * head_size`` and padded output ``B * max_q * num_heads * v_head_size``,
+where ``max_q``/``max_kv`` are the largest per-sequence query / live KV lengths of the call. Nothing scales
+with ``num_blocks``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import onnxscript
+
+__all__ = ["FUNCTION_DOMAIN", "PortableConfig", "build_function"]
+
+FUNCTION_DOMAIN = "ortpa.portable"
+
+_F32 = ir.DataType.FLOAT
+_I64 = ir.DataType.INT64
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class PortableConfig:
+    """Everything the graph is specialised on; equal configs share one function."""
+
+    present_inputs: tuple[str, ...]  # schema names of the inputs the node passes, in schema order
+    present_outputs: tuple[str, ...]  # "output" plus the cache outputs the node produces
+    act_dtype: int  # ir.DataType of T (FLOAT16 / BFLOAT16)
+    cache_dtype: int  # ir.DataType of the caches (T, or INT8)
+    num_heads: int
+    kv_num_heads: int
+    head_size: int
+    v_head_size: int
+    query_width: int | None  # query dim 1 when declared; used to cut the SEPARATE "hidden % num_heads" quirk
+    latent: bool
+    packed_qkv: bool
+    scale: float
+    softcap: float
+    local_window_size: int
+    is_causal: bool
+    rotary_dim: int  # 0: no RoPE
+    rotary_interleaved: bool
+    rotary_offset: int
+    use_qk_norm: bool
+    qk_norm_epsilon: float
+    k_quant: str  # NONE / PER_TENSOR / PER_CHANNEL
+    v_quant: str
+    opset: int
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.kv_num_heads
+
+    def function_name(self) -> str:
+        """A name that differs for different configs and is the same in every process (not ``hash``)."""
+        return f"PagedAttention_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"
+
+
+def build_function(cfg: PortableConfig) -> ir.Function:
+    inputs = [ir.val(name) for name in cfg.present_inputs]
+
+    def trace(op, *vals):
+        x = dict(zip(cfg.present_inputs, vals, strict=True))
+        return _Body(op, cfg, x).run()
+
+    return onnxscript.build_function(
+        trace, inputs, domain=FUNCTION_DOMAIN, name=cfg.function_name(), opset_imports={"": cfg.opset}
+    )
+
+
+class _Body:
+    """Traces the op; methods mirror the oracle's steps. Index arithmetic is int64, attention float32."""
+
+    def __init__(self, op, cfg: PortableConfig, x: dict[str, ir.Value]) -> None:
+        self.op = op
+        self.c = cfg
+        self.x = x
+        self.t_dtype = ir.DataType(cfg.act_dtype)
+
+    # ------------------------------------------------------------------ helpers
+    def i64(self, v):
+        return self.op.Cast(v, to=_I64)
+
+    def f32(self, v):
+        return self.op.Cast(v, to=_F32)
+
+    def round_t(self, v):
+        """Round a float32 tensor to T and back: one T-arithmetic rounding, as the oracle's RoPE does."""
+        return self.f32(self.op.Cast(v, to=self.t_dtype))
+
+    def dim(self, v, axis: int):
+        return self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
+
+    def ints(self, values: list[int]):
+        return self.op.Constant(value_ints=values)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> list[ir.Value]:
+        c, x = self.c, self.x
+        self.sizes_and_sanitize()
+        q, k, v = self.split_qkv()
+        if c.use_qk_norm:
+            q = self.rms_norm(q, x["q_norm_weight"])
+            k = self.rms_norm(k, x["k_norm_weight"])
+        if c.rotary_dim > 0:
+            q = self.rotary(q)
+            k = self.rotary(k)
+        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
+        v_cache = None
+        if not c.latent:
+            v_cache = self.write(x["value_cache"], v, c.v_quant, x.get("v_scale"))
+        out = self.attend(q, k_cache, v_cache)
+        outputs = [out]
+        if "key_cache_out" in c.present_outputs:
+            outputs.append(k_cache)  # straight from ScatterND: aliasing input and output makes it in place
+        if "value_cache_out" in c.present_outputs:
+            outputs.append(v_cache)
+        return outputs
+
+    # ------------------------------------------------------------------ §3.4(a) sanitization
+    def sizes_and_sanitize(self) -> None:
+        op, x = self.op, self.x
+        cu = self.i64(x["cumulative_sequence_length"])
+        past = self.i64(x["past_seqlens"])
+        bt = self.i64(x["block_table"])
+        self.T = self.dim(x["query"], 0)
+        self.B = self.dim(past, 0)
+        self.NB = self.dim(x["key_cache"], 0)
+        self.BS = self.dim(x["key_cache"], 1)
+        self.MB = self.dim(bt, 1)
+        cap = op.Mul(self.MB, self.BS)
+
+        # entries outside [-1, num_blocks) become the unmapped sentinel -1
+        self.bt = op.Where(op.And(op.GreaterOrEqual(bt, -1), op.Less(bt, self.NB)), bt, -1)
+
+        # clamp into [0, T] with fixed ends, then an inclusive running max (B is small: a [B+1, B+1] table)
+        n1 = self.dim(cu, 0)
+        idx = op.Range(0, op.Squeeze(n1), 1)
+        cl = op.Min(op.Max(cu, 0), self.T)
+        cl = op.Where(op.Equal(idx, 0), 0, cl)
+        cl = op.Where(op.Equal(idx, op.Sub(n1, 1)), self.T, cl)
+        upto = op.LessOrEqual(op.Unsqueeze(idx, [0]), op.Unsqueeze(idx, [1]))  # [i, j]: j <= i
+        c = op.ReduceMax(op.Where(upto, op.Unsqueeze(cl, [0]), 0), [1], keepdims=0)
+        self.c_lo = op.Slice(c, [0], [-1])
+        c_hi = op.Slice(c, [1], [_INT64_MAX])
+        self.q_len = op.Sub(c_hi, self.c_lo)
+
+        max_past = op.Max(op.Sub(cap, self.q_len), 0)
+        valid = op.And(op.GreaterOrEqual(past, 0), op.LessOrEqual(past, max_past))
+        self.past = op.Where(valid, past, 0)
+        self.kvlen = op.Where(valid, op.Min(op.Add(self.past, self.q_len), cap), 0)
+
+        # token -> owning sequence: how many sequence ends c[1..B] are <= t (empty sequences are skipped)
+        t = op.Range(0, op.Squeeze(self.T), 1)
+        owns = op.Cast(op.LessOrEqual(op.Unsqueeze(c_hi, [0]), op.Unsqueeze(t, [1])), to=_I64)
+        self.seq = op.ReduceSum(owns, [1], keepdims=0)
+        self.s_in = op.Sub(t, op.Gather(self.c_lo, self.seq))
+        self.pos = op.Add(op.Gather(self.past, self.seq), self.s_in)
+        self.live = op.Gather(valid, self.seq)
+
+    # ------------------------------------------------------------------ §3.4(b) prologue
+    def split_qkv(self):
+        op, c, x = self.op, self.c, self.x
+        n, kvh, h = c.num_heads, c.kv_num_heads, c.head_size
+        query = x["query"]
+        if c.packed_qkv and c.query_width == (n + 2 * kvh) * h:
+            q, k, v = op.Split(query, [n * h, kvh * h, kvh * h], axis=1, _outputs=3)
+        elif c.packed_qkv:  # integer-division quirk (or unknown width): trailing columns are ignored
+            bounds = ((0, n), (n, n + kvh), (n + kvh, n + 2 * kvh))
+            q, k, v = (op.Slice(query, [a * h], [b * h], [1]) for a, b in bounds)
+        else:
+            q = query if c.query_width == n * h else op.Slice(query, [0], [n * h], [1])
+            k = x["key"]
+            v = None if c.latent else x["value"]
+        q = op.Reshape(q, self.ints([0, n, h]))
+        k = op.Reshape(k, self.ints([0, kvh, h]))
+        v = None if v is None else op.Reshape(v, self.ints([0, kvh, h]))
+        return q, k, v
+
+    def rms_norm(self, x, weight):
+        op = self.op
+        xf = self.f32(x)
+        ms = op.ReduceMean(op.Mul(xf, xf), [-1], keepdims=1)
+        inv = op.Reciprocal(op.Sqrt(op.Add(ms, self.c.qk_norm_epsilon)))
+        return op.Cast(op.Mul(op.Mul(xf, inv), self.f32(weight)), to=self.t_dtype)
+
+    def rotary(self, x):
+        """RoPE on channels [offset, offset + rotary_dim) at position past + i; products and sums rounded to T."""
+        op, c = self.op, self.c
+        off, rd, half = c.rotary_offset, c.rotary_dim, c.rotary_dim // 2
+        cos, sin = self.x["cos_cache"], self.x["sin_cache"]
+        # a position past the cos/sin rows is an out-of-bounds read on CUDA (the oracle raises); clamp so that
+        # Gather stays in bounds; only invalid sequences (zero output, no writes) reach it with sane inputs
+        rows = op.Min(self.dim(cos, 0), self.dim(sin, 0))
+        p = op.Min(op.Max(self.pos, 0), op.Sub(rows, 1))
+        cs = op.Unsqueeze(self.f32(op.Gather(cos, p)), [1])  # [T, 1, half]
+        sn = op.Unsqueeze(self.f32(op.Gather(sin, p)), [1])
+        seg = self.f32(op.Slice(x, [off], [off + rd], [2]))
+        if c.rotary_interleaved:
+            pairs = op.Reshape(seg, self.ints([0, 0, half, 2]))
+            a, b = op.Split(pairs, axis=3, num_outputs=2, _outputs=2)
+            a = op.Squeeze(a, [3])
+            b = op.Squeeze(b, [3])
+        else:
+            a, b = op.Split(seg, axis=2, num_outputs=2, _outputs=2)
+        r = self.round_t
+        ya = r(op.Sub(r(op.Mul(a, cs)), r(op.Mul(b, sn))))
+        yb = r(op.Add(r(op.Mul(b, cs)), r(op.Mul(a, sn))))
+        if c.rotary_interleaved:
+            y = op.Reshape(op.Concat(op.Unsqueeze(ya, [3]), op.Unsqueeze(yb, [3]), axis=3), self.ints([0, 0, rd]))
+        else:
+            y = op.Concat(ya, yb, axis=2)
+        parts = []
+        if off > 0:
+            parts.append(op.Slice(x, [0], [off], [2]))
+        parts.append(op.Cast(y, to=self.t_dtype))
+        if off + rd < c.head_size:
+            parts.append(op.Slice(x, [off + rd], [c.head_size], [2]))
+        return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=2)
+
+    # ------------------------------------------------------------------ §3.4(c) cache write
+    def slots(self):
+        op = self.op
+        if "slot_mapping" in self.x:
+            return self.i64(self.x["slot_mapping"])
+        blk = op.Div(self.pos, self.BS)
+        inside = op.Less(blk, self.MB)
+        flat = op.Add(op.Mul(self.seq, self.MB), op.Min(blk, op.Sub(self.MB, 1)))
+        page = op.Where(inside, op.Gather(op.Reshape(self.bt, self.ints([-1])), flat), -1)
+        return op.Where(op.GreaterOrEqual(page, 0), op.Add(op.Mul(page, self.BS), op.Mod(self.pos, self.BS)), -1)
+
+    def write(self, cache, new, quant: str, scale):
+        """ScatterND(cache input, compacted slots, encoded rows): the only reader of the cache input."""
+        op = self.op
+        if not hasattr(self, "_write_rows"):
+            slot = self.slots()
+            ok = op.And(
+                self.live,
+                op.And(op.GreaterOrEqual(slot, 0), op.Less(slot, op.Mul(self.NB, self.BS))),
+            )
+            rows = op.Reshape(op.NonZero(ok), self.ints([-1]))  # skipped tokens are dropped, not redirected
+            wslot = op.Gather(slot, rows)
+            self._write_rows = rows
+            self._write_index = op.Concat(
+                op.Unsqueeze(op.Div(wslot, self.BS), [1]), op.Unsqueeze(op.Mod(wslot, self.BS), [1]), axis=1
+            )
+        upd = op.Gather(new, self._write_rows)  # [n, kvh, H] in T
+        upd = self.encode(upd, quant, scale)
+        return op.ScatterND(cache, self._write_index, upd)
+
+    def encode(self, x, quant: str, scale):
+        """T -> cache element type; int8: ``rint(clamp(x / s, -128, 127))``, zero where ``s == 0``."""
+        op, c = self.op, self.c
+        if quant == "NONE":
+            return x if c.cache_dtype == c.act_dtype else op.Cast(x, to=ir.DataType(c.cache_dtype))
+        s = self.scale_for(scale, quant, [c.kv_num_heads, c.head_size])
+        nz = op.Not(op.Equal(s, 0.0))
+        r = op.Where(nz, op.Div(self.f32(x), op.Where(nz, s, 1.0)), 0.0)
+        q = op.Round(op.Clip(r, op.Constant(value_float=-128.0), op.Constant(value_float=127.0)))
+        return op.Cast(q, to=ir.DataType.INT8)
+
+    def scale_for(self, scale, quant: str, shape: list[int]):
+        """The float32 scale broadcastable against ``[..., *shape]`` (PER_CHANNEL read as [kv_heads, H])."""
+        op = self.op
+        if quant == "PER_TENSOR":
+            return op.Reshape(scale, self.ints([1] * len(shape)))
+        return op.Reshape(scale, self.ints(shape))
+
+    # ------------------------------------------------------------------ §3.4(d)/(e) attention
+    def attend(self, q, k_cache, v_cache):
+        op, c = self.op, self.c
+        n, kvh, g, h, vh = c.num_heads, c.kv_num_heads, c.group, c.head_size, c.v_head_size
+        B = self.B
+        maxq = op.ReduceMax(self.q_len, [0], keepdims=1)
+        maxkv = op.ReduceMax(self.kvlen, [0], keepdims=1)
+        i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+        j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
+
+        # padded queries [B, max_q] -> Q^T per kv head [B, kvh, H, G*max_q] (column g*max_q + i)
+        tok = op.Add(op.Unsqueeze(self.c_lo, [1]), op.Unsqueeze(i, [0]))
+        tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, masked below
+        qp = op.Mul(self.f32(op.Gather(q, tok)), c.scale)  # [B, max_q, N, H]
+        # dynamic shapes: allowzero because max_q / max_kv may be 0, and no -1 next to a possible 0
+        gq = op.Mul(maxq, g)
+        qp = op.Reshape(qp, op.Concat(B, maxq, self.ints([kvh, g, h]), axis=0), allowzero=1)
+        qt = op.Reshape(
+            op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(B, self.ints([kvh, h]), gq, axis=0), allowzero=1
+        )
+
+        # kv rows through the sanitized block table; one gathered row per (b, kv head, j): no transposes of KV
+        blk_j = op.Div(j, self.BS)
+        pages = op.Gather(self.bt, blk_j, axis=1)  # [B, max_kv]; max_kv <= capacity keeps blk_j in range
+        mapped = op.GreaterOrEqual(pages, 0)
+        slot = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))
+        row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [B,kvh,kv]
+        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)  # [B, kvh, max_kv, H]
+
+        # scores transposed: [B, kvh, max_kv, G*max_q] viewed as [B, kvh, max_kv, G, max_q]; softmax over axis 2
+        s = op.MatMul(kf, qt)
+        if c.softcap > 0:
+            s = op.Mul(op.Tanh(op.Div(s, c.softcap)), c.softcap)
+        s = op.Reshape(s, op.Concat(B, self.ints([kvh]), maxkv, self.ints([g]), maxq, axis=0), allowzero=1)
+        allowed = self.mask(i, j, mapped)  # [B, max_kv, max_q]
+        allowed = op.Unsqueeze(allowed, [1, 3])
+        s = op.Where(allowed, s, float("-inf"))
+        m = op.ReduceMax(s, [2], keepdims=1)
+        sink = None
+        if "head_sink" in self.x:
+            sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints([1, kvh, 1, g, 1]))
+            m = op.Max(m, sink)
+        m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
+        e = op.Exp(op.Sub(s, m))
+        den = op.ReduceSum(e, [2], keepdims=1)
+        if sink is not None:
+            den = op.Add(den, op.Exp(op.Sub(sink, m)))
+        p = op.Div(e, op.Where(op.Greater(den, 0.0), den, 1.0))  # empty key range: a zero row, never NaN
+
+        p = op.Reshape(p, op.Concat(B, self.ints([kvh]), maxkv, gq, axis=0), allowzero=1)
+        p = op.Transpose(p, perm=[0, 1, 3, 2])
+        if c.latent:
+            o = op.Slice(op.MatMul(p, kf), [0], [vh], [3])  # V is the leading v_head_size channels of K
+        else:
+            o = op.MatMul(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h))
+        o = op.Reshape(o, op.Concat(B, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
+        o = op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [B*max_q, N*vh]
+        out = op.Gather(o, op.Add(op.Mul(self.seq, maxq), self.s_in))
+        return op.Cast(out, to=self.t_dtype)
+
+    def read(self, cache, row, quant: str, scale, width: int):
+        """Gather ``row`` ([B, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32."""
+        op = self.op
+        flat = op.Reshape(cache, self.ints([-1, width]))  # a view of the written cache, not a copy
+        rows = self.f32(op.Gather(flat, row))
+        if quant == "NONE":
+            return rows
+        s = self.scale_for(scale, quant, [self.c.kv_num_heads, width])
+        if quant == "PER_CHANNEL":
+            s = op.Unsqueeze(s, [1])  # [kvh, 1, H] against [B, kvh, max_kv, H]
+        return op.Mul(rows, s)
+
+    def mask(self, i, j, mapped):
+        """[B, max_kv, max_q]: key j is attended by query i of sequence b (oracle `_attend`)."""
+        op, c = self.op, self.c
+        jj = op.Reshape(j, self.ints([1, -1, 1]))
+        qpos = op.Unsqueeze(op.Add(op.Unsqueeze(self.past, [1]), op.Unsqueeze(i, [0])), [1])  # [B, 1, max_q]
+        # padding query rows (i >= q_len) are not masked: they are computed, never gathered into the output
+        ok = op.And(op.Less(jj, op.Reshape(self.kvlen, self.ints([-1, 1, 1]))), op.Unsqueeze(mapped, [2]))
+        if c.is_causal:
+            ok = op.And(ok, op.LessOrEqual(jj, qpos))
+        if c.local_window_size > 0:
+            ok = op.And(ok, op.Greater(jj, op.Sub(qpos, c.local_window_size)))
+        return ok

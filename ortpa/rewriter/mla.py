@@ -1,0 +1,202 @@
+"""Dense Multi-head Latent Attention -> ``com.microsoft::PagedAttention`` with ``kv_cache_layout="LATENT"``.
+
+What a transformers-5.x export of a DeepSeek-V3-style attention looks like (per layer ``i``)::
+
+    q      = [RMSNorm](x @ Wq_a) @ Wq_b  -> Reshape[B,S,H,P+R] -> Transpose -> Split([P, R]) -> q_nope, q_pe_raw
+    ckv    = x @ Wkv_a -> Split([L, R]) -> latent = Reshape(RMSNorm(.)) [B,1,S,L],  k_pe_raw
+    RoPE   : q_pe = rope(q_pe_raw), k_pe = rope(k_pe_raw) [B,1,S,R]
+    cache  : present.i.key = Concat(past_key_values.i.key, latent), present.i.value = Concat(past..value, k_pe)
+    expand : present.i.key @ Wkv_b -> Reshape -> Transpose -> Split([P, V]) -> k_nope, v   (over the WHOLE cache)
+    attn   : softmax(scale * Concat(q_nope, q_pe) . Concat(k_nope, k_pe)^T + mask) @ v   (MatMul/Softmax, or ONNX
+             Attention at opset 23)  -> attn_out [B,H,S,V] -> Transpose -> Reshape -> o_proj
+
+Absorbed (vLLM / SGLang MLA): with Wkv_b split per head into W_UK [H,P,L] and W_UV [H,L,V],
+``q_nope . k_nope = (q_nope @ W_UK) . latent`` and ``p @ v = (p @ latent) @ W_UV``; so one PagedAttention
+LATENT node over the cached row ``[latent | k_pe]`` (head ``L+R``, one KV head, V = the leading ``L`` channels)
+replaces the expansion, with the query ``[q_nope @ W_UK | q_pe]`` and ``W_UV`` applied to its output.
+The softmax scale stays the dense one, ``1/sqrt(P+R)`` (times YaRN mscale², whatever the export baked in),
+and is always written explicitly because ``v_head_size != head_size``.
+
+Matching is structural, anchored on the cache I/O names (``past_key_values.{i}.key``/``.value``), because the
+attention core comes in shapes the pattern language cannot express as one pattern (eager's ScatterND key
+assembly, SDPA's split scale, ONNX ``Attention``); every failed check is an onnxscript ``MatchResult`` with a
+reason and the value it concerns, reported per layer.
+
+The rewrite assumes the packed-token layout that :mod:`ortpa.rewriter.paged_io` establishes: batch 1,
+sequence = all new tokens of all sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import onnx_ir as ir
+
+from ortpa.rewriter._graph import Builder, const_array
+from ortpa.rewriter.mla_match import LayerFailure, MlaLayer, match_mla_layer, match_mla_layers
+
+__all__ = [
+    "AbsorbMode",
+    "LayerFailure",
+    "MlaLayer",
+    "PagedAttentionInputs",
+    "absorbed_weights",
+    "match_mla_layer",
+    "match_mla_layers",
+    "rewrite_mla_layer",
+]
+
+AbsorbMode = Literal["auto", "fold", "matmul"]
+
+
+@dataclass
+class PagedAttentionInputs:
+    """Graph values a PagedAttention node reads besides query/key (created by :mod:`paged_io`)."""
+
+    cumulative_sequence_length: ir.Value
+    past_seqlens: ir.Value
+    block_table: ir.Value
+    attention_metadata: ir.Value | None = None
+    cos_cache: ir.Value | None = None
+    sin_cache: ir.Value | None = None
+
+
+def absorbed_weights(m: MlaLayer) -> tuple[np.ndarray, np.ndarray]:
+    """(W_UK [H,P,L], W_UV [H,L,V]) from kv_b_proj's ``[L, H*(P+V)]`` ONNX weight."""
+    w = m.w_kv_b.reshape(m.kv_lora_rank, m.num_heads, m.qk_nope + m.v_head)
+    w_uk = np.ascontiguousarray(w[:, :, : m.qk_nope].transpose(1, 2, 0))
+    w_uv = np.ascontiguousarray(w[:, :, m.qk_nope :].transpose(1, 0, 2))
+    return w_uk, w_uv
+
+
+def _fold_q(m: MlaLayer, mode: AbsorbMode) -> bool:
+    """Fold W_UK into Wq when exact (a constant MatMul feeds q) and, for "auto", when it does not grow the work."""
+    if mode == "matmul" or m.q_proj is None:
+        return False
+    if mode == "fold":
+        return True
+    d_in = m.q_proj.inputs[1].shape[0] if m.q_proj.inputs[1].shape else None
+    if not isinstance(d_in, int):
+        return False
+    H, P, L = m.num_heads, m.qk_nope, m.kv_lora_rank
+    return d_in * H * L <= d_in * H * P + H * P * L
+
+
+def _fold_o(m: MlaLayer, mode: AbsorbMode) -> bool:
+    if mode == "matmul" or m.o_proj is None:
+        return False
+    if mode == "fold":
+        return True
+    d_out = m.o_proj.inputs[1].shape[1] if m.o_proj.inputs[1].shape else None
+    if not isinstance(d_out, int):
+        return False
+    H, V, L = m.num_heads, m.v_head, m.kv_lora_rank
+    return H * L * d_out <= H * V * d_out + H * L * V
+
+
+def rewrite_mla_layer(
+    graph: ir.Graph,
+    m: MlaLayer,
+    key_cache: ir.Value,
+    paged: PagedAttentionInputs,
+    *,
+    rope_in_op: bool = False,
+    absorb: AbsorbMode = "auto",
+    op_dtype: ir.DataType = ir.DataType.FLOAT16,
+) -> ir.Value:
+    """Replace the attention of ``m`` by PagedAttention LATENT; return the node's ``key_cache_out``.
+
+    ``op_dtype`` is the op's activation type T (float16/bfloat16); when the model computes in another type the
+    query/key are cast to it and the output cast back. The dense nodes become dead and are removed by the
+    caller's dead-code pass.
+    """
+    b = Builder(graph, f"/mla/layers.{m.layer}")
+    H, P, R, V, L = m.num_heads, m.qk_nope, m.qk_rope, m.v_head, m.kv_lora_rank
+    w_uk, w_uv = absorbed_weights(m)
+    model_dtype = m.q_nope.dtype or ir.DataType.FLOAT
+    np_dtype = model_dtype.numpy()
+
+    # q_lat = q_nope @ W_UK per head, [1,H,T,L]
+    if _fold_q(m, absorb):
+        assert m.q_proj is not None
+        wq = const_array(m.q_proj.inputs[1])
+        wq_nope = wq.reshape(wq.shape[0], H, P + R)[:, :, :P]
+        w_fold = np.einsum("ihp,hpl->ihl", wq_nope.astype(np.float64), w_uk.astype(np.float64))
+        w_fold = w_fold.reshape(wq.shape[0], H * L).astype(np_dtype)
+        q_lat = b.op("MatMul", [m.q_proj.inputs[0], b.initializer(w_fold, "q_absorbed_weight")])
+        q_lat = b.op("Reshape", [q_lat, b.ints([0, 0, H, L])])
+        q_lat = b.op("Transpose", [q_lat], {"perm": [0, 2, 1, 3]})
+        m.notes.append("W_UK folded into q projection")
+    else:
+        q_lat = b.op("MatMul", [m.q_nope, b.initializer(w_uk.astype(np_dtype), "W_UK")])
+        m.notes.append("W_UK as per-head MatMul")
+    q_pe = m.q_pe_raw if rope_in_op else m.q_pe
+    query = b.op("Concat", [q_lat, q_pe], {"axis": -1})
+    query = b.op("Transpose", [query], {"perm": [0, 2, 1, 3]})
+    query = b.op("Reshape", [query, b.ints([-1, H * (L + R)])], hint="query")
+
+    if rope_in_op:
+        if m.k_pe_raw is None:
+            raise ValueError(f"layer {m.layer}: k_pe before RoPE not found; cannot move RoPE into the op")
+        k_pe = b.op("Reshape", [m.k_pe_raw, b.ints([-1, R])])
+        latent = b.op("Reshape", [m.latent, b.ints([-1, L])])
+        key = b.op("Concat", [latent, k_pe], {"axis": -1}, hint="key")
+    else:
+        key = b.op("Concat", [m.latent, m.k_pe], {"axis": -1})
+        key = b.op("Reshape", [key, b.ints([-1, L + R])], hint="key")
+    if model_dtype != op_dtype:
+        query = b.op("Cast", [query], {"to": op_dtype})
+        key = b.op("Cast", [key], {"to": op_dtype})
+    # Static widths on the op's inputs: validators and the portable lowering read head sizes from them.
+    query.shape, query.type = ir.Shape(["num_tokens", H * (L + R)]), ir.TensorType(op_dtype)
+    key.shape, key.type = ir.Shape(["num_tokens", L + R]), ir.TensorType(op_dtype)
+
+    attrs: dict = {
+        "num_heads": H,
+        "kv_num_heads": 1,
+        "kv_cache_layout": "LATENT",
+        "v_head_size": L,
+        "scale": float(m.scale),
+    }
+    cos = sin = None
+    if rope_in_op:
+        attrs.update(do_rotary=1, rotary_offset=L, rotary_interleaved=int(m.rope_interleaved or 0))
+        cos, sin = paged.cos_cache, paged.sin_cache
+    inputs: list[ir.Value | None] = [
+        query,
+        key,
+        None,
+        key_cache,
+        None,
+        paged.cumulative_sequence_length,
+        paged.past_seqlens,
+        paged.block_table,
+        cos,
+        sin,
+    ]
+    if paged.attention_metadata is not None:
+        inputs += [None] * 6 + [paged.attention_metadata]
+    out, cache_out = b.op("PagedAttention", inputs, attrs, domain="com.microsoft", num_outputs=2, hint="PagedAttention")
+    out.shape, out.type = ir.Shape(["num_tokens", H * L]), ir.TensorType(op_dtype)
+    if model_dtype != op_dtype:
+        out = b.op("Cast", [out], {"to": model_dtype})
+
+    if _fold_o(m, absorb):
+        assert m.o_proj is not None
+        wo = const_array(m.o_proj.inputs[1])  # [H*V, D]
+        w_fold = np.einsum("hlv,hvd->hld", w_uv.astype(np.float64), wo.reshape(H, V, -1).astype(np.float64))
+        w_fold = w_fold.reshape(H * L, -1).astype(np_dtype)
+        proj = b.op("MatMul", [out, b.initializer(w_fold, "o_absorbed_weight")])
+        proj = b.op("Unsqueeze", [proj, b.ints([0])], hint="o_proj")
+        m.o_proj.outputs[0].replace_all_uses_with(proj)
+        m.notes.append("W_UV folded into o_proj")
+    else:
+        o = b.op("Reshape", [out, b.ints([-1, H, L])])
+        o = b.op("Transpose", [o], {"perm": [1, 0, 2]})
+        o = b.op("MatMul", [o, b.initializer(w_uv.astype(np_dtype), "W_UV")])  # [H,T,V]
+        o = b.op("Unsqueeze", [o, b.ints([0])], hint="attn_out")
+        m.attn_out.replace_all_uses_with(o)
+        m.notes.append("W_UV as per-head MatMul")
+    return cache_out

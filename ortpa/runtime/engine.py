@@ -1,0 +1,345 @@
+"""``ortpa.Engine``: continuous-batching generation over a converted (paged) model.
+
+Each :meth:`Engine.step` asks the :class:`~ortpa.runtime.scheduler.Scheduler` for a batch (decodes and prompt
+chunks under a token budget; preemption and prefix-cache adoption happen there), runs the pending block copies
+and one :class:`~ortpa.runtime.session.PagedSession` step, samples a token for every request whose chunk
+reached its last token, and retires finished requests.
+
+The model is driven through the converted-model interface (DESIGN.md): ``input_ids``,
+``cumulative_sequence_lengths``, ``past_sequence_lengths``, ``block_table``, and, when the graph declares
+them, ``attention_metadata`` and ``position_ids``. ``logits`` may have one row per sequence (ortpa's default)
+or one per packed token (onnxruntime-genai's); the engine tells them apart at run time by the row count.
+
+Example::
+
+    engine = Engine("paged.onnx", num_blocks=256, block_size=16)
+    outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8))
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ortpa.errors import InvalidModel, OrtpaError
+from ortpa.runtime.kv import PagedKVCache
+from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
+from ortpa.runtime.prefix_cache import PrefixCache
+from ortpa.runtime.sampling import Sampler, SamplingParams
+from ortpa.runtime.scheduler import (
+    InvalidRequest,
+    Request,
+    RequestStatus,
+    RequestTooLarge,
+    Scheduler,
+    UnknownRequest,
+)
+from ortpa.runtime.session import PagedSession, find_cache_aliases, load_model
+
+__all__ = [
+    "DEFAULT_KV_BUDGET_BYTES",
+    "Engine",
+    "EngineStats",
+    "InvalidRequest",
+    "RequestOutput",
+    "RequestTooLarge",
+    "SamplingParams",
+    "UnknownRequest",
+]
+
+# Pool size when neither num_blocks nor kv_budget_bytes is given: enough for the examples, small enough for a
+# laptop. On a GPU pass kv_budget_bytes (or num_blocks) sized from the memory left after the weights.
+DEFAULT_KV_BUDGET_BYTES = 256 << 20
+
+_REQUIRED_INPUTS = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
+_OPTIONAL_INPUTS = ("attention_metadata", "position_ids")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or None while running
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine was built."""
+
+    steps: int
+    prompt_tokens: int  # prompt tokens of every request added
+    computed_tokens: int  # tokens fed through the model: prompt chunks, recomputation after preemption, decodes
+    cached_tokens: int  # prompt tokens taken from the prefix cache instead of computed
+    generated_tokens: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class _ModelIO:
+    """Which optional inputs the converted graph declares, and its vocabulary size if static."""
+
+    attention_metadata: bool
+    position_ids: bool
+    vocab: int | None
+
+
+def _model_io(model: onnx.ModelProto, cache_inputs: set[str]) -> _ModelIO:
+    inputs = [i.name for i in model.graph.input if i.name not in cache_inputs]
+    where = model.graph.name or "model"
+    missing = [n for n in _REQUIRED_INPUTS if n not in inputs]
+    unknown = [n for n in inputs if n not in _REQUIRED_INPUTS + _OPTIONAL_INPUTS]
+    if missing or unknown:
+        raise InvalidModel(
+            where,
+            f"expected the converted-model inputs {list(_REQUIRED_INPUTS)} (+ optional {list(_OPTIONAL_INPUTS)}) "
+            f"and KV caches; missing {missing}, unexpected {unknown}",
+        )
+    logits = next((o for o in model.graph.output if o.name == "logits"), None)
+    if logits is None:
+        raise InvalidModel(where, f"expected a graph output 'logits'; found {[o.name for o in model.graph.output]}")
+    dims = logits.type.tensor_type.shape.dim
+    vocab = dims[-1].dim_value if len(dims) == 2 and dims[-1].HasField("dim_value") else None
+    return _ModelIO("attention_metadata" in inputs, "position_ids" in inputs, vocab)
+
+
+def _bytes_per_block(model: onnx.ModelProto, cache_inputs: set[str], block_size: int) -> int:
+    """Bytes one block id costs over every cache input, from their declared ``[.., .., kv_heads, head]`` dims."""
+    total = 0
+    for vi in model.graph.input:
+        if vi.name not in cache_inputs:
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) != 4 or not all(d.HasField("dim_value") for d in dims[2:]):
+            raise InvalidModel(vi.name, "expected a cache input [num_blocks, block_size, kv_heads, head_size]")
+        row = dims[2].dim_value * dims[3].dim_value
+        total += block_size * row * np.dtype(numpy_dtype_for_onnx(vi.type.tensor_type.elem_type)).itemsize
+    return total
+
+
+class Engine:
+    """Continuous batching, chunked prefill, preemption and prefix caching over one paged model.
+
+    ``num_blocks`` sizes the KV pool directly; otherwise ``kv_budget_bytes`` (default
+    :data:`DEFAULT_KV_BUDGET_BYTES`) is divided by the bytes one block costs across all layers' caches.
+    ``max_num_batched_tokens`` bounds the tokens of one step (a longer prompt is prefilled in chunks),
+    ``max_num_seqs`` the requests running at once.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        providers: Sequence[Any] | None = None,
+        max_num_batched_tokens: int = 256,
+        max_num_seqs: int = 64,
+        enable_prefix_caching: bool = True,
+        kv_budget_bytes: int | None = None,
+    ) -> None:
+        proto = load_model(model)
+        caches = {a.input_name for a in find_cache_aliases(proto)}
+        self.io = _model_io(proto, caches)
+        if num_blocks is None:
+            budget = DEFAULT_KV_BUDGET_BYTES if kv_budget_bytes is None else kv_budget_bytes
+            num_blocks = budget // max(1, _bytes_per_block(proto, caches, block_size))
+        if num_blocks < 1:
+            raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
+        self.session = PagedSession(proto, num_blocks=num_blocks, block_size=block_size, providers=providers)
+        self.kv = PagedKVCache(num_blocks, self.session.block_size)
+        self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            prefix_cache=self.prefix_cache,
+        )
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generated_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a prompt; returns its request id. Raises :class:`RequestTooLarge` if it can never fit."""
+        request = self._make_request(prompt_ids, sampling or SamplingParams(), request_id)
+        self.scheduler.add(request)
+        self._prompt_tokens += request.prompt_len
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop an unfinished request and free its blocks (its cached full blocks stay in the prefix cache)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise UnknownRequest(request_id, "abort")
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the token each sampled request got (chunks mid-prompt produce nothing)."""
+        plan = self.scheduler.schedule()
+        if plan.inputs is None:
+            if self.scheduler.has_unfinished():  # the scheduler's accounting makes this unreachable
+                raise OrtpaError(f"Engine.step: {len(self.scheduler.requests)} unfinished request(s) but none fits")
+            return []
+        inputs = plan.inputs
+        self.session.copy_blocks(self.kv.take_pending_copies())
+        ids = np.concatenate(
+            [np.asarray(c.request.tokens[c.start : c.start + c.num_tokens], np.int64) for c in plan.chunks]
+        )
+        feeds = {
+            "input_ids": ids,
+            "cumulative_sequence_lengths": inputs.cumulative_sequence_length,
+            "past_sequence_lengths": inputs.past_seqlens,
+            "block_table": inputs.block_table,
+        }
+        if self.io.attention_metadata:
+            feeds["attention_metadata"] = inputs.attention_metadata
+        if self.io.position_ids:
+            feeds["position_ids"] = inputs.positions
+        logits = self.session.run(feeds, ["logits"])["logits"]
+        rows = self._rows_per_sequence(logits, len(plan.chunks), len(ids), inputs.last_token_indices)
+        self.scheduler.commit(plan.chunks)
+
+        outputs = []
+        for row, chunk in zip(rows, plan.chunks, strict=True):
+            if not chunk.samples:
+                continue
+            req = chunk.request
+            token = req.sampler(row)
+            req.tokens.append(token)
+            self._generated_tokens += 1
+            params = req.sampler.params
+            status = None
+            if token in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(req.tokens) - req.prompt_len >= params.max_new_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.scheduler.finish(req, status)
+            reason = None if status is None else status.value
+            outputs.append(RequestOutput(req.request_id, (token,), status is not None, reason))
+        return outputs
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Generate for every prompt (batched continuously); the generated ids, in prompt order."""
+        ids = self._add_all(prompts, sampling)
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        for request_id, token in self._drain(ids):
+            outputs[request_id].append(token)
+        return [outputs[i] for i in ids]
+
+    def stream(
+        self,
+        requests: Sequence[Sequence[int]] | Sequence[str],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[str, int]]:
+        """Yield ``(request_id, token)`` as tokens are produced, until every given request has finished.
+
+        ``requests`` are prompts (added here, with ``sampling``) or ids of requests already added (tokens they
+        generated before the call come first). Requests are added, and ids checked, before this returns.
+        """
+        if requests and all(isinstance(r, str) for r in requests):
+            ids = list(requests)
+            for i in ids:
+                if i not in self.scheduler.requests:
+                    raise UnknownRequest(i, "stream")
+            done = [(i, t) for i in ids for t in self.scheduler.requests[i].output]
+        else:
+            ids, done = self._add_all(requests, sampling), []  # type: ignore[arg-type]
+        return itertools.chain(done, self._drain(ids))
+
+    @property
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            steps=s.steps,
+            prompt_tokens=self._prompt_tokens,
+            computed_tokens=s.computed_tokens,
+            cached_tokens=s.cached_tokens,
+            generated_tokens=self._generated_tokens,
+            preemptions=s.preemptions,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus cached blocks no request reads: ``num_blocks`` once every request is done."""
+        return self.scheduler.num_available_blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (blocks of running requests stay with them)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _make_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None) -> Request:
+        rid = str(next(self._ids)) if request_id is None else request_id
+        tokens = [int(t) for t in np.asarray(prompt_ids, dtype=np.int64).reshape(-1)]
+        if not tokens:
+            raise InvalidRequest(f"request {rid!r}: the prompt is empty (expected at least one token id)")
+        bad = [t for t in tokens if t < 0 or (self.io.vocab is not None and t >= self.io.vocab)]
+        if bad:
+            raise InvalidRequest(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {self.io.vocab})")
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequest(f"request {rid!r}: expected SamplingParams, found {type(sampling).__name__}")
+        return Request(rid, tokens, len(tokens), Sampler(sampling))
+
+    def _add_all(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[str]:
+        """Add every prompt, or none: all are checked (sizes included) before the first is queued."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
+                raise InvalidRequest(f"expected one SamplingParams per prompt ({len(prompts)}), found {len(params)}")
+        requests = [self._make_request(p, s, None) for p, s in zip(prompts, params, strict=True)]
+        for r in requests:
+            self.scheduler.check(r)
+        for r in requests:
+            self.scheduler.add(r)
+            self._prompt_tokens += r.prompt_len
+        return [r.request_id for r in requests]
+
+    def _drain(self, ids: list[str]) -> Iterator[tuple[str, int]]:
+        pending = {i for i in ids if i in self.scheduler.requests}
+        while pending:
+            for out in self.step():
+                if out.request_id in pending:
+                    for t in out.new_token_ids:
+                        yield out.request_id, t
+                    if out.finished:
+                        pending.discard(out.request_id)
+
+    @staticmethod
+    def _rows_per_sequence(logits: np.ndarray, batch: int, tokens: int, last: np.ndarray) -> np.ndarray:
+        """One logits row per scheduled sequence, whichever logits mode the model was converted with."""
+        if logits.ndim != 2:
+            raise InvalidModel("logits", f"expected a 2-D output [rows, vocab], found shape {logits.shape}")
+        if logits.shape[0] == batch:  # one row per sequence (also the per-token case when every chunk is 1)
+            return logits
+        if logits.shape[0] == tokens:
+            return logits[last]
+        raise InvalidModel(
+            "logits", f"expected {batch} rows (one per sequence) or {tokens} (one per token), found {logits.shape[0]}"
+        )

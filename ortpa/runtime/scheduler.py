@@ -1,0 +1,315 @@
+"""The continuous-batching scheduler: which requests compute how many tokens in the next step.
+
+One step packs every running request's next tokens and newly admitted prompts under a token budget
+(``max_num_batched_tokens``), the policy of vLLM v1's scheduler:
+
+1. running requests, oldest first: a decode takes 1 token, an unfinished prompt takes the next chunk that
+   fits the remaining budget (chunked prefill); when its blocks do not fit, the *newest* running request is
+   preempted (blocks freed, requeued at the front of the waiting queue to recompute prompt + generated tokens)
+   until they do, or the request itself is the newest and is preempted;
+2. only if nobody was preempted, waiting requests in order, each adopting its cached prefix blocks first.
+
+Token layout of one request (``bs`` = block size; ``cached`` ⊆ ``computed``)::
+
+    tokens:   | prompt ................................ | generated ....... |
+              | < cached: adopted full blocks > | < computed > | < chunk > | rest |
+                                                 num_computed ^           ^ num_computed + chunk
+
+Block accounting: each step reserves ``PagedKVCache.blocks_needed`` per chunk against the free pool plus the
+prefix cache's evictable blocks, evicting only when a reservation would otherwise fail. Adopted blocks are
+always full and never a partial block is shared, so these per-request counts add up exactly and
+``plan_step`` cannot run out of blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass, field
+
+from ortpa.errors import OrtpaError
+from ortpa.runtime.kv import PagedKVCache, StepInputs
+from ortpa.runtime.prefix_cache import BlockHash, PrefixCache, extend_block_hashes
+from ortpa.runtime.sampling import Sampler
+
+__all__ = [
+    "InvalidRequest",
+    "Request",
+    "RequestStatus",
+    "RequestTooLarge",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "UnknownRequest",
+]
+
+
+# These errors belong in ortpa/errors.py; they live here until that shared file is next edited.
+class InvalidRequest(OrtpaError, ValueError):
+    """A request the engine cannot take: empty prompt, token id out of range, duplicate id, ..."""
+
+
+class RequestTooLarge(InvalidRequest):
+    """A request whose longest possible sequence needs more blocks than the whole pool holds."""
+
+    def __init__(self, request_id: str, tokens: int, blocks: int, num_blocks: int, block_size: int) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.blocks = blocks
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        super().__init__(
+            f"request {request_id!r}: up to {tokens} tokens need {blocks} KV blocks of {block_size}, but the pool "
+            f"holds {num_blocks}; shorten the prompt or max_new_tokens, or give the engine more blocks"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.tokens, self.blocks, self.num_blocks, self.block_size))
+
+
+class UnknownRequest(OrtpaError, KeyError):
+    """A request id the engine does not hold (never added, or already finished)."""
+
+    def __init__(self, request_id: str, where: str) -> None:
+        self.request_id = request_id
+        self.where = where
+        super().__init__(f"{where}: unknown request {request_id!r} (expected an id added and not yet finished)")
+
+    def __str__(self) -> str:  # KeyError would print repr(message)
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.where))
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # emitted a stop token
+    FINISHED_LENGTH = "length"  # reached max_new_tokens
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. ``tokens`` is the prompt followed by the tokens generated so far."""
+
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    sampler: Sampler
+    status: RequestStatus = RequestStatus.WAITING
+    # Leading tokens whose K/V is in the cache; equals the KV sequence's length while running.
+    num_computed: int = 0
+    # Leading full blocks already known to the prefix cache (adopted from it or offered to it).
+    num_cached_blocks: int = 0
+    # Hash chain over full blocks of `tokens`, grown lazily; stays valid across preemption (tokens only grow).
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at position ``start``, computed in this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the request's last token, so its logits give the next token."""
+        return self.start + self.num_tokens == len(self.request.tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    inputs: StepInputs | None  # None when nothing is scheduled
+    preempted: list[Request]
+
+
+@dataclass
+class SchedulerStats:
+    computed_tokens: int = 0  # tokens scheduled for compute (prefill chunks, recomputation and decodes)
+    cached_tokens: int = 0  # prompt tokens adopted from the prefix cache instead of computed
+    preemptions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`PagedKVCache` (and optionally a :class:`PrefixCache`)."""
+
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise InvalidRequest(
+                f"Scheduler: expected max_num_batched_tokens >= 1 and max_num_seqs >= 1, found "
+                f"{max_num_batched_tokens} and {max_num_seqs}"
+            )
+        self.kv = kv
+        self.prefix_cache = prefix_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order: oldest first, preempted last-in-first-out
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.stats = SchedulerStats()
+        self._reserved = 0  # blocks promised to this step's chunks, not yet taken by plan_step
+
+    # -- queue management --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request; raise :class:`RequestTooLarge` if it could never fit the pool, even alone."""
+        self.check(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Raise what :meth:`add` would raise for ``request``, queueing nothing."""
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"add_request: request id {request.request_id!r} is already in use")
+        # The last generated token is returned, never fed back, so it needs no K/V.
+        longest = request.prompt_len + request.sampler.params.max_new_tokens - 1
+        blocks = -(-longest // self.kv.block_size)
+        if blocks > self.kv.num_blocks:
+            raise RequestTooLarge(request.request_id, longest, blocks, self.kv.num_blocks, self.kv.block_size)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request: free its blocks (cached ones stay in the prefix cache) and forget it."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._free(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = status
+        del self.requests[request.request_id]
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus cached blocks no request reads (evictable on demand)."""
+        evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
+        return self.kv.num_free_blocks + evictable
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks, reserve their blocks and return the op's index inputs for them."""
+        budget = self.max_num_batched_tokens
+        self._reserved = 0
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.tokens) - req.num_computed, budget)
+            need = self.kv.blocks_needed(req.request_id, n)
+            fits = self._reserve(need)
+            while not fits and self.running[-1] is not req:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                fits = self._reserve(need)
+            if not fits:  # req is the newest running request and still does not fit: it waits instead
+                self._preempt(self.running.pop())
+                preempted.append(req)
+                break
+            chunks.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+            i += 1
+
+        # Admitting while preempting would free blocks for one request only to take them for another.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self._match(req)
+            cached = len(hits) * self.kv.block_size
+            n = min(len(req.tokens) - cached, budget)
+            self.kv.add_sequence(req.request_id, cached, shared_blocks=hits)  # full blocks only: no allocation
+            if not self._reserve(self.kv.blocks_needed(req.request_id, n)):
+                self.kv.free(req.request_id)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed = cached
+            req.num_cached_blocks = len(hits)
+            if self.prefix_cache is not None:
+                self.prefix_cache.touch(req.block_hashes[: len(hits)])
+            self.stats.cached_tokens += cached
+            chunks.append(ScheduledChunk(req, cached, n))
+            budget -= n
+
+        inputs = None
+        if chunks:
+            inputs = self.kv.plan_step([(c.request.request_id, c.num_tokens) for c in chunks])
+            self.stats.computed_tokens += sum(c.num_tokens for c in chunks)
+            self.stats.steps += 1
+        self.stats.preemptions += len(preempted)
+        return SchedulerOutput(chunks, inputs, preempted)
+
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """The step ran: advance each request's computed count and offer its new full blocks to the cache."""
+        for c in chunks:
+            req = c.request
+            req.num_computed = c.start + c.num_tokens
+            if self.prefix_cache is None:
+                continue
+            bs = self.kv.block_size
+            full = req.num_computed // bs
+            if full <= req.num_cached_blocks:
+                continue
+            extend_block_hashes(req.block_hashes, req.tokens, bs, full)
+            blocks = self.kv.block_ids(req.request_id)
+            for b in range(req.num_cached_blocks, full):
+                self.prefix_cache.insert(req.block_hashes[b], blocks[b], req.tokens[b * bs : (b + 1) * bs])
+            req.num_cached_blocks = full
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _match(self, req: Request) -> list[int]:
+        """Cached blocks the request can adopt: full blocks only, and never its last token (it needs logits)."""
+        if self.prefix_cache is None:
+            return []
+        limit = (len(req.tokens) - 1) // self.kv.block_size
+        extend_block_hashes(req.block_hashes, req.tokens, self.kv.block_size, limit)
+        return self.prefix_cache.match(req.block_hashes[:limit], req.tokens)
+
+    def _reserve(self, need: int) -> bool:
+        """Promise ``need`` more blocks to this step, evicting cached blocks only if that makes it fit."""
+        short = self._reserved + need - self.kv.num_free_blocks
+        if short > 0:
+            if self.prefix_cache is None or self.prefix_cache.num_evictable() < short:
+                return False
+            self.prefix_cache.evict(short)
+        self._reserved += need
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and requeue it first, to recompute prompt + generated tokens."""
+        self._free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        req.num_cached_blocks = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _free(self, req: Request) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req.block_hashes[: req.num_cached_blocks])
+        self.kv.free(req.request_id)

@@ -1,0 +1,391 @@
+"""Sessions that run PagedAttention models on any execution provider.
+
+* :class:`InferenceSession` is a drop-in for ``onnxruntime.InferenceSession``: each PagedAttention node runs
+  natively where the first provider has a kernel for it (CUDA, WebGPU) and is otherwise rewritten, in memory,
+  to ``ortpa.ops.portable`` (standard ONNX ops). Every node is validated and gated before any ORT session
+  exists, so an unsupported mode fails with a typed error, not deep inside ONNX Runtime.
+* :class:`PagedSession` owns each layer's KV caches as ``OrtValue`` s on the provider's device and binds a
+  cache input and its aliasing output (``key_cache`` / ``key_cache_out``) to the *same* ``OrtValue`` on
+  every step, so the caches are updated in place: no per-step copy of the pool.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from ortpa.errors import InvalidArgument, InvalidModel, NotImplementedByBackend
+from ortpa.ops.spec import DOMAIN, OP_TYPE
+from ortpa.runtime.device import best_providers
+from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
+
+__all__ = ["CacheAlias", "InferenceSession", "PagedSession", "find_cache_aliases", "load_model"]
+
+_NATIVE_BACKEND = {"CUDAExecutionProvider": "cuda", "WebGpuExecutionProvider": "webgpu"}
+_ORT_DEVICE = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
+
+
+def load_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
+    """Read a model from a path, bytes or a ModelProto (copied), with a clear error for bad files."""
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        return copy
+    if isinstance(model, (bytes, bytearray)):
+        try:
+            return onnx.load_from_string(bytes(model))
+        except Exception as exc:
+            raise InvalidModel("<bytes>", f"not a valid ONNX model ({type(exc).__name__}: {exc})") from None
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise InvalidModel(path, "no such file")
+    try:
+        return onnx.load(path)
+    except Exception as exc:
+        raise InvalidModel(path, f"not a valid ONNX model ({type(exc).__name__}: {exc})") from None
+
+
+def _provider_names(providers: Sequence[Any] | None) -> list[str]:
+    if not providers:
+        return best_providers()
+    return [p[0] if isinstance(p, tuple) else p for p in providers]
+
+
+def _paged_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    """Give every PagedAttention node a unique name: diagnostics and per-node decisions need one."""
+    seen: set[str] = set()
+    for i, node in enumerate(_paged_nodes(model)):
+        if not node.name or node.name in seen:
+            node.name = f"PagedAttention_{i}"
+        seen.add(node.name)
+
+
+@dataclass(frozen=True)
+class CacheAlias:
+    """A cache graph input and the graph output that must share its buffer."""
+
+    input_name: str
+    output_name: str | None  # None when the node does not expose the cache output
+    node: str
+
+
+def find_cache_aliases(model: onnx.ModelProto) -> list[CacheAlias]:
+    """Cache inputs of PagedAttention nodes that are graph inputs, with their aliasing graph outputs."""
+    graph_inputs = {i.name for i in model.graph.input}
+    graph_outputs = {o.name for o in model.graph.output}
+    aliases = []
+    for node in _paged_nodes(model):
+        for in_idx, out_idx in ((3, 1), (4, 2)):
+            if len(node.input) <= in_idx or node.input[in_idx] not in graph_inputs:
+                continue
+            out = node.output[out_idx] if len(node.output) > out_idx and node.output[out_idx] else None
+            aliases.append(CacheAlias(node.input[in_idx], out if out in graph_outputs else None, node.name))
+    return aliases
+
+
+def _plan_nodes(model: onnx.ModelProto, providers: list[str]) -> tuple[list[str], list[str]]:
+    """Validate every node; return (native node names, portable node names). Raises before any session.
+
+    A node runs natively when the first provider has a PagedAttention kernel whose gate accepts it; any other
+    node (no kernel, or a mode the kernel lacks) goes to the portable implementation, whose own gate must
+    accept it or :class:`~ortpa.errors.NotImplementedByBackend` is raised.
+    """
+    from ortpa.ops.validate import validate_model
+
+    if not _paged_nodes(model):
+        return [], []
+    report = validate_model(model)
+    if not report.ok:
+        raise _report_error(report)
+    names = [n.node for n in report.nodes]
+    native: list[str] = []
+    native_backend = _NATIVE_BACKEND.get(providers[0]) if providers else None
+    if native_backend is not None:
+        gated = validate_model(model, backend=native_backend)
+        native = [n.node for n in gated.nodes if n.status in ("valid", "unchecked")]
+    portable = [name for name in names if name not in native]
+    if portable:
+        gated = validate_model(model, backend="portable")
+        failing = [n for n in gated.nodes if n.node in portable and n.status not in ("valid", "unchecked")]
+        if failing:
+            raise _report_error(gated, failing[0].node)
+    return native, portable
+
+
+def _report_error(report: Any, name: str | None = None) -> Exception:
+    """The first problem of a validation report as the typed error a direct call would have raised."""
+    for node_report in report.nodes:
+        if name is not None and node_report.node != name:
+            continue
+        for rule, input_name, message in node_report.errors:
+            return InvalidArgument(rule, input_name, message, node=node_report.node)
+        for backend, feature, detail in node_report.backend_errors:
+            return NotImplementedByBackend(backend, feature, detail, node=node_report.node)
+    return InvalidArgument("model", name or "model", report.format())
+
+
+class InferenceSession:
+    """Drop-in for ``onnxruntime.InferenceSession`` that runs PagedAttention on every provider.
+
+    >>> import ortpa  # doctest: +SKIP
+    >>> sess = ortpa.InferenceSession("paged.onnx", providers=["CPUExecutionProvider"])  # doctest: +SKIP
+    >>> logits, *present = sess.run(None, feeds)  # doctest: +SKIP
+
+    Inputs may be numpy arrays of any dtype ortpa uses (bfloat16 and float8 via ml_dtypes included) or
+    OrtValues. With plain :meth:`run`, cache outputs come back as new arrays; use :class:`PagedSession` (or
+    :meth:`io_binding` with the same OrtValue bound to a cache input and its output) to update in place.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
+        sess_options: ort.SessionOptions | None = None,
+        providers: Sequence[Any] | None = None,
+        provider_options: Sequence[dict] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        proto = load_model(model)
+        _name_nodes(proto)
+        self._providers_requested = list(providers) if providers else _provider_names(None)
+        names = _provider_names(self._providers_requested)
+        self.native_nodes, self.portable_nodes = _plan_nodes(proto, names)
+        # found on the op nodes, before the portable lowering replaces them by function calls
+        self.aliases = find_cache_aliases(proto)
+        if self.portable_nodes:
+            from ortpa.ops.portable import lower_to_portable
+
+            proto = lower_to_portable(proto, self.portable_nodes)
+        self.model = proto
+        self._native_aliases = [a for a in self.aliases if a.node in self.native_nodes and a.output_name]
+        self._device = _ORT_DEVICE.get(names[0], "cpu")
+        self._sess = ort.InferenceSession(
+            proto.SerializeToString(),
+            sess_options,
+            providers=self._providers_requested,
+            provider_options=provider_options,
+            **kwargs,
+        )
+        self._output_types = {o.name: o.type for o in self._sess.get_outputs()}
+
+    # -- the onnxruntime.InferenceSession surface ---------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options=None) -> list:
+        names = list(output_names) if output_names else [o.name for o in self._sess.get_outputs()]
+        needs_binding = (
+            self._native_aliases
+            or any(_is_raw_dtype(v) for v in input_feed.values())
+            or any(_is_raw_type_str(self._output_types[n]) for n in names)
+        )
+        if not needs_binding:
+            return self._sess.run(names, dict(input_feed), run_options)
+        return self._run_bound(names, input_feed, run_options)
+
+    def _run_bound(self, names: list[str], input_feed: Mapping[str, Any], run_options) -> list:
+        """Run through IO binding: ml_dtypes inputs/outputs, and native kernels that demand aliased caches."""
+        io = self._sess.io_binding()
+        owned: dict[str, Any] = {}  # keeps the arrays behind the OrtValues alive until the run is over
+        alias_of = {a.output_name: a.input_name for a in self._native_aliases}
+        for name, value in input_feed.items():
+            if isinstance(value, ort.OrtValue):
+                ov = value
+            else:
+                arr = np.ascontiguousarray(value)
+                if name in alias_of.values():
+                    arr = arr.copy()  # the kernel writes in place; the caller's array stays untouched
+                owned[name] = arr
+                ov = to_ortvalue(arr, self._device)
+            owned[name + "#ov"] = ov
+            io.bind_ortvalue_input(name, ov)
+        for name in names:
+            if name in alias_of:
+                io.bind_ortvalue_output(name, owned[alias_of[name] + "#ov"])
+            else:
+                io.bind_output(name, "cpu")
+        self._sess.run_with_iobinding(io, run_options)
+        results = []
+        bound = dict(zip(names, io.get_outputs(), strict=True))
+        for name in names:
+            results.append(ortvalue_to_numpy(bound[name]))
+        return results
+
+    def run_with_iobinding(self, iobinding, run_options=None) -> None:
+        return self._sess.run_with_iobinding(iobinding, run_options)
+
+    def io_binding(self):
+        return self._sess.io_binding()
+
+    def get_inputs(self):
+        return self._sess.get_inputs()
+
+    def get_outputs(self):
+        return self._sess.get_outputs()
+
+    def get_providers(self) -> list[str]:
+        return self._sess.get_providers()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of ORT's surface (get_modelmeta, end_profiling, ...)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._sess, name)
+
+
+def _is_raw_dtype(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and np.dtype(dtype).kind == "V"
+
+
+def _is_raw_type_str(type_str: str) -> bool:
+    return type_str in ("tensor(bfloat16)", "tensor(float8e4m3fn)")
+
+
+class PagedSession:
+    """A session whose KV caches live in ``OrtValue`` s it owns and are updated in place on every step.
+
+    ``dims`` fills symbolic dimensions of the cache inputs (typically ``num_blocks`` and ``block_size``).
+    Each cache input is bound with ``bind_ortvalue_input`` and its aliasing output with
+    ``bind_ortvalue_output`` to the same OrtValue, which is the CUDA kernel's contract and lets the portable
+    op's in-place ``ScatterND`` skip its copy. :meth:`data_ptrs` exposes the buffers' addresses so callers
+    (and tests) can check that they never move.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
+        *,
+        num_blocks: int,
+        block_size: int | None = None,
+        providers: Sequence[Any] | None = None,
+        sess_options: ort.SessionOptions | None = None,
+        dims: Mapping[str, int] | None = None,
+    ) -> None:
+        self.session = InferenceSession(model, sess_options, providers=providers)
+        self.device = self.session._device
+        self.num_blocks = int(num_blocks)
+        self.aliases = self.session.aliases
+        if not self.aliases:
+            raise InvalidModel("model", "no PagedAttention cache input is a graph input; nothing to page")
+        declared = {i.name: i for i in self.session.model.graph.input}
+        self._arrays: dict[str, np.ndarray] = {}
+        self._values: dict[str, ort.OrtValue] = {}
+        for alias in self.aliases:
+            vi = declared[alias.input_name]
+            shape = _concrete_shape(vi, alias.input_name, num_blocks, block_size, dims or {})
+            dtype = numpy_dtype_for_onnx(vi.type.tensor_type.elem_type)
+            arr = np.zeros(shape, dtype=dtype)
+            self._arrays[alias.input_name] = arr
+            self._values[alias.input_name] = to_ortvalue(arr, self.device)
+        first = self._arrays[self.aliases[0].input_name]
+        self.block_size = int(first.shape[1])
+        self._outputs = [o.name for o in self.session.get_outputs()]
+        self._cache_outputs = {a.output_name: a.input_name for a in self.aliases if a.output_name}
+
+    @property
+    def cache_names(self) -> list[str]:
+        return [a.input_name for a in self.aliases]
+
+    def cache(self, name: str) -> np.ndarray:
+        """A copy of one cache's current contents."""
+        if self.device == "cpu":
+            return self._arrays[name].copy()
+        from ortpa.runtime.cuda_memory import device_to_host
+
+        return device_to_host(self._values[name], self._arrays[name].dtype)
+
+    def data_ptrs(self) -> dict[str, int]:
+        return {name: value.data_ptr() for name, value in self._values.items()}
+
+    def write_cache(self, name: str, array: np.ndarray) -> None:
+        """Overwrite one cache's contents in place (same buffer), e.g. to seed a test state."""
+        target = self._arrays[name]
+        if array.shape != target.shape or np.dtype(array.dtype) != target.dtype:
+            raise ValueError(f"cache {name!r}: expected {target.shape} {target.dtype}, got {array.shape} {array.dtype}")
+        target[...] = array
+        if self.device != "cpu":
+            self._values[name].update_inplace(np.ascontiguousarray(array).view(_raw(array.dtype)))
+
+    def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every cache (copy-on-write of forked sequences)."""
+        pairs = list(pairs)
+        if not pairs:
+            return
+        if self.device == "cpu":
+            src = np.array([s for s, _ in pairs])
+            dst = np.array([d for _, d in pairs])
+            for arr in self._arrays.values():
+                arr[dst] = arr[src]
+            return
+        from ortpa.runtime.cuda_memory import copy_device_blocks
+
+        for value in self._values.values():
+            copy_device_blocks(value, pairs)
+
+    def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """One step: bind the step's inputs and the aliased caches, run, return the non-cache outputs."""
+        sess = self.session._sess
+        io = sess.io_binding()
+        keep = []
+        for name, value in feeds.items():
+            if name in self._values:
+                raise ValueError(f"{name!r} is a cache owned by this PagedSession; do not feed it")
+            ov = value if isinstance(value, ort.OrtValue) else to_ortvalue(np.ascontiguousarray(value), "cpu")
+            keep.append(ov)
+            io.bind_ortvalue_input(name, ov)
+        for name, ov in self._values.items():
+            io.bind_ortvalue_input(name, ov)
+        wanted = list(output_names) if output_names else [n for n in self._outputs if n not in self._cache_outputs]
+        for out_name, in_name in self._cache_outputs.items():
+            io.bind_ortvalue_output(out_name, self._values[in_name])
+        for name in wanted:
+            if name not in self._cache_outputs:
+                io.bind_output(name, "cpu")
+        sess.run_with_iobinding(io)
+        outs = io.get_outputs()
+        bound_names = list(self._cache_outputs) + [n for n in wanted if n not in self._cache_outputs]
+        by_name = dict(zip(bound_names, outs, strict=True))
+        return {name: ortvalue_to_numpy(by_name[name]) for name in wanted if name not in self._cache_outputs}
+
+
+def _raw(dtype: np.dtype):
+    dtype = np.dtype(dtype)
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize] if dtype.kind == "V" else dtype
+
+
+def _concrete_shape(
+    vi: onnx.ValueInfoProto, name: str, num_blocks: int, block_size: int | None, dims: Mapping[str, int]
+) -> tuple[int, ...]:
+    shape = []
+    sym_defaults: dict[int, int | None] = {0: num_blocks, 1: block_size}
+    for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
+        if dim.HasField("dim_value"):
+            value = dim.dim_value
+            if axis == 0 and value != num_blocks:
+                raise InvalidArgument(
+                    "session.num_blocks", name, f"model declares {value} blocks, session asked for {num_blocks}"
+                )
+            if axis == 1 and block_size is not None and value != block_size:
+                raise InvalidArgument(
+                    "session.block_size", name, f"model declares block_size {value}, session asked for {block_size}"
+                )
+        elif dim.dim_param in dims:
+            value = dims[dim.dim_param]
+        elif sym_defaults.get(axis) is not None:
+            value = sym_defaults[axis]
+        else:
+            raise InvalidArgument(
+                "session.dims",
+                name,
+                f"dimension {axis} ({dim.dim_param or '?'}) is symbolic; pass it in dims= or block_size=",
+            )
+        shape.append(int(value))
+    if len(shape) != 4:
+        raise InvalidArgument("session.cache_rank", name, f"expected a 4-D cache input, found rank {len(shape)}")
+    return tuple(shape)

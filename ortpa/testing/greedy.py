@@ -1,0 +1,135 @@
+"""Greedy decoding loops that record every step's logits, for parity between a dense model and its paged form.
+
+* :func:`dense_greedy` runs a dense export (``input_ids [B,S]``, ``attention_mask``, ``position_ids``,
+  ``past_key_values.{i}.key/.value`` -> ``logits``, ``present.*``) one prompt at a time, feeding each step's
+  present KV back as the next step's past.
+* :func:`paged_greedy` runs a converted model through a :class:`~ortpa.runtime.session.PagedSession` with a
+  :class:`~ortpa.runtime.kv.PagedKVCache`: every prompt's prefill in one packed step, then one packed decode
+  step per new token for all prompts together.
+
+Both return the logits that chose each new token, so two runs can be compared step by step. ``follow`` makes
+the dense loop read a given token stream (teacher forcing) instead of its own argmax, so its logits stay
+comparable to the paged run's even past a point where the two would pick different tokens; its own argmax is
+still what it reports as its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from ortpa.errors import InvalidArgument
+from ortpa.runtime.kv import PagedKVCache
+from ortpa.runtime.session import PagedSession
+
+__all__ = ["GreedyRun", "dense_greedy", "paged_greedy"]
+
+
+@dataclass
+class GreedyRun:
+    """``tokens[p]``: prompt ``p``'s new tokens; ``logits[p]``: ``[len(tokens[p]), vocab]`` float32 rows."""
+
+    tokens: list[list[int]]
+    logits: list[np.ndarray]
+    seconds: float  # wall time of the session runs and the host work between them
+    runs: int  # session.run calls
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InvalidArgument("greedy.prompts", "prompts", "expected at least one prompt, each of length >= 1")
+    if max_new_tokens < 1:
+        raise InvalidArgument("greedy.max_new_tokens", "max_new_tokens", f"expected >= 1, got {max_new_tokens}")
+
+
+def dense_greedy(
+    session: ort.InferenceSession,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    follow: Sequence[Sequence[int]] | None = None,
+) -> GreedyRun:
+    """Greedy decoding of each prompt alone on a dense past/present model (float32 caches)."""
+    _check_prompts(prompts, max_new_tokens)
+    inputs = {i.name: i for i in session.get_inputs()}
+    caches = sorted(n for n in inputs if n.startswith("past_key_values."))
+    outputs = [o.name for o in session.get_outputs()]
+    start = time.perf_counter()
+    tokens: list[list[int]] = []
+    logits: list[np.ndarray] = []
+    runs = 0
+    for p, prompt in enumerate(prompts):
+        past = {n: np.zeros((1, int(inputs[n].shape[1]), 0, int(inputs[n].shape[3])), np.float32) for n in caches}
+        feed_ids, length, mine, rows = list(prompt), 0, [], []
+        for step in range(max_new_tokens):
+            n = len(feed_ids)
+            feed = {
+                "input_ids": np.array([feed_ids], np.int64),
+                "attention_mask": np.ones((1, length + n), np.int64),
+                "position_ids": np.arange(length, length + n, dtype=np.int64)[None],
+                **past,
+            }
+            out = dict(zip(outputs, session.run(None, feed), strict=True))
+            runs += 1
+            row = np.asarray(out["logits"][0, -1], np.float32)
+            rows.append(row)
+            mine.append(int(row.argmax()))
+            past = {n_: out[n_.replace("past_key_values", "present")] for n_ in caches}
+            length += n
+            feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
+        tokens.append(mine)
+        logits.append(np.stack(rows))
+    return GreedyRun(tokens, logits, time.perf_counter() - start, runs)
+
+
+def paged_greedy(
+    session: PagedSession,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    block_size: int | None = None,
+) -> GreedyRun:
+    """Greedy decoding of all prompts together on a converted model: one packed prefill, then packed decodes."""
+    _check_prompts(prompts, max_new_tokens)
+    declared = {i.name for i in session.session.get_inputs()}
+    kv = PagedKVCache(session.num_blocks, block_size or session.block_size)
+    seqs = list(range(len(prompts)))
+    for s in seqs:
+        kv.add_sequence(s)
+    pending = [list(p) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    rows: list[list[np.ndarray]] = [[] for _ in prompts]
+    start = time.perf_counter()
+    for _ in range(max_new_tokens):
+        step = kv.plan_step([(s, len(pending[s])) for s in seqs])
+        session.copy_blocks(kv.take_pending_copies())
+        feed = {
+            "input_ids": np.array([t for s in seqs for t in pending[s]], np.int64),
+            "cumulative_sequence_lengths": step.cumulative_sequence_length,
+            "past_sequence_lengths": step.past_seqlens,
+            "block_table": step.block_table,
+        }
+        if "attention_metadata" in declared:
+            feed["attention_metadata"] = step.attention_metadata
+        if "position_ids" in declared:
+            feed["position_ids"] = step.positions
+        out = session.run(feed)["logits"]
+        # logits="last" gives one row per sequence; logits="all" one per packed token
+        last = out if out.shape[0] == len(seqs) else out[step.last_token_indices]
+        for j, s in enumerate(seqs):
+            row = np.asarray(last[j], np.float32)
+            rows[s].append(row)
+            tokens[s].append(int(row.argmax()))
+            pending[s] = [tokens[s][-1]]
+    seconds = time.perf_counter() - start
+    for s in seqs:
+        kv.free(s)
+    return GreedyRun(tokens, [np.stack(r) for r in rows], seconds, max_new_tokens)

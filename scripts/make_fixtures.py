@@ -1,0 +1,163 @@
+"""Regenerate the small dense ONNX fixtures under tests/fixtures/ from real torch.onnx (dynamo) exports.
+
+Needs the ``export`` extra (torch 2.13.0 CPU, transformers 5.x); no network: random seeded weights.
+Usage: ``python scripts/make_fixtures.py [--only NAME ...] [--out tests/fixtures]``.
+Writes ``<name>.onnx`` and ``<name>.json`` (config, versions, I/O) and prints the versions used.
+
+Dimensions are chosen for PagedAttention LATENT: head = kv_lora_rank + qk_rope = 64 + 16 = 80 (a multiple of 8)
+or 64 + 32 = 96 (a multiple of 16, needed when RoPE moves into the op: ``do_rotary=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ortpa.export import export_hf, versions  # noqa: E402
+
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+# A tiny DeepSeek-V3: 2 dense layers (first_k_dense_replace=2 keeps MoE out of the graph).
+_DSV3 = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 256,
+    "num_mtp_layers": 0,
+    "rope_interleave": True,
+    "tie_word_embeddings": False,
+    "rope_parameters": _YARN,
+}
+
+
+def _v(**over):
+    cfg = dict(_DSV3)
+    cfg.update(over)
+    return cfg
+
+
+# name -> (config, export options). Order: the headline fixture first.
+FIXTURES: dict[str, tuple[dict, dict]] = {
+    "dsv3_sdpa_op18": (_DSV3, {"opset": 18, "attn_implementation": "sdpa"}),
+    "dsv3_eager_op18": (_DSV3, {"opset": 18, "attn_implementation": "eager"}),
+    "dsv3_sdpa_op23": (_DSV3, {"opset": 23, "attn_implementation": "sdpa"}),
+    "dsv3_sdpa_op18_noil_noqlora": (
+        _v(rope_interleave=False, q_lora_rank=None, rope_parameters=_DEFAULT_ROPE),
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # qk_rope 32: head 96 is a multiple of 16, so RoPE can move into the op (do_rotary=1).
+    "dsv3_sdpa_op18_rope32": (
+        _v(qk_rope_head_dim=32, qk_nope_head_dim=16),
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # Kimi-K2-style: a DeepSeek-V3 architecture with few heads and no q LoRA on some layers' configs.
+    "kimi_sdpa_op18": (
+        _v(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64, rope_parameters=_DEFAULT_ROPE),
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # Another MLA family: GLM-4.7-Flash (GLM-4-MoE-Lite) with dense MLPs only.
+    "glm4moelite_sdpa_op18": (
+        {
+            "model_type": "glm4_moe_lite",
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 48,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 256,
+            "mlp_layer_types": ["dense", "dense"],
+            "rope_parameters": _DEFAULT_ROPE,
+        },
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # MiniCPM3: MLA with rotate_half RoPE, no q LoRA split, scaled embeddings/residuals, tied lm_head.
+    "minicpm3_sdpa_op18": (
+        {
+            "model_type": "minicpm3",
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "max_position_embeddings": 256,
+            "rope_parameters": _DEFAULT_ROPE,
+        },
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures"))
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(versions()))
+    failed = []
+    for name, (cfg, opts) in FIXTURES.items():
+        if args.only and name not in args.only:
+            continue
+        t = time.time()
+        try:
+            info = export_hf(cfg, out / f"{name}.onnx", **opts)
+        except Exception as exc:  # report every variant, keep going
+            failed.append(name)
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            continue
+        info["config"] = cfg
+        (out / f"{name}.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+        size = (out / f"{name}.onnx").stat().st_size
+        print(f"ok   {name}: {size / 1e6:.2f} MB, {time.time() - t:.1f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,494 @@
+"""The portable PagedAttention (standard ONNX ops on ONNX Runtime CPU) against the NumPy oracle.
+
+Outputs are compared with the suite's tolerances, caches bit for bit (QK-norm: within one T rounding, since
+the float32 mean may sum in another order). Sessions are cached per model within the module.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from tolerances import assert_close
+
+from ortpa.errors import InvalidArgument, NotImplementedByBackend
+from ortpa.ops.oracle import paged_attention
+from ortpa.ops.portable import (
+    FUNCTION_DOMAIN,
+    lower_to_portable,
+    paged_attention_model,
+    portable_single_node_model,
+)
+from ortpa.ops.spec import PAGED_ATTENTION
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16]
+_ELEM = {
+    np.dtype(np.float16): onnx.TensorProto.FLOAT16,
+    BF16: onnx.TensorProto.BFLOAT16,
+    np.dtype(np.int8): onnx.TensorProto.INT8,
+    np.dtype(np.int32): onnx.TensorProto.INT32,
+    np.dtype(np.float32): onnx.TensorProto.FLOAT,
+}
+_SESSIONS: dict[bytes, ort.InferenceSession] = {}
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    key = model.SerializeToString()
+    if key not in _SESSIONS:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        _SESSIONS[key] = ort.InferenceSession(key, so, providers=["CPUExecutionProvider"])
+    return _SESSIONS[key]
+
+
+def run(sess: ort.InferenceSession, inputs: dict, *, alias: bool = False) -> dict[str, np.ndarray]:
+    """Run through IO binding (bfloat16 has no numpy path in ONNX Runtime); outputs are preallocated.
+
+    ``alias=False`` binds fresh cache outputs (inputs stay untouched); ``alias=True`` binds each cache input's
+    own buffer as its output, as the runtime does.
+    """
+    io = sess.io_binding()
+    keep = []
+    for name, a in inputs.items():
+        if a is None or name.startswith("_"):
+            continue
+        a = np.ascontiguousarray(a)
+        keep.append(a)
+        io.bind_input(name, "cpu", 0, _ELEM[a.dtype], a.shape, a.ctypes.data)
+    outs: dict[str, np.ndarray] = {}
+    for o in sess.get_outputs():
+        if o.name == "output":
+            width = inputs["_width"]
+            arr = np.zeros((inputs["query"].shape[0], width), inputs["query"].dtype)
+        else:
+            src = inputs["key_cache" if o.name == "key_cache_out" else "value_cache"]
+            arr = src if alias else np.empty_like(src)
+        outs[o.name] = arr
+        io.bind_output(o.name, "cpu", 0, _ELEM[arr.dtype], arr.shape, arr.ctypes.data)
+    sess.run_with_iobinding(io)
+    return outs
+
+
+# ------------------------------------------------------------------------------------------------ cases
+@dataclass
+class Case:
+    inputs: dict
+    attrs: dict
+    dtype: np.dtype
+    exact_cache: bool = True
+    quant_step: dict = field(default_factory=dict)
+
+
+def make_case(
+    rng: np.random.Generator,
+    dtype,
+    *,
+    q_lens=(3, 1, 5),
+    pasts=(0, 17, 33),
+    num_heads=4,
+    kv_num_heads=2,
+    head_size=32,
+    block_size=16,
+    spare_blocks=3,
+    packed=False,
+    latent=False,
+    v_head_size=0,
+    rotary=None,  # (rotary_dim, interleaved, offset)
+    qk_norm=False,
+    head_sink=False,
+    slot_mapping=None,
+    quant=None,  # (cache dtype "int8", k_quant, v_quant)
+    cache_outputs=True,
+    **attrs,
+) -> Case:
+    dtype = np.dtype(dtype)
+    n, kvh, h = num_heads, kv_num_heads, head_size
+    t = int(sum(q_lens))
+    kvlens = [p + q for p, q in zip(pasts, q_lens, strict=True)]
+    need = [max(1, -(-L // block_size)) for L in kvlens]
+    max_blocks = max(need) + 1  # at least one -1 tail entry per sequence
+    num_blocks = sum(need) + spare_blocks
+    perm = rng.permutation(num_blocks)
+    bt = np.full((len(q_lens), max_blocks), -1, np.int32)
+    at = 0
+    for b, k in enumerate(need):
+        bt[b, :k] = perm[at : at + k]
+        at += k
+
+    def act(*shape, s=1.0):
+        return (rng.standard_normal(shape) * s).astype(dtype)
+
+    a = {"num_heads": n, "kv_num_heads": kvh, **attrs}
+    x: dict = {}
+    if latent:
+        a["kv_cache_layout"] = "LATENT"
+        if v_head_size:
+            a["v_head_size"] = v_head_size
+            a.setdefault("scale", float(1.0 / np.sqrt(h)) * 1.3)
+        x["query"], x["key"] = act(t, n * h), act(t, h)
+    elif packed:
+        x["query"] = act(t, (n + 2 * kvh) * h)
+    else:
+        x["query"], x["key"], x["value"] = act(t, n * h), act(t, kvh * h), act(t, kvh * h)
+    cache_shape = (num_blocks, block_size, kvh, h)
+    k_scale = v_scale = None
+    quant_step = {}
+    if quant is None:
+        x["key_cache"] = act(*cache_shape)
+        if not latent:
+            x["value_cache"] = act(*cache_shape)
+    else:
+        _, kq, vq = quant
+        a["k_quant_type"] = kq
+        x["key_cache"] = rng.integers(-127, 128, cache_shape, dtype=np.int8)
+
+        def scale(q):
+            if q == "PER_TENSOR":
+                return np.array([4.0 / 127], np.float32)
+            return rng.uniform(2.0, 5.0, (kvh, 1, h)).astype(np.float32) / 127
+
+        k_scale = scale(kq)
+        quant_step["key_cache_out"] = float(k_scale.max())
+        if not latent:
+            a["v_quant_type"] = vq
+            x["value_cache"] = rng.integers(-127, 128, cache_shape, dtype=np.int8)
+            v_scale = scale(vq)
+            quant_step["value_cache_out"] = float(v_scale.max())
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    x["cumulative_sequence_length"] = cu
+    x["past_seqlens"] = np.array(pasts, np.int32)
+    x["block_table"] = bt
+    if rotary is not None:
+        rd, inter, off = rotary
+        rows = max(kvlens) + 4
+        ang = rng.uniform(0, 2 * np.pi, (rows, rd // 2))
+        x["cos_cache"], x["sin_cache"] = np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+        a.update(do_rotary=1, rotary_interleaved=int(inter))
+        if off:
+            a["rotary_offset"] = off
+    if slot_mapping is not None:
+        x["slot_mapping"] = np.asarray(slot_mapping, np.int32)
+    if head_sink:
+        x["head_sink"] = act(n, s=2.0)
+    if qk_norm:
+        x["q_norm_weight"] = rng.uniform(0.5, 1.5, h).astype(dtype)
+        x["k_norm_weight"] = rng.uniform(0.5, 1.5, h).astype(dtype)
+    if k_scale is not None:
+        x["k_scale"] = k_scale
+    if v_scale is not None:
+        x["v_scale"] = v_scale
+    case = Case(x, a, dtype, exact_cache=not qk_norm, quant_step=quant_step)
+    case.cache_outputs = cache_outputs  # type: ignore[attr-defined]
+    return case
+
+
+def check(case: Case, *, model: onnx.ModelProto | None = None) -> dict:
+    """Run the portable model and the oracle; compare; return the portable outputs."""
+    x, a = case.inputs, case.attrs
+    full = {name: x.get(name) for name in PAGED_ATTENTION.input_names}
+    exp_out, exp_k, exp_v = paged_attention(**full, **a)
+    if model is None:
+        model = portable_single_node_model(x, a, cache_outputs=getattr(case, "cache_outputs", True))
+    feed = dict(x)
+    feed["_width"] = exp_out.shape[1]
+    got = run(session(model), {k: v for k, v in feed.items()})
+    assert_close(got["output"], exp_out, case.dtype, what="output")
+    for name, exp in (("key_cache_out", exp_k), ("value_cache_out", exp_v)):
+        if name not in got:
+            continue
+        g = got[name]
+        if name in case.quant_step:
+            diff = np.abs(g.astype(np.int32) - exp.astype(np.int32))
+            assert diff.max() <= 1, f"{name}: {int((diff > 1).sum())} elements off by more than one step"
+        elif case.exact_cache:
+            np.testing.assert_array_equal(g.view(np.uint16), exp.view(np.uint16), err_msg=name)
+        else:
+            assert_close(g, exp, case.dtype, what=name)
+    return got
+
+
+# ------------------------------------------------------------------------------------------------ matrix
+MATRIX = {
+    "mha": dict(num_heads=4, kv_num_heads=4),
+    "gqa": dict(num_heads=8, kv_num_heads=2, head_size=64, pasts=(15, 16, 47), q_lens=(1, 1, 18)),
+    "mqa_decode": dict(num_heads=4, kv_num_heads=1, q_lens=(1, 1, 1, 1), pasts=(0, 31, 32, 70)),
+    "packed_qkv": dict(packed=True),
+    "packed_rope": dict(packed=True, rotary=(32, False, 0)),
+    "rope_half": dict(rotary=(32, False, 0), head_size=32),
+    "rope_interleaved_partial_offset": dict(rotary=(16, True, 8), head_size=48),
+    "rope_half_partial_offset": dict(rotary=(32, False, 16), head_size=64),
+    "softcap": dict(softcap=2.5),
+    "window": dict(local_window_size=5, q_lens=(9, 1, 4), pasts=(3, 40, 20)),
+    "non_causal": dict(is_causal=0),
+    "non_causal_window": dict(is_causal=0, local_window_size=7, q_lens=(6, 2, 5)),
+    "head_sink": dict(head_sink=True, q_lens=(2, 1, 3)),
+    "head_sink_window_softcap": dict(head_sink=True, local_window_size=3, softcap=5.0),
+    "qk_norm_rope": dict(qk_norm=True, rotary=(32, False, 0)),
+    "qk_norm": dict(qk_norm=True, qk_norm_epsilon=1e-5),
+    "explicit_scale": dict(scale=0.3),
+    "zero_length_sequence": dict(q_lens=(2, 0, 3, 0), pasts=(5, 9, 0, 16)),
+    "block_32_long": dict(block_size=32, q_lens=(40, 1), pasts=(30, 95)),
+    "latent": dict(latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=48, rotary=(16, False, 48)),
+    "latent_equal_v": dict(latent=True, num_heads=2, kv_num_heads=1, head_size=32),
+    "latent_noncausal_softcap": dict(
+        latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=32, is_causal=0, softcap=3.0
+    ),
+    "int8_per_tensor": dict(quant=("int8", "PER_TENSOR", "PER_TENSOR")),
+    "int8_per_channel_mixed": dict(quant=("int8", "PER_CHANNEL", "PER_TENSOR"), rotary=(32, True, 0)),
+    "int8_latent": dict(
+        latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=48, quant=("int8", "PER_CHANNEL", "")
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_matrix(name: str, dtype) -> None:
+    rng = np.random.default_rng(sum(map(ord, name)))
+    check(make_case(rng, dtype, **MATRIX[name]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_deepseek_like_latent(dtype) -> None:
+    """576-wide latent rows, 512-wide values, RoPE on the last 64 channels, a few heads; prefill + decode."""
+    rng = np.random.default_rng(576)
+    check(
+        make_case(
+            rng,
+            dtype,
+            latent=True,
+            num_heads=4,
+            kv_num_heads=1,
+            head_size=576,
+            v_head_size=512,
+            rotary=(64, False, 512),
+            scale=float(192**-0.5),
+            q_lens=(7, 1),
+            pasts=(0, 40),
+        )
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_slot_mapping_skips(dtype) -> None:
+    """-1 and out-of-range slots skip the write; the token still attends (reference §3.5)."""
+    rng = np.random.default_rng(7)
+    case = make_case(rng, dtype, q_lens=(2, 3), pasts=(1, 4), spare_blocks=2)
+    bt, bs = case.inputs["block_table"], 16
+    slots = []
+    for b, (p, q) in enumerate(((1, 2), (4, 3))):
+        slots += [int(bt[b, (p + i) // bs]) * bs + (p + i) % bs for i in range(q)]
+    slots[1] = -1
+    slots[3] = 10**6  # beyond num_blocks * block_size
+    case.inputs["slot_mapping"] = np.array(slots, np.int32)
+    got = check(case)
+    # the skipped tokens' slots hold the old cache bytes
+    kc = case.inputs["key_cache"].reshape(-1, *case.inputs["key_cache"].shape[2:])
+    gk = got["key_cache_out"].reshape(kc.shape)
+    s1 = int(bt[0, 0]) * bs + 2
+    np.testing.assert_array_equal(gk[s1].view(np.uint16), kc[s1].view(np.uint16))
+
+
+# ------------------------------------------------------------------------------------------------ sanitization
+MALFORMED = {
+    "cu_negative_and_unsorted": dict(cumulative_sequence_length=[0, 5, -2, 6]),
+    "cu_wrong_ends": dict(cumulative_sequence_length=[3, 2, 4, 99]),
+    "past_negative": dict(past_seqlens=[-4, 17, 33]),
+    "past_beyond_capacity": dict(past_seqlens=[0, 10**6, 33]),
+    "block_table_out_of_range": dict(block_table_entry=(1, 0, 10**5)),
+    "block_table_below_minus_one": dict(block_table_entry=(2, 1, -7)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_inputs_sanitized(name: str, dtype) -> None:
+    """Identical to the oracle; the cache changes only in slots of valid sequences' own mapped blocks."""
+    rng = np.random.default_rng(11)
+    case = make_case(rng, dtype, q_lens=(3, 1, 2), pasts=(0, 17, 33), spare_blocks=4, rotary=(32, False, 0))
+    spec = MALFORMED[name]
+    x = case.inputs
+    if "block_table_entry" in spec:
+        b, i, v = spec["block_table_entry"]
+        x["block_table"] = x["block_table"].copy()
+        x["block_table"][b, i] = v
+    for key in ("cumulative_sequence_length", "past_seqlens"):
+        if key in spec:
+            x[key] = np.array(spec[key], np.int32)
+    got = check(case)
+    owned = {int(v) for v in x["block_table"].reshape(-1) if 0 <= v < x["key_cache"].shape[0]}
+    for out, src in (("key_cache_out", "key_cache"), ("value_cache_out", "value_cache")):
+        changed = np.nonzero((got[out].view(np.uint16) != x[src].view(np.uint16)).any(axis=(1, 2, 3)))[0]
+        assert set(changed.tolist()) <= owned, f"{out}: writes outside mapped blocks: {sorted(changed)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_invalid_sequence_zero_output_others_unaffected(dtype) -> None:
+    """An invalid past length zeroes that sequence and leaves the others' outputs and caches as without it."""
+    rng = np.random.default_rng(5)
+    case = make_case(rng, dtype, q_lens=(2, 3), pasts=(5, 9))
+    good = check(case)
+    case.inputs["past_seqlens"] = np.array([-1, 9], np.int32)
+    bad = check(case)
+    assert not bad["output"][:2].astype(np.float32).any()
+    np.testing.assert_array_equal(bad["output"][2:].view(np.uint16), good["output"][2:].view(np.uint16))
+    bt = case.inputs["block_table"]
+    for blk in bt[1][bt[1] >= 0]:
+        np.testing.assert_array_equal(
+            bad["key_cache_out"][blk].view(np.uint16), good["key_cache_out"][blk].view(np.uint16)
+        )
+    for blk in bt[0][bt[0] >= 0]:
+        np.testing.assert_array_equal(
+            bad["key_cache_out"][blk].view(np.uint16), case.inputs["key_cache"][blk].view(np.uint16)
+        )
+
+
+@pytest.mark.parametrize("pasts", [(4, 0), (0, 0)], ids=["with_past", "nothing_to_attend"])
+def test_zero_tokens(pasts) -> None:
+    rng = np.random.default_rng(3)
+    check(make_case(rng, np.float16, q_lens=(0, 0), pasts=pasts))
+
+
+def test_cache_outputs_omitted() -> None:
+    """Without cache outputs the call still attends to its own new tokens."""
+    rng = np.random.default_rng(9)
+    case = make_case(rng, np.float16, cache_outputs=False, q_lens=(4, 1), pasts=(0, 20))
+    got = check(case)
+    assert set(got) == {"output"}
+
+
+# ------------------------------------------------------------------------------------------------ in place
+def _decode_inputs(num_blocks: int, rng) -> dict:
+    n, kvh, h, bs = 8, 4, 64, 16
+    ctx = 200
+    used = -(-(ctx + 1) // bs)
+    x = {
+        "query": rng.standard_normal((1, n * h)).astype(np.float16),
+        "key": rng.standard_normal((1, kvh * h)).astype(np.float16),
+        "value": rng.standard_normal((1, kvh * h)).astype(np.float16),
+        "key_cache": np.zeros((num_blocks, bs, kvh, h), np.float16),
+        "value_cache": np.zeros((num_blocks, bs, kvh, h), np.float16),
+        "cumulative_sequence_length": np.array([0, 1], np.int32),
+        "past_seqlens": np.array([ctx], np.int32),
+        "block_table": np.arange(used, dtype=np.int32)[None, :],
+    }
+    return x
+
+
+def test_io_binding_aliased_cache_is_updated_in_place() -> None:
+    rng = np.random.default_rng(1)
+    attrs = {"num_heads": 8, "kv_num_heads": 4}
+    x = _decode_inputs(64, rng)
+    sess = session(portable_single_node_model(x, attrs))
+    kc = x["key_cache"]
+    ko = ort.OrtValue.ortvalue_from_numpy(kc)
+    vo = ort.OrtValue.ortvalue_from_numpy(x["value_cache"])
+    io = sess.io_binding()
+    for name in ("query", "key", "value", "cumulative_sequence_length", "past_seqlens", "block_table"):
+        io.bind_cpu_input(name, x[name])
+    io.bind_ortvalue_input("key_cache", ko)
+    io.bind_ortvalue_input("value_cache", vo)
+    io.bind_output("output")
+    io.bind_ortvalue_output("key_cache_out", ko)
+    io.bind_ortvalue_output("value_cache_out", vo)
+    ptr = ko.data_ptr()
+    sess.run_with_iobinding(io)
+    outs = io.get_outputs()
+    assert ko.data_ptr() == ptr == outs[1].data_ptr()
+    # position 200 -> block 12, offset 8; the numpy array behind the OrtValue holds the new key
+    np.testing.assert_array_equal(kc[12, 8].reshape(-1), x["key"].reshape(-1))
+    exp_out, exp_k, _ = paged_attention(**{**x, "key_cache": np.zeros_like(kc)}, **attrs)
+    assert_close(outs[0].numpy(), exp_out, np.float16, what="output")
+    np.testing.assert_array_equal(kc, exp_k)
+
+    # plain run: fresh output arrays, inputs untouched
+    y = _decode_inputs(64, rng)
+    _, k_out, _ = sess.run(None, y)
+    assert not y["key_cache"].any() and k_out[12, 8].any()
+
+
+def _step_seconds(sess, x: dict, *, alias: bool, repeats: int = 7) -> float:
+    feed = dict(x)
+    feed["_width"] = x["query"].shape[1]
+    run(sess, feed, alias=alias)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(sess, feed, alias=alias)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def test_step_time_independent_of_pool_size_when_aliased() -> None:
+    """Aliased: a 4096-block pool costs about what a 64-block pool does; unaliased copies the whole pool."""
+    rng = np.random.default_rng(2)
+    attrs = {"num_heads": 8, "kv_num_heads": 4}
+    sess = session(portable_single_node_model(_decode_inputs(64, rng), attrs))
+    small = _step_seconds(sess, _decode_inputs(64, rng), alias=True)
+    big_x = _decode_inputs(4096, rng)
+    big = _step_seconds(sess, big_x, alias=True)
+    big_copy = _step_seconds(sess, big_x, alias=False, repeats=3)
+    assert big < 3 * small + 2e-3, f"aliased step: 64 blocks {small * 1e3:.2f} ms, 4096 blocks {big * 1e3:.2f} ms"
+    assert big_copy > 2 * big, f"unaliased 4096-block step {big_copy * 1e3:.2f} ms vs aliased {big * 1e3:.2f} ms"
+
+
+# ------------------------------------------------------------------------------------------------ lowering
+def test_lowering_keeps_names_and_does_not_mutate() -> None:
+    rng = np.random.default_rng(4)
+    case = make_case(rng, np.float16, rotary=(32, False, 0))
+    model = paged_attention_model(case.inputs, case.attrs)
+    before = model.SerializeToString()
+    lowered = lower_to_portable(model)
+    assert model.SerializeToString() == before
+    assert [i.name for i in lowered.graph.input] == [i.name for i in model.graph.input]
+    assert [o.name for o in lowered.graph.output] == [o.name for o in model.graph.output]
+    assert [n.domain for n in lowered.graph.node] == [FUNCTION_DOMAIN]
+    assert all(n.domain in ("", FUNCTION_DOMAIN) for f in lowered.functions for n in f.node)
+    # the cache outputs are ScatterND outputs whose data input is the cache graph input
+    f = lowered.functions[0]
+    scatters = [n for n in f.node if n.op_type == "ScatterND"]
+    assert {n.input[0] for n in scatters} == {"key_cache", "value_cache"}
+    assert {n.output[0] for n in scatters} == set(f.output[1:])
+    readers = [n for n in f.node if n.op_type != "ScatterND" and {"key_cache", "value_cache"} & set(n.input)]
+    assert all(n.op_type == "Shape" for n in readers), [n.op_type for n in readers]
+
+
+def test_node_selection_and_shared_function() -> None:
+    rng = np.random.default_rng(6)
+    case = make_case(rng, np.float16)
+    m = paged_attention_model(case.inputs, case.attrs)
+    node = m.graph.node[0]
+    second = onnx.NodeProto()
+    second.CopyFrom(node)
+    second.name = "PagedAttention_1"
+    del second.output[:]
+    second.output.extend(["output_1", "key_cache_out_1", "value_cache_out_1"])
+    m.graph.node.append(second)
+    for name in second.output:
+        m.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT16, None))
+    only_second = lower_to_portable(m, ["PagedAttention_1"])
+    assert [n.domain for n in only_second.graph.node] == ["com.microsoft", FUNCTION_DOMAIN]
+    both = lower_to_portable(m)
+    assert len(both.functions) == 1  # identical configurations share one function
+    with pytest.raises(ValueError, match="unknown"):
+        lower_to_portable(m, ["nope"])
+
+
+def test_unsupported_and_invalid_nodes_raise_typed_errors() -> None:
+    rng = np.random.default_rng(8)
+    case = make_case(rng, np.float16)
+    x = dict(case.inputs)
+    fp8 = np.zeros(x["key_cache"].shape, ml_dtypes.float8_e4m3fn)
+    x["key_cache"], x["value_cache"] = fp8, fp8
+    x["k_scale"] = x["v_scale"] = np.ones(1, np.float32)
+    attrs = {**case.attrs, "k_quant_type": "PER_TENSOR", "v_quant_type": "PER_TENSOR"}
+    with pytest.raises(NotImplementedByBackend, match="float8e4m3fn"):
+        lower_to_portable(paged_attention_model(x, attrs))
+    with pytest.raises(InvalidArgument):
+        lower_to_portable(paged_attention_model(case.inputs, {**case.attrs, "kv_num_heads": 3}))

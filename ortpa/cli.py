@@ -85,6 +85,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         rope_in_op=args.rope_in_op,
         logits=args.logits,
         kv_cache_dtype=args.kv_cache_dtype,
+        absorb=args.absorb,
+        attention_metadata=not args.no_attention_metadata,
+        position_ids=args.position_ids,
+        max_positions=args.max_positions,
         progress=_progress_printer(args),
     )
     nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
@@ -127,6 +131,28 @@ def _register_convert(sub) -> None:
         choices=["last", "all"],
         default="last",
         help="logits for each sequence's last new token (default) or for every packed token",
+    )
+    p.add_argument(
+        "--absorb",
+        choices=["auto", "fold", "matmul"],
+        default="auto",
+        help="MLA: fold W_UK/W_UV into q_proj/o_proj where exact and not larger (auto), always where exact "
+        "(fold), or keep per-head MatMuls (matmul)",
+    )
+    p.add_argument(
+        "--no-attention-metadata", action="store_true", help="do not add the host-side attention_metadata input"
+    )
+    p.add_argument(
+        "--position-ids",
+        choices=["derive", "input"],
+        default="derive",
+        help="derive positions in-graph from the sequence lengths (default) or take a position_ids input",
+    )
+    p.add_argument(
+        "--max-positions",
+        type=int,
+        default=None,
+        help="rows of the cos/sin tables with --rope-in-op (default: the model's, else 4096)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_common(p)
@@ -235,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return int(args.func(args))
-    except OrtpaError as exc:
+    except OrtpaError as exc:  # ConversionError lists every failing layer with its reason
         if getattr(args, "verbose", False):
             traceback.print_exc()
         print(f"ortpa {args.command}: error: {exc}", file=sys.stderr)

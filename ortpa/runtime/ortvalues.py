@@ -90,12 +90,14 @@ def to_ortvalue(array: np.ndarray, device: str = "cpu", device_id: int = 0) -> o
 
 
 def ortvalue_to_numpy(value: ort.OrtValue) -> np.ndarray:
-    """A numpy copy of a CPU OrtValue, whatever its element type."""
+    """A numpy copy of an OrtValue (CPU, or CUDA through cuda-python), whatever its element type."""
     dtype = numpy_dtype_for_onnx(value.data_type())
     if dtype not in _RAW_VIEW:
         return np.array(value.numpy(), copy=True)
     if value.device_name().lower() != "cpu":
-        raise ValueError(f"cannot read a {dtype} OrtValue on {value.device_name()!r}; bind the output to 'cpu'")
+        from ortpa.runtime.cuda_memory import device_to_host
+
+        return device_to_host(value, dtype)
     shape = tuple(value.shape())
     nbytes = value.tensor_size_in_bytes()
     buf = (ctypes.c_uint8 * nbytes).from_address(value.data_ptr()) if nbytes else b""

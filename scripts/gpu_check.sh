@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: every `cuda` test, then the GPU-relevant benchmarks, then one summary.
+# Needs: a CUDA device, `pip install ".[test,cuda]"` (onnxruntime-gpu is a core dependency). Under 5 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+log=$(mktemp)
+echo "== ortpa GPU check: $(date -u +%FT%TZ)"
+python - <<'PY'
+import onnxruntime as ort
+from ortpa.runtime.device import cuda_device_count
+print("onnxruntime", ort.__version__, ort.get_available_providers(), "cuda devices:", cuda_device_count())
+PY
+timeout 240 python -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$log"
+tests_rc=${PIPESTATUS[0]}
+timeout 60 python benchmarks/portable.py --quick 2>&1 | tail -15 || true
+echo "== summary"
+tail -1 "$log"
+if grep -q "skipped" "$log" && ! grep -q "passed" "$log"; then
+  echo "cuda tests were all skipped: no CUDA device visible to onnxruntime"
+fi
+exit "$tests_rc"

@@ -12,6 +12,8 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from ortpa.errors import OrtpaError
 
 __all__ = ["main"]
@@ -19,8 +21,11 @@ __all__ = ["main"]
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 _EPILOG = """examples:
-  ortpa validate model.onnx --backend cuda
-  ortpa validate model.onnx --json
+  ortpa demo
+  ortpa convert dense.onnx paged.onnx
+  ortpa validate paged.onnx --backend cuda
+  ortpa generate paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8 --json
+  ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3
 """
 
 
@@ -233,7 +238,180 @@ def _register_bench(sub) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
-_REGISTRARS: list[Callable] = [_register_convert, _register_validate, _register_export, _register_bench]
+# ---------------------------------------------------------------------------------------------- generate
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"expected at least one non-negative token id, got {text!r}")
+    return ids
+
+
+_PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ortpa.runtime.engine import Engine
+    from ortpa.runtime.sampling import SamplingParams
+
+    engine = Engine(
+        args.model,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        providers=_PROVIDERS[args.provider] if args.provider else None,
+    )
+    outputs = engine.generate(args.prompt_ids, SamplingParams(max_new_tokens=args.max_new_tokens))
+    if args.json:
+        print(json.dumps({"outputs": outputs}))
+    else:
+        for prompt, out in zip(args.prompt_ids, outputs, strict=True):
+            print(",".join(map(str, prompt)), "->", ",".join(map(str, out)))
+    return EXIT_OK
+
+
+def _register_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="greedy generation with continuous batching on a converted model",
+        description="All prompts are batched continuously on the paged model (CUDA natively where present, "
+        "else the portable CPU path).",
+        epilog="examples:\n  ortpa generate paged.onnx --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16\n"
+        "  ortpa generate paged.onnx --prompt-ids 5,6 --max-new-tokens 4 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="a converted (paged) ONNX model")
+    p.add_argument(
+        "--prompt-ids",
+        type=_prompt_ids,
+        action="append",
+        required=True,
+        help="comma-separated token ids of one prompt; repeat for more prompts",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--provider", choices=["cpu", "cuda"], default=None, help="default: CUDA if present, else CPU")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from a memory budget)")
+    p.add_argument("--json", action="store_true", help='print {"outputs": [[ids...], ...]} in prompt order')
+    _add_common(p)
+    p.set_defaults(func=_cmd_generate)
+
+
+# ------------------------------------------------------------------------------------------------- demo
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ortpa.demo import run_demo
+
+    progress = None if args.quiet or args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    summary = run_demo(args.out_dir, provider=args.provider, quiet=True, progress=progress)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format())
+    return EXIT_OK if summary.ok else EXIT_INVALID
+
+
+def _register_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the whole pipeline on a built-in DeepSeek-style MLA model (no downloads, no torch)",
+        description="Build a small dense MLA model with random weights, convert it to PagedAttention LATENT, "
+        "validate it, generate with continuous batching on the best provider, and check parity with the dense "
+        "original. Exits 1 if parity fails.",
+        epilog="examples:\n  ortpa demo\n  ortpa demo --out-dir ./demo --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out-dir", default=None, help="where to write the two models (default: a temp dir)")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--json", action="store_true")
+    _add_common(p)
+    p.set_defaults(func=_cmd_demo)
+
+
+# ----------------------------------------------------------------------------------------------- parity
+def _cmd_parity(args: argparse.Namespace) -> int:
+    import onnxruntime as ort
+
+    from ortpa.runtime.session import PagedSession, load_model
+    from ortpa.testing.greedy import dense_greedy, paged_greedy
+
+    if not args.prompt_ids:
+        args.prompt_ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    dense_proto = load_model(args.original)
+    dense = ort.InferenceSession(dense_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    paged = PagedSession(
+        args.converted,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        providers=_PROVIDERS[args.provider] if args.provider else None,
+    )
+    ref = dense_greedy(dense, args.prompt_ids, args.max_new_tokens)
+    got = paged_greedy(paged, args.prompt_ids, args.max_new_tokens)
+    steps = []
+    for step in range(args.max_new_tokens):
+        errs = [
+            float(np.abs(g[step] - r[step]).max())
+            for g, r in zip(got.logits, ref.logits, strict=True)
+            if step < len(g) and step < len(r)
+        ]
+        agree = sum(
+            step < len(g) and step < len(r) and g[step] == r[step] for g, r in zip(got.tokens, ref.tokens, strict=True)
+        )
+        steps.append({"step": step, "max_abs_logit_error": max(errs) if errs else 0.0, "tokens_agree": agree})
+    total_agree = all(g == r for g, r in zip(got.tokens, ref.tokens, strict=True))
+    worst = max(s["max_abs_logit_error"] for s in steps)
+    ok = total_agree and worst <= args.atol
+    result = {
+        "ok": ok,
+        "max_abs_logit_error": worst,
+        "tokens_identical": total_agree,
+        "steps": steps,
+        "prompts": len(args.prompt_ids),
+        "atol": args.atol,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for s in steps:
+            print(
+                f"step {s['step']:3d}  max |dlogit| {s['max_abs_logit_error']:.3e}  "
+                f"tokens agree {s['tokens_agree']}/{len(args.prompt_ids)}"
+            )
+        print(
+            ("PARITY OK" if ok else "PARITY FAILED") + f": max |dlogit| {worst:.3e} (atol {args.atol}), "
+            f"greedy tokens {'identical' if total_agree else 'differ'}"
+        )
+    return EXIT_OK if ok else EXIT_INVALID
+
+
+def _register_parity(sub) -> None:
+    p = sub.add_parser(
+        "parity",
+        help="run the same prompts through the dense original and the converted model; compare",
+        description="Greedy decoding of each prompt on the dense model (ONNX Runtime CPU, past/present KV) and of "
+        "all prompts batched on the converted model; prints per-step max logit error and token agreement.",
+        epilog="example:\n  ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("original", help="the dense model (past_key_values.* / present.*)")
+    p.add_argument("converted", help="the converted paged model")
+    p.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--atol", type=float, default=5e-2, help="largest allowed |logit difference| (default 5e-2)")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--json", action="store_true")
+    _add_common(p)
+    p.set_defaults(func=_cmd_parity)
+
+
+_REGISTRARS: list[Callable] = [
+    _register_demo,
+    _register_convert,
+    _register_validate,
+    _register_generate,
+    _register_parity,
+    _register_export,
+    _register_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,11 +3,15 @@
 1. build a small DeepSeek-style dense MLA model (:mod:`ortpa.testing.dense_mla`, random seeded weights) and save it;
 2. :func:`ortpa.convert` it to PagedAttention LATENT (progress per layer) and save the paged model;
 3. validate every PagedAttention node against ONNX Runtime's rules for the CUDA kernel;
-4. greedy-generate for four prompts of different lengths, batched (one packed prefill, then packed decode
-   steps), on the best provider present: CUDA's native kernel where a GPU is, else the portable CPU path;
-5. check parity with the dense original run by ONNX Runtime on CPU (teacher-forced on the paged tokens, so
-   every step's logits are comparable): per-step max |logit difference| within the float16 tolerance, and the
-   same greedy token at every step.
+4. greedy-generate for four prompts of different lengths with :class:`~ortpa.runtime.engine.Engine`
+   (continuous batching) on the best provider present: CUDA's native kernel where a GPU is, else the portable
+   CPU path;
+5. check parity with the dense original run by ONNX Runtime on CPU. The engine returns tokens only, so a
+   step-by-step greedy loop on the same paged model and provider (:func:`ortpa.testing.greedy.paged_greedy`:
+   one packed prefill, then packed decodes) records each step's logits; the dense model is teacher-forced on
+   that loop's tokens so every step is comparable. Checked: per-step max |logit difference| within the
+   float16 tolerance, the same greedy token as the dense model at every step, and the engine's tokens equal
+   to the loop's.
 
 A token may differ only at a *near tie*: a step where the dense model's top two logits are closer than the
 float16 tolerance, i.e. where either pick is correct within the precision of the paged model's attention.
@@ -32,6 +36,7 @@ from ortpa.errors import InvalidArgument
 from ortpa.ops.node_check import validate_model
 from ortpa.rewriter.pipeline import convert_file
 from ortpa.runtime.device import best_providers
+from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig, build_dense_mla
 from ortpa.testing.greedy import GreedyRun, dense_greedy, paged_greedy
@@ -76,11 +81,12 @@ class DemoSummary:
     max_abs_error: float
     max_abs_error_per_step: list[float]
     tolerance: tuple[float, float]  # (rtol, atol)
-    tokens_identical: bool
+    tokens_identical: bool  # paged greedy tokens == dense greedy tokens, every prompt and step
+    engine_tokens_identical: bool  # Engine.generate's tokens == the step-by-step paged loop's
     token_mismatches: int  # steps whose tokens differ where the dense top-2 gap exceeds the tolerance
     near_ties: int  # steps whose tokens differ where the dense top-2 gap is within the tolerance
     min_top2_gap: float
-    tokens_per_second: float  # paged generation: new tokens / wall time of the generation loop
+    tokens_per_second: float  # Engine.generate: new tokens / its wall time (prefill included)
     dense_tokens_per_second: float
     seconds: dict[str, float] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
@@ -125,8 +131,9 @@ class DemoSummary:
             f"  parity        max |logit diff| {self.max_abs_error:.2e} (per step: {per_step}); "
             f"tolerance rtol {self.tolerance[0]:g}, atol {self.tolerance[1]:g}",
             f"                greedy tokens {'identical' if self.tokens_identical else 'DIFFER'}"
-            f" (mismatches {self.token_mismatches}, near ties {self.near_ties}, min top-2 gap {self.min_top2_gap:.3f})",
-            f"  speed         paged {self.tokens_per_second:.0f} tok/s, dense (CPU, one prompt at a time) "
+            f" (mismatches {self.token_mismatches}, near ties {self.near_ties}, min top-2 gap {self.min_top2_gap:.3f});"
+            f" engine tokens {'identical' if self.engine_tokens_identical else 'DIFFER'}",
+            f"  speed         engine {self.tokens_per_second:.0f} tok/s, dense (CPU, one prompt at a time) "
             f"{self.dense_tokens_per_second:.0f} tok/s",
             "  time          " + ", ".join(f"{k} {v:.2f}s" for k, v in self.seconds.items()),
         ]
@@ -237,22 +244,27 @@ def run_demo(
 
     rng = np.random.default_rng(c.seed)
     prompts = [[int(t) for t in rng.integers(0, c.vocab, n)] for n in DEMO_PROMPT_LENGTHS]
-    say(f"generating {DEMO_NEW_TOKENS} tokens for {len(prompts)} prompts on {chosen}")
+    say(f"generating {DEMO_NEW_TOKENS} tokens for {len(prompts)} prompts on {chosen} (Engine, continuous batching)")
     blocks = len(prompts) * -(-(max(DEMO_PROMPT_LENGTHS) + DEMO_NEW_TOKENS) // BLOCK_SIZE)
-    session = PagedSession(
-        paged, num_blocks=blocks, block_size=BLOCK_SIZE, providers=list(dict.fromkeys([chosen, "CPUExecutionProvider"]))
-    )
+    providers = list(dict.fromkeys([chosen, "CPUExecutionProvider"]))
+    engine = Engine(paged, num_blocks=blocks, block_size=BLOCK_SIZE, providers=providers)
     lap("session")
-    run = paged_greedy(session, prompts, DEMO_NEW_TOKENS)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=DEMO_NEW_TOKENS))
+    engine_seconds = time.perf_counter() - start
     lap("generate")
-    say("running the dense model on CPU for parity")
+    say("recording per-step logits (paged, step by step) and running the dense model on CPU for parity")
+    session = PagedSession(paged, num_blocks=blocks, block_size=BLOCK_SIZE, providers=providers)
+    run = paged_greedy(session, prompts, DEMO_NEW_TOKENS)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     dense_sess = ort.InferenceSession(str(dense_path), opts, providers=["CPUExecutionProvider"])
     ref = dense_greedy(dense_sess, prompts, DEMO_NEW_TOKENS, follow=run.tokens)
-    lap("dense")
+    lap("parity")
 
     per_step, mismatches, ties, min_gap, failures = _parity(run, ref)
+    if outputs != run.tokens:
+        failures.append(f"Engine.generate tokens {outputs} differ from the step-by-step paged run's {run.tokens}")
     if not report.ok:
         failures.insert(0, "validation failed:\n" + report.format())
     n_paged = sum(n.op_type == "PagedAttention" for n in paged.graph.node)
@@ -281,13 +293,14 @@ def run_demo(
         max_abs_error_per_step=per_step,
         tolerance=(PARITY_RTOL, PARITY_ATOL),
         tokens_identical=run.tokens == ref.tokens,
+        engine_tokens_identical=outputs == run.tokens,
         token_mismatches=mismatches,
         near_ties=ties,
         min_top2_gap=min_gap,
-        tokens_per_second=run.new_tokens / run.seconds,
+        tokens_per_second=sum(len(t) for t in outputs) / engine_seconds,
         dense_tokens_per_second=ref.new_tokens / ref.seconds,
         seconds={**seconds, "total": sum(seconds.values())},
-        outputs=run.tokens,
+        outputs=outputs,
         failures=failures,
     )
     say(summary.format())

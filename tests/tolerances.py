@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["TOL", "assert_close", "tol_for"]
+__all__ = ["FAMILY_EXTRA_ATOL", "TOL", "assert_close", "tol_for"]
 
 # (rtol, atol) per activation dtype name.
 TOL: dict[str, tuple[float, float]] = {
@@ -17,6 +17,12 @@ TOL: dict[str, tuple[float, float]] = {
     "float16": (2e-3, 5e-3),
     "bfloat16": (2e-2, 2e-2),
 }
+
+
+# Extra absolute tolerance on logits for model families whose attention sees larger activations, so float16
+# rounding of q/k/v inside PagedAttention costs more: Gemma-2 ((1 + w) RMSNorm weights, sqrt(hidden) embedding
+# scale, softcapped scores) measured 9.1e-3 max over 24 tokens with errors flat across steps (no drift).
+FAMILY_EXTRA_ATOL: dict[str, float] = {"gemma2": 5e-3}
 
 
 def tol_for(dtype) -> tuple[float, float]:

@@ -250,6 +250,7 @@ def _softmax_of(value: ir.Value) -> ir.Node | None:
 class _Core:
     query: ir.Value
     key: ir.Value
+    value: ir.Value  # the (repeated) value the attention reads, [B,H,T,D]
     attn_out: ir.Value
     scale: float | None  # None: the op's default 1/sqrt(D)
     softcap: float
@@ -270,7 +271,11 @@ def _attention_core(present_v: ir.Value) -> _Core:
                     node,
                 )
                 _need(int_attr(node, "qk_matmul_output_mode", 0) == 0, "ONNX Attention returns qk scores", node)
-                _need(len(node.outputs) == 1 or all(not o.uses() for o in node.outputs[1:]), "Attention extra outputs used", node)
+                _need(
+                    len(node.outputs) == 1 or all(not o.uses() for o in node.outputs[1:]),
+                    "Attention extra outputs used",
+                    node,
+                )
                 attr = node.attributes.get("scale")
                 query, qf = _strip_scales(node.inputs[0])
                 key, kf = _strip_scales(node.inputs[1])
@@ -284,7 +289,7 @@ def _attention_core(present_v: ir.Value) -> _Core:
                 masks = [node.inputs[3]] if len(node.inputs) > 3 and node.inputs[3] is not None else []
                 if int_attr(node, "is_causal", 0) == 0:
                     _need(masks, "ONNX Attention without a mask and is_causal=0 is not causal attention", node)
-                return _Core(query, key, node.outputs[0], scale, softcap, masks, "onnx-attention")
+                return _Core(query, key, v, node.outputs[0], scale, softcap, masks, "onnx-attention")
             if node.op_type == "MatMul" and node.inputs[1] is v:
                 softmax = _softmax_of(node.inputs[0])
                 _need(softmax is not None, f"MatMul({node.inputs[0].name}, v): probabilities are not a Softmax", node)
@@ -294,8 +299,10 @@ def _attention_core(present_v: ir.Value) -> _Core:
                 query, qf = _strip_scales(s.matmul.inputs[0])
                 key, kf = _strip_scales(s.matmul.inputs[1], through_layout=True)
                 # factors on q / k scale q.k inside the tanh too: they belong to scale, not to softcap
-                return _Core(query, key, node.outputs[0], s.scale * qf * kf, s.softcap, s.masks, "matmul-softmax")
-    raise _Fail(f"no attention (MatMul(p, v) or ONNX Attention) reads the value cache; consumers: {_ops(present_v)}", present_v)
+                return _Core(query, key, v, node.outputs[0], s.scale * qf * kf, s.softcap, s.masks, "matmul-softmax")
+    raise _Fail(
+        f"no attention (MatMul(p, v) or ONNX Attention) reads the value cache; consumers: {_ops(present_v)}", present_v
+    )
 
 
 def _ancestors(values: list[ir.Value], limit: int = _MAX_MASK_NODES) -> list[ir.Node]:
@@ -351,12 +358,21 @@ def _sliding_window(masks: list[ir.Value]) -> int:
         if c is None or c <= 0 or const_array(kv) is not None:
             continue
         windows.add(c if strict else c + 1)
-    _need(len(windows) <= 1, f"the attention mask encodes several windows {sorted(windows)}", masks[0] if masks else None)
+    _need(
+        len(windows) <= 1, f"the attention mask encodes several windows {sorted(windows)}", masks[0] if masks else None
+    )
     return windows.pop() if windows else -1
 
 
 def _rms_norm(value: ir.Value) -> QkNorm | None:
-    """``weight * (x * Reciprocal(Sqrt(ReduceMean(x^2, -1) + eps)))`` (either Mul order, optional Casts)."""
+    """``weight * (x * Reciprocal(Sqrt(ReduceMean(x^2, -1) + eps)))`` (either Mul order), or ONNX RMSNormalization."""
+    rms = producer_op(value, "RMSNormalization")
+    if rms is not None:
+        weight = const_array(rms.inputs[1]) if len(rms.inputs) > 1 else None
+        attr = rms.attributes.get("epsilon")
+        if weight is None or weight.ndim != 1 or int_attr(rms, "axis", -1) not in (-1, 3):
+            return None
+        return QkNorm(rms.inputs[0], weight, float(attr.value) if attr is not None else 1e-5)
     outer = producer_op(value, "Mul")
     if outer is None:
         return None
@@ -386,7 +402,15 @@ def _rms_norm(value: ir.Value) -> QkNorm | None:
 
 
 def _rope_input(roped: ir.Value, head: int) -> ir.Value | None:
-    """x when ``roped = x * cos + Concat(-x[..., D/2:], x[..., :D/2]) * sin`` (full-width rotate_half), else None."""
+    """x when ``roped = x * cos + Concat(-x[..., D/2:], x[..., :D/2]) * sin`` (full-width rotate_half), else None.
+
+    Also ONNX ``RotaryEmbedding`` (opset-23 exports), non-interleaved over the whole head.
+    """
+    rot = producer_op(roped, "RotaryEmbedding")
+    if rot is not None:
+        full = int_attr(rot, "rotary_embedding_dim", 0) in (0, head)
+        plain = int_attr(rot, "interleaved", 0) == 0 and (len(rot.inputs) < 4 or rot.inputs[3] is None)
+        return rot.inputs[0] if full and plain and static_dim(rot.inputs[0], 1) is not None else None
     add = producer_op(roped, "Add")
     if add is None:
         return None
@@ -439,7 +463,11 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     past_v = _graph_input(graph, f"past_key_values.{i}.value")
     _need(past_k is not None and past_v is not None, f"graph inputs past_key_values.{i}.key/.value not found", None)
     assert past_k is not None and past_v is not None
-    _need(past_k.shape is not None and len(past_k.shape) == 4, f"key cache is not [batch, heads, past, head]: {past_k.shape}", past_k)
+    _need(
+        past_k.shape is not None and len(past_k.shape) == 4,
+        f"key cache is not [batch, heads, past, head]: {past_k.shape}",
+        past_k,
+    )
     kvh, d = static_dim(past_k, 1), static_dim(past_k, 3)
     _need(kvh is not None and d is not None, f"key cache heads / head size are not static: {past_k.shape}", past_k)
     assert kvh is not None and d is not None
@@ -455,12 +483,15 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     h = static_dim(core.query, 1)
     _need(h is not None, f"query heads are not static: {core.query.shape}", core.query)
     assert h is not None
-    _need(static_dim(core.query, -1) in (None, d), f"query head size {static_dim(core.query, -1)}, cache head size {d}", core.query)
+    _need(
+        static_dim(core.query, -1) in (None, d),
+        f"query head size {static_dim(core.query, -1)}, cache head size {d}",
+        core.query,
+    )
     _need(h % kvh == 0, f"{h} query heads are not a multiple of {kvh} KV heads", core.query)
-    for what, v in (("key", core.key), ("attn_out", core.attn_out)):
+    # the key may reach the scores transposed / reshaped: its heads are checked through the repeated value
+    for what, v in (("value", core.value), ("output", core.attn_out)):
         got = static_dim(v, 1)
-        if what == "key" and producer_op(v, "Transpose", "Reshape") is not None:
-            continue  # a transposed / reshaped key: heads are checked through the repeat instead
         _need(got in (None, h), f"attention {what} has {got} heads, query has {h}", v)
     for what, v in (("key", k_new), ("value", v_new)):
         _need(static_dim(v, 1) in (None, kvh), f"new {what} has {static_dim(v, 1)} heads, cache has {kvh}", v)

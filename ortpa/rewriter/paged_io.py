@@ -25,7 +25,18 @@ from ortpa.errors import ConversionError
 from ortpa.rewriter._graph import Builder, const_array, int_attr
 from ortpa.rewriter.mla import PagedAttentionInputs
 
-__all__ = ["DENSE_PREFIX", "LogitsMode", "PagedIO", "PositionMode", "begin", "finish"]
+__all__ = [
+    "DENSE_PREFIX",
+    "LogitsMode",
+    "PagedIO",
+    "PositionMode",
+    "add_key_cache",
+    "add_separate_caches",
+    "begin",
+    "finish",
+    "set_present",
+    "set_present_value",
+]
 
 LogitsMode = Literal["last", "all"]
 PositionMode = Literal["derive", "input"]
@@ -105,6 +116,25 @@ def set_present(graph: ir.Graph, layer: int, key_cache_out: ir.Value, like: ir.V
     key_cache_out.type = like.type
     key_cache_out.shape = like.shape
     graph.outputs.append(key_cache_out)
+
+
+def add_separate_caches(
+    graph: ir.Graph, layer: int, kv_heads: int, head_size: int, dtype: ir.DataType
+) -> tuple[ir.Value, ir.Value]:
+    """Graph inputs ``past_key_values.{layer}.key`` / ``.value`` ``[num_blocks, block_size, kv_heads, head_size]``
+    (SEPARATE)."""
+    dims: list[int | str] = ["num_blocks", "block_size", kv_heads, head_size]
+    key, value = (_input(f"past_key_values.{layer}.{kind}", dtype, dims) for kind in ("key", "value"))
+    graph.inputs.extend([key, value])
+    return key, value
+
+
+def set_present_value(graph: ir.Graph, layer: int, value_cache_out: ir.Value, like: ir.Value) -> None:
+    """Expose the op's ``value_cache_out`` as ``present.{layer}.value`` with the cache input's type and shape."""
+    value_cache_out.name = f"present.{layer}.value"
+    value_cache_out.type = like.type
+    value_cache_out.shape = like.shape
+    graph.outputs.append(value_cache_out)
 
 
 def _positions(b: Builder, io: PagedIO) -> ir.Value:

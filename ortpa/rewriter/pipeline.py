@@ -23,6 +23,8 @@ from ortpa.errors import ConversionError, InvalidModel
 from ortpa.rewriter import paged_io
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
+from ortpa.rewriter.attention import AttentionLayer, match_attention_layers, rewrite_attention_layer
+from ortpa.rewriter.attention import rope_in_op_problems
 from ortpa.rewriter.rope import rope_caches
 
 __all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file"]
@@ -134,6 +136,85 @@ def _check_session(proto: onnx.ModelProto) -> None:
     )
 
 
+def _attention_family(
+    graph: ir.Graph, mla_results: list[MlaLayer | LayerFailure]
+) -> list[AttentionLayer | LayerFailure] | None:
+    """MHA/GQA match results when the model is not MLA; None sends it down the MLA path.
+
+    A model is MLA when any layer matches MLA (its failures are then MLA failures). Otherwise it is MHA/GQA when
+    any layer matches that, or when no layer matches either but the key and value caches have the same shape
+    (so the MHA/GQA reasons are the relevant ones).
+    """
+    if not mla_results or any(isinstance(r, MlaLayer) for r in mla_results):
+        return None
+    results = match_attention_layers(graph)
+    if any(isinstance(r, AttentionLayer) for r in results):
+        return results
+    key = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.key"), None)
+    value = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.value"), None)
+    if key is not None and value is not None and key.shape is not None and value.shape is not None:
+        if len(key.shape) == 4 and key.shape[1] == value.shape[1] and key.shape[3] == value.shape[3]:
+            return results
+    return None
+
+
+def _convert_separate(
+    irm: ir.Model,
+    results: list[AttentionLayer | LayerFailure],
+    *,
+    dtype: DType | None,
+    rope_in_op: bool,
+    logits: paged_io.LogitsMode,
+    kv_cache_dtype: str | None,
+    attention_metadata: bool,
+    position_ids: paged_io.PositionMode,
+    max_positions: int | None,
+    progress: Callable[[str], None] | None,
+) -> None:
+    """In place: every MHA/GQA layer -> one PagedAttention SEPARATE node, paged I/O, optional dtype."""
+    failures = [r for r in results if isinstance(r, LayerFailure)]
+    if failures:
+        raise ConversionError(
+            f"{len(failures)} of {len(results)} layers are not MHA/GQA attention that ortpa converts; "
+            "nothing was converted",
+            [f.as_pair() for f in failures],
+        )
+    layers = [r for r in results if isinstance(r, AttentionLayer)]
+    graph = irm.graph
+    op_dtype = _op_dtype(layers[0].value.dtype or ir.DataType.FLOAT, dtype, kv_cache_dtype)
+    cos = sin = None
+    if rope_in_op:
+        problems = [(f"layer {m.layer}", "; ".join(p)) for m in layers if (p := rope_in_op_problems(m))]
+        if problems:
+            raise ConversionError("RoPE cannot move into PagedAttention (rope_in_op=True)", problems)
+        _progress(progress, "computing cos/sin caches from the model's RoPE")
+        rows = max_positions or int(irm.metadata_props.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+        cos, sin = rope_caches(irm, layers[0].head_size, rows)
+
+    _progress(progress, "building the paged interface")
+    irm.opset_imports.setdefault("com.microsoft", 1)
+    io = paged_io.begin(graph, attention_metadata=attention_metadata, position_ids=position_ids)
+    if cos is not None:
+        io.cos_cache = _const(graph, "rope.cos_cache", cos, op_dtype)
+        io.sin_cache = _const(graph, "rope.sin_cache", sin, op_dtype)
+    for m in layers:
+        _progress(progress, f"rewriting layer {m.layer} ({m.num_heads} heads over {m.kv_num_heads} KV heads)")
+        key_cache, value_cache = paged_io.add_separate_caches(graph, m.layer, m.kv_num_heads, m.head_size, op_dtype)
+        key_out, value_out = rewrite_attention_layer(
+            graph, m, key_cache, value_cache, io.op_inputs(), rope_in_op=rope_in_op, op_dtype=op_dtype
+        )
+        paged_io.set_present(graph, m.layer, key_out, key_cache)
+        paged_io.set_present_value(graph, m.layer, value_out, value_cache)
+    # present.{i}.key / .value next to each other, in layer order, after logits (as the inputs are ordered)
+    paged_io.finish(irm, io, logits=logits)
+    if dtype is not None:
+        _progress(progress, f"converting to {dtype}")
+        convert_float_type(irm, _IR_DTYPES[dtype])
+    irm.metadata_props["ortpa.converted"] = "paged-attention-separate"
+    irm.metadata_props["ortpa.logits"] = logits
+    irm.metadata_props["ortpa.rope_in_op"] = str(int(rope_in_op))
+
+
 def convert(
     model: onnx.ModelProto | ir.Model | str | os.PathLike,
     *,
@@ -164,7 +245,23 @@ def convert(
     onnxscript.optimizer.optimize(irm)
     graph = irm.graph
     _progress(progress, "matching MLA layers")
-    layers = _check_layers(match_mla_layers(graph))
+    mla_results = match_mla_layers(graph)
+    attention_results = _attention_family(graph, mla_results)
+    if attention_results is not None:  # MHA / GQA -> PagedAttention SEPARATE
+        _convert_separate(
+            irm,
+            attention_results,
+            dtype=dtype,
+            rope_in_op=rope_in_op,
+            logits=logits,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_metadata=attention_metadata,
+            position_ids=position_ids,
+            max_positions=max_positions,
+            progress=progress,
+        )
+        return _serialize_checked(irm, progress, check_session)
+    layers = _check_layers(mla_results)
     model_dtype = layers[0].q_nope.dtype or ir.DataType.FLOAT
     op_dtype = _op_dtype(model_dtype, dtype, kv_cache_dtype)
 
@@ -209,7 +306,11 @@ def convert(
     irm.metadata_props["ortpa.converted"] = "paged-attention-latent"
     irm.metadata_props["ortpa.logits"] = logits
     irm.metadata_props["ortpa.rope_in_op"] = str(int(rope_in_op))
+    return _serialize_checked(irm, progress, check_session)
 
+
+def _serialize_checked(irm: ir.Model, progress: Callable[[str], None] | None, check_session: bool) -> onnx.ModelProto:
+    """Serialize, then onnx.checker, ortpa's node validation and (optionally) ORT's session check."""
     proto = ir.serde.serialize_model(irm)
     _progress(progress, "checking")
     try:

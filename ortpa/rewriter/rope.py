@@ -48,7 +48,11 @@ def rope_caches(model: ir.Model, rope_dim: int, rows: int) -> tuple[np.ndarray, 
     import onnxruntime as ort
 
     graph = model.graph
-    cos_v, sin_v = _trig(graph, "Cos", rope_dim), _trig(graph, "Sin", rope_dim)
+    width = rope_dim
+    if not any(n.op_type == "Cos" and n.outputs[0].shape is not None and n.outputs[0].shape[-1] == width for n in graph):
+        # ONNX RotaryEmbedding (opset-23 exports) reads half-width tables: cos(freqs), not cos(cat(freqs, freqs))
+        width = rope_dim // 2
+    cos_v, sin_v = _trig(graph, "Cos", width), _trig(graph, "Sin", width)
     try:
         sub = ir.convenience.extract(graph, inputs=["position_ids"], outputs=[cos_v, sin_v])
     except ValueError as exc:
@@ -60,8 +64,10 @@ def rope_caches(model: ir.Model, rope_dim: int, rows: int) -> tuple[np.ndarray, 
     proto = ir.serde.serialize_model(sub_model)
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     pos = np.arange(rows, dtype=np.int64)[None, :]
-    cos, sin = (np.asarray(a, dtype=np.float32).reshape(rows, rope_dim) for a in sess.run(None, {"position_ids": pos}))
+    cos, sin = (np.asarray(a, dtype=np.float32).reshape(rows, width) for a in sess.run(None, {"position_ids": pos}))
     half = rope_dim // 2
+    if width == half:
+        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
     if not (np.allclose(cos[:, :half], cos[:, half:]) and np.allclose(sin[:, :half], sin[:, half:])):
         raise ConversionError(
             "cannot move RoPE into the op", [("graph", "cos/sin are not cat(freqs, freqs) as transformers builds them")]

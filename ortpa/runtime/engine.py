@@ -339,7 +339,7 @@ class Engine:
         if logits.shape[0] == batch:  # one row per sequence (also the per-token case when every chunk is 1)
             return logits
         if logits.shape[0] == tokens:
-            return logits[: len(last)]
+            return logits[last]
         raise InvalidModel(
             "logits", f"expected {batch} rows (one per sequence) or {tokens} (one per token), found {logits.shape[0]}"
         )

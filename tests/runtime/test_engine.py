@@ -101,14 +101,18 @@ def test_toy_lm_paged_steps_match_dense_numpy(cfg):
             new[s] = [nxt]
 
 
-def test_engine_greedy_follows_the_dense_model(alone):
-    # Each token the engine picked is an argmax of the dense NumPy logits (within fp16 tolerance).
-    for prompt, out in zip(PROMPTS, alone, strict=True):
+def _assert_greedy_picks(cfg, weights, prompts, outputs) -> None:
+    """Each token the engine picked is an argmax of the dense NumPy logits (within fp16 tolerance)."""
+    for prompt, out in zip(prompts, outputs, strict=True):
         tokens = list(prompt)
         for tok in out:
-            ref = toy_lm_reference(CFG, WEIGHTS, tokens)[-1]
+            ref = toy_lm_reference(cfg, weights, tokens)[-1]
             assert ref[tok] >= ref.max() - 0.05, f"token {tok} after {len(tokens)} tokens is not a greedy pick"
             tokens.append(tok)
+
+
+def test_engine_greedy_follows_the_dense_model(alone):
+    _assert_greedy_picks(CFG, WEIGHTS, PROMPTS, alone)
     assert [len(o) for o in alone] == [m for _, m in LENGTHS]
 
 
@@ -130,11 +134,12 @@ def test_generate_returns_outputs_in_prompt_order(alone):
 
 def test_other_logits_mode_and_position_ids_input_batch_equals_alone():
     cfg = ToyLMConfig(logits="all", position_ids=True, attention_metadata=False, seed=1)
-    model = build_toy_lm(cfg)
-    engine = _engine(model)
+    weights = toy_lm_weights(cfg)
+    engine = _engine(build_toy_lm(cfg, weights))
     assert engine.io.position_ids and not engine.io.attention_metadata
     want = [engine.generate([p], s)[0] for p, s in zip(PROMPTS[:4], PARAMS[:4], strict=True)]
     assert engine.generate(PROMPTS[:4], PARAMS[:4]) == want
+    _assert_greedy_picks(cfg, weights, PROMPTS[:4], want)
 
 
 def test_chunked_prefill_under_a_tiny_token_budget(alone):

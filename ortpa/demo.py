@@ -212,10 +212,12 @@ def run_demo(
 
     ``out_dir`` defaults to a new temporary directory (kept, its path is in the summary). ``provider``: None
     for the best present (CUDA where a GPU is, else CPU), or ``"cpu"`` / ``"cuda"`` / a provider name.
-    ``quiet`` silences ``progress`` (step messages and the final summary). Returns the summary; parity or
-    validation failures make ``summary.ok`` False (the CLI exits 1), errors of ortpa itself are raised.
+    ``progress`` receives each step's message (None: silent); unless ``quiet``, it also receives the final
+    summary (``summary.format()``), so the default prints everything and ``quiet=True`` leaves the summary to
+    the caller. Returns the summary; parity or validation failures make ``summary.ok`` False (the CLI exits 1),
+    errors of ortpa itself are raised.
     """
-    say: Callable[[str], None] = (lambda _msg: None) if quiet or progress is None else progress
+    say: Callable[[str], None] = (lambda _msg: None) if progress is None else progress
     chosen = _provider(provider)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="ortpa-demo-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -303,5 +305,6 @@ def run_demo(
         outputs=outputs,
         failures=failures,
     )
-    say(summary.format())
+    if not quiet:
+        say(summary.format())
     return summary

@@ -21,10 +21,14 @@ import onnxscript.optimizer
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.rewriter import paged_io
+from ortpa.rewriter.attention import (
+    AttentionLayer,
+    match_attention_layers,
+    rewrite_attention_layer,
+    rope_in_op_problems,
+)
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
-from ortpa.rewriter.attention import AttentionLayer, match_attention_layers, rewrite_attention_layer
-from ortpa.rewriter.attention import rope_in_op_problems
 from ortpa.rewriter.rope import rope_caches
 
 __all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file"]

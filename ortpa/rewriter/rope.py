@@ -49,7 +49,8 @@ def rope_caches(model: ir.Model, rope_dim: int, rows: int) -> tuple[np.ndarray, 
 
     graph = model.graph
     width = rope_dim
-    if not any(n.op_type == "Cos" and n.outputs[0].shape is not None and n.outputs[0].shape[-1] == width for n in graph):
+    widths = {n.outputs[0].shape[-1] for n in graph if n.op_type == "Cos" and n.outputs[0].shape is not None}
+    if width not in widths:
         # ONNX RotaryEmbedding (opset-23 exports) reads half-width tables: cos(freqs), not cos(cat(freqs, freqs))
         width = rope_dim // 2
     cos_v, sin_v = _trig(graph, "Cos", width), _trig(graph, "Sin", width)

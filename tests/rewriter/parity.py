@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from tolerances import assert_close
+from tolerances import assert_close, tol_for
 
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
@@ -65,7 +65,7 @@ class DenseModel:
         }
         for j, value in enumerate(state["kv"]):
             feed[f"past_key_values.{j // 2}.{('key', 'value')[j % 2]}"] = value
-        out = dict(zip(self.names, self.sess.run(None, feed)))
+        out = dict(zip(self.names, self.sess.run(None, feed), strict=True))
         state["kv"] = [out[f"present.{j // 2}.{('key', 'value')[j % 2]}"] for j in range(2 * self.layers)]
         state["len"] = past + n
         return out["logits"][0, -1]
@@ -78,6 +78,7 @@ class ParityResult:
     tokens_checked: int = 0
     max_context: int = 0
     errors: list[float] = field(default_factory=list)
+    ties: int = 0  # greedy steps whose reference top-2 gap was within the tolerance (either token is right)
 
 
 def run_parity(
@@ -88,10 +89,21 @@ def run_parity(
     steps: int = 8,
     seed: int = 0,
     vocab: int = 256,
+    extra_atol: float = 0.0,
 ) -> ParityResult:
-    """Continuous batching on ``converted`` vs the dense model; asserts logits close and greedy tokens equal."""
+    """Continuous batching on ``converted`` vs the dense model; asserts logits close and greedy tokens equal.
+
+    Greedy tokens must be identical unless the reference's two best logits are closer than twice the logit
+    tolerance (a numerical tie: either token is a correct greedy choice); both models then continue with the
+    paged model's token, so their histories stay identical. Such ties are counted in ``ParityResult.ties``.
+    """
+    atol = tol_for(dtype)[1] + extra_atol
     sess = PagedSession(
-        converted, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, providers=["CPUExecutionProvider"], sess_options=_options()
+        converted,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        providers=["CPUExecutionProvider"],
+        sess_options=_options(),
     )
     wanted = {i.name for i in sess.session.get_inputs()}
     dense = DenseModel(dense_path)
@@ -129,12 +141,16 @@ def run_parity(
             seq = seqs[name]
             ref = dense.step(seq["dense"], seq["pending"])
             got = np.asarray(rows[j], np.float32)
-            assert_close(got, ref, dtype, what=f"step {step}, sequence {name}")
+            assert_close(got, ref, dtype, what=f"step {step}, sequence {name}", extra_atol=extra_atol)
             err = float(np.abs(got - ref).max())
             result.errors.append(err)
             result.max_abs_error = max(result.max_abs_error, err)
             token = int(got.argmax())
-            assert token == int(ref.argmax()), f"step {step}, sequence {name}: greedy token differs"
+            top2 = np.sort(ref)[-2:]
+            if top2[1] - top2[0] <= 2 * atol:
+                result.ties += 1
+            else:
+                assert token == int(ref.argmax()), f"step {step}, sequence {name}: greedy token differs"
             result.tokens_checked += 1
             result.max_context = max(result.max_context, seq["dense"]["len"])
             seq["pending"] = [token]

@@ -135,8 +135,9 @@ class Engine:
     ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime.
 
     On CPU (the portable PagedAttention) a step costs about batch x longest query x longest KV, since every
-    sequence is padded to the step's longest query: a small ``max_num_batched_tokens`` (32-64) keeps prefill
-    chunks short next to decodes and is several times faster than the default, which suits the native kernels.
+    sequence is padded to the step's longest query, so a long prompt chunk next to many decodes is slow. There,
+    ``mixed_steps=False`` (prompt chunks and decodes in separate steps, prompts first) or a small
+    ``max_num_batched_tokens`` (32) is several times faster than the defaults, which suit the native kernels.
     """
 
     def __init__(
@@ -151,6 +152,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         kv_budget_bytes: int | None = None,
         sess_options: ort.SessionOptions | None = None,
+        mixed_steps: bool = True,
     ) -> None:
         proto = load_model(model)
         caches = {a.input_name for a in find_cache_aliases(proto)}
@@ -170,6 +172,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             prefix_cache=self.prefix_cache,
+            mixed_steps=mixed_steps,
         )
         self._ids = itertools.count()
         self._prompt_tokens = 0

@@ -156,7 +156,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         prefix_cache: PrefixCache | None = None,
+        mixed_steps: bool = True,
     ) -> None:
+        """``mixed_steps=False`` never puts prompt chunks and decodes in one step: prompt chunks go first while
+        any are pending (vLLM v0's policy). Backends that pad every sequence to the step's longest query (the
+        portable op on CPU) run such steps several times faster; decodes wait while prompts keep arriving.
+        """
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise InvalidRequest(
                 f"Scheduler: expected max_num_batched_tokens >= 1 and max_num_seqs >= 1, found "
@@ -166,6 +171,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.mixed_steps = mixed_steps
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: oldest first, preempted last-in-first-out
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -211,15 +217,35 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks, reserve their blocks and return the op's index inputs for them."""
-        budget = self.max_num_batched_tokens
         self._reserved = 0
+        if self.mixed_steps:
+            chunks, preempted = self._select(decodes=True, prompts=True)
+        else:  # prompt chunks while any prompt is pending, else decodes (see __init__)
+            chunks, preempted = self._select(decodes=False, prompts=True)
+            if not chunks and not preempted:
+                chunks, preempted = self._select(decodes=True, prompts=False)
+        inputs = None
+        if chunks:
+            inputs = self.kv.plan_step([(c.request.request_id, c.num_tokens) for c in chunks])
+            self.stats.computed_tokens += sum(c.num_tokens for c in chunks)
+            self.stats.steps += 1
+        self.stats.preemptions += len(preempted)
+        return SchedulerOutput(chunks, inputs, preempted)
+
+    def _select(self, *, decodes: bool, prompts: bool) -> tuple[list[ScheduledChunk], list[Request]]:
+        """Running requests first, then admissions; ``decodes`` / ``prompts`` say which kinds of chunk to take."""
+        budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.tokens) - req.num_computed, budget)
+            remaining = len(req.tokens) - req.num_computed
+            if not (decodes if remaining == 1 else prompts):
+                i += 1
+                continue
+            n = min(remaining, budget)
             need = self.kv.blocks_needed(req.request_id, n)
             fits = self._reserve(need)
             while not fits and self.running[-1] is not req:
@@ -236,7 +262,7 @@ class Scheduler:
             i += 1
 
         # Admitting while preempting would free blocks for one request only to take them for another.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while prompts and not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self._match(req)
             cached = len(hits) * self.kv.block_size
@@ -255,14 +281,7 @@ class Scheduler:
             self.stats.cached_tokens += cached
             chunks.append(ScheduledChunk(req, cached, n))
             budget -= n
-
-        inputs = None
-        if chunks:
-            inputs = self.kv.plan_step([(c.request.request_id, c.num_tokens) for c in chunks])
-            self.stats.computed_tokens += sum(c.num_tokens for c in chunks)
-            self.stats.steps += 1
-        self.stats.preemptions += len(preempted)
-        return SchedulerOutput(chunks, inputs, preempted)
+        return chunks, preempted
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """The step ran: advance each request's computed count and offer its new full blocks to the cache."""

@@ -72,12 +72,27 @@ def _engine(model, prefix: bool, budget: int = CPU_BUDGET, mixed: bool = False) 
     )
 
 
-def _warm_generate(engine: Engine, prompts, params):
-    """Generate after a short warm-up run (first-run allocations in ONNX Runtime); (outputs, seconds, steps)."""
+def _warm_generate(engine: Engine, prompts, params, repeats: int = 1):
+    """Best of ``repeats`` runs after a short warm-up (first-run allocations in ONNX Runtime).
+
+    Returns (outputs, seconds, steps of one run). Prefix caching must be off: a repeat would hit the cache.
+    """
     engine.generate(prompts[:2], params[:2])
-    steps = engine.stats.steps
-    out, t = _timed(lambda: engine.generate(prompts, params))
-    return out, t, engine.stats.steps - steps
+    best = float("inf")
+    for _ in range(repeats):
+        steps = engine.stats.steps
+        out, t = _timed(lambda: engine.generate(prompts, params))
+        best = min(best, t)
+    return out, best, engine.stats.steps - steps
+
+
+def _sequential(engine: Engine, prompts, params, repeats: int = 1):
+    """Best of ``repeats`` runs of the prompts one at a time; (outputs, seconds)."""
+    best, out = float("inf"), []
+    for _ in range(repeats):
+        out, t = _timed(lambda: [engine.generate([p], s)[0] for p, s in zip(prompts, params, strict=True)])
+        best = min(best, t)
+    return out, best
 
 
 def _timed(fn):
@@ -94,10 +109,12 @@ def run(quick: bool = False) -> list[dict]:
     dims = f"toy LM hidden {CONFIG.hidden}, {CONFIG.num_layers} layers, vocab {CONFIG.vocab}, block {BLOCK}"
 
     prompts, params = _mixed(n)
-    batched, t_batched, steps = _warm_generate(_engine(model, False), prompts, params)
-    default, t_default, steps_default = _warm_generate(_engine(model, False, DEFAULT_BUDGET, True), prompts, params)
-    engine = _engine(model, False, DEFAULT_BUDGET, True)
-    sequential, t_seq = _timed(lambda: [engine.generate([p], s)[0] for p, s in zip(prompts, params, strict=True)])
+    repeats = 1 if quick else 2
+    batched, t_batched, steps = _warm_generate(_engine(model, False), prompts, params, repeats)
+    default, t_default, steps_default = _warm_generate(
+        _engine(model, False, DEFAULT_BUDGET, True), prompts, params, repeats
+    )
+    sequential, t_seq = _sequential(_engine(model, False, DEFAULT_BUDGET, True), prompts, params, repeats)
     generated = sum(len(o) for o in batched)
     same = batched == sequential == default
     speedup = t_seq / t_batched
@@ -121,7 +138,7 @@ def run(quick: bool = False) -> list[dict]:
     out_off, t_off, computed_off, _, prompt_tokens = results[False]
     out_on, t_on, computed_on, cached_on, _ = results[True]
 
-    mixed_note = f"{n} requests, prompts 8-128, 8-48 new tokens, {generated} tokens; {dims}; {env}"
+    mixed_note = f"{n} requests, prompts 8-128, 8-48 new tokens, {generated} tokens; {dims}; {env}, best of {repeats}"
     return [
         {
             "name": "engine.mixed.batched",

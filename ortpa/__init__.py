@@ -7,6 +7,7 @@ The public API, re-exported from the modules that implement it:
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` running PagedAttention on any EP.
 * :class:`PagedSession` — caches owned as OrtValues and updated in place through IO binding.
 * :class:`PagedKVCache` — the block manager that emits the op's index tensors.
+* :class:`Engine` — continuous batching (chunked prefill, preemption, prefix caching, sampling).
 * :func:`export_hf` — Hugging Face config or local model dir -> dense ONNX (needs the ``export`` extra).
 """
 
@@ -25,13 +26,17 @@ from ortpa.errors import (
 from ortpa.ops.node_check import ValidationReport, validate
 from ortpa.ops.validate import check_inputs
 from ortpa.rewriter.pipeline import convert, convert_file
+from ortpa.runtime.engine import Engine, EngineStats, RequestOutput
 from ortpa.runtime.kv import PagedKVCache, StepInputs
+from ortpa.runtime.sampling import SamplingParams
 from ortpa.runtime.session import InferenceSession, PagedSession
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConversionError",
+    "Engine",
+    "EngineStats",
     "InferenceSession",
     "InvalidArgument",
     "InvalidModel",
@@ -40,6 +45,8 @@ __all__ = [
     "OutOfBlocks",
     "PagedKVCache",
     "PagedSession",
+    "RequestOutput",
+    "SamplingParams",
     "StepInputs",
     "ValidationReport",
     "__version__",

@@ -152,7 +152,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         kv_budget_bytes: int | None = None,
         sess_options: ort.SessionOptions | None = None,
-        mixed_steps: bool = True,
+        mixed_steps: bool | None = None,
     ) -> None:
         proto = load_model(model)
         caches = {a.input_name for a in find_cache_aliases(proto)}
@@ -165,6 +165,9 @@ class Engine:
         self.session = PagedSession(
             proto, num_blocks=num_blocks, block_size=block_size, providers=providers, sess_options=sess_options
         )
+        if mixed_steps is None:
+            mixed_steps = not self.session.session.portable_nodes
+        self.mixed_steps = mixed_steps
         self.kv = PagedKVCache(num_blocks, self.session.block_size)
         self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
         self.scheduler = Scheduler(

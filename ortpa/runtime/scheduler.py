@@ -9,6 +9,9 @@ One step packs every running request's next tokens and newly admitted prompts un
    until they do, or the request itself is the newest and is preempted;
 2. only if nobody was preempted, waiting requests in order, each adopting its cached prefix blocks first.
 
+With ``mixed_steps=False`` a step takes either prompt chunks (running and admitted) or decodes, never both:
+prompts first while any are pending (vLLM v0's policy), which suits backends that pad to the longest query.
+
 Token layout of one request (``bs`` = block size; ``cached`` ⊆ ``computed``)::
 
     tokens:   | prompt ................................ | generated ....... |
@@ -115,6 +118,11 @@ class Request:
     @property
     def output(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt with one token (the last sampled) left to compute; else it needs a prompt chunk."""
+        return self.num_computed >= self.prompt_len and len(self.tokens) - self.num_computed == 1
 
 
 @dataclass(frozen=True)
@@ -241,11 +249,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            remaining = len(req.tokens) - req.num_computed
-            if not (decodes if remaining == 1 else prompts):
+            if not (decodes if req.is_decoding else prompts):
                 i += 1
                 continue
-            n = min(remaining, budget)
+            n = min(len(req.tokens) - req.num_computed, budget)
             need = self.kv.blocks_needed(req.request_id, n)
             fits = self._reserve(need)
             while not fits and self.running[-1] is not req:

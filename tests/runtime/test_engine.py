@@ -117,10 +117,21 @@ def test_engine_greedy_follows_the_dense_model(alone):
 
 
 # -- batching --------------------------------------------------------------------------------------------
-def test_staggered_batch_equals_each_request_alone(alone):
-    engine = _engine(enable_prefix_caching=False)
+@pytest.mark.parametrize("mixed_steps", [True, False], ids=["mixed-steps", "prompt-steps-first"])
+def test_staggered_batch_equals_each_request_alone(alone, mixed_steps):
+    engine = _engine(enable_prefix_caching=False, max_num_batched_tokens=24, mixed_steps=mixed_steps)
+    kinds = []  # per step: did it hold prompt chunks, decodes, or both
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        kinds.append({c.request.is_decoding for c in plan.chunks})  # before commit: as the scheduler saw them
+        return plan
+
+    engine.scheduler.schedule = spy
     got = _run_staggered(engine, {0: [0, 1], 2: [2], 3: [3, 4], 7: [5]})
     assert got == alone
+    assert ({True, False} in kinds) == mixed_steps  # prompt chunks next to decodes only in mixed steps
     assert engine.stats.steps < sum(m for _, m in LENGTHS)  # requests really shared steps
     assert engine.kv.num_free_blocks == engine.num_blocks and len(engine.kv) == 0
 
@@ -226,6 +237,9 @@ def test_a_request_larger_than_the_pool_is_refused_at_add_time():
         engine.add_request([], PARAMS[0])
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         engine.add_request([1, CFG.vocab], PARAMS[0])
+    engine.add_request([1, 2], PARAMS[0], request_id="mine")
+    with pytest.raises(InvalidRequest, match="'mine' is already in use"):
+        engine.add_request([3], PARAMS[0], request_id="mine")
 
 
 # -- sampling, stops, abort ------------------------------------------------------------------------------
@@ -279,3 +293,11 @@ def test_abort_frees_blocks_and_the_rest_still_finish(alone):
     assert engine.kv.num_free_blocks == engine.num_blocks
     with pytest.raises(UnknownRequest, match="unknown request"):
         engine.abort(ids[2])
+
+
+def test_step_mode_defaults_to_separate_prompt_steps_on_the_portable_path():
+    # the portable op pads every sequence to a step's longest query, so mixing a long prompt chunk with
+    # decodes is slow there; native kernels keep mixed steps
+    engine = _engine()
+    assert engine.session.session.portable_nodes and engine.mixed_steps is False
+    assert _engine(mixed_steps=True).mixed_steps is True

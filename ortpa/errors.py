@@ -7,13 +7,18 @@ Each derives from :class:`OrtpaError` and from the builtin exception a caller wo
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 __all__ = [
+    "BlockRefError",
     "ConversionError",
     "InvalidArgument",
     "InvalidModel",
+    "InvalidSequenceOp",
     "NotImplementedByBackend",
     "OrtpaError",
     "OutOfBlocks",
+    "UnknownSequence",
 ]
 
 
@@ -94,3 +99,26 @@ class OutOfBlocks(OrtpaError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.requested, self.free, self.what))
+
+
+class BlockRefError(OrtpaError, RuntimeError):
+    """A block id was freed or shared while not allocated (double free), or is out of range."""
+
+
+class UnknownSequence(OrtpaError, KeyError):
+    """A sequence id that the cache does not hold."""
+
+    def __init__(self, seq_id: Hashable, where: str) -> None:
+        self.seq_id = seq_id
+        self.where = where
+        super().__init__(f"{where}: unknown sequence {seq_id!r} (expected an id added and not yet freed)")
+
+    def __str__(self) -> str:  # KeyError would print repr(message); say it plainly
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (type(self), (self.seq_id, self.where))
+
+
+class InvalidSequenceOp(OrtpaError, ValueError):
+    """A cache call with bad arguments: duplicate id, negative count, too narrow block_table, ..."""

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ExportInfo", "build_model", "export_hf", "versions"]
+__all__ = ["ExportInfo", "build_model", "export_hf", "fixtures_main", "versions"]
 
 
 class ExportInfo(dict):
@@ -214,3 +214,40 @@ def export_hf(
         output_names=output_names,
         versions=versions(),
     )
+
+
+def fixtures_main(
+    fixtures: Mapping[str, tuple[dict, dict]], description: str, default_out: Path, argv: list[str] | None = None
+) -> int:
+    """The fixture scripts' command line: export each ``name -> (config, export options)`` to ``--out``.
+
+    Writes ``<name>.onnx`` and ``<name>.json`` (export info plus the config), prints the versions used and one
+    line per fixture; ``--only NAME ...`` limits the run. A failed export is reported and the rest still run;
+    returns 1 if any failed.
+    """
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default=str(default_out))
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(versions()))
+    failed = []
+    for name, (cfg, opts) in fixtures.items():
+        if args.only and name not in args.only:
+            continue
+        t = time.time()
+        try:
+            info = export_hf(cfg, out / f"{name}.onnx", **opts)
+        except Exception as exc:  # report every variant, keep going
+            failed.append(name)
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            continue
+        info["config"] = cfg
+        (out / f"{name}.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+        size = (out / f"{name}.onnx").stat().st_size
+        print(f"ok   {name}: {size / 1e6:.2f} MB, {time.time() - t:.1f} s")
+    return 1 if failed else 0

@@ -10,16 +10,13 @@ or 64 + 32 = 96 (a multiple of 16, needed when RoPE moves into the op: ``do_rota
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ortpa.export import export_hf, versions  # noqa: E402
+from ortpa.export import fixtures_main  # noqa: E402
 
 _YARN = {
     "rope_type": "yarn",
@@ -134,29 +131,7 @@ FIXTURES: dict[str, tuple[dict, dict]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures"))
-    ap.add_argument("--only", nargs="*", default=None)
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(versions()))
-    failed = []
-    for name, (cfg, opts) in FIXTURES.items():
-        if args.only and name not in args.only:
-            continue
-        t = time.time()
-        try:
-            info = export_hf(cfg, out / f"{name}.onnx", **opts)
-        except Exception as exc:  # report every variant, keep going
-            failed.append(name)
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-            continue
-        info["config"] = cfg
-        (out / f"{name}.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-        size = (out / f"{name}.onnx").stat().st_size
-        print(f"ok   {name}: {size / 1e6:.2f} MB, {time.time() - t:.1f} s")
-    return 1 if failed else 0
+    return fixtures_main(FIXTURES, __doc__.splitlines()[0], ROOT / "tests" / "fixtures", argv)
 
 
 if __name__ == "__main__":

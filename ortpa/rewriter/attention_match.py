@@ -14,10 +14,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult
 
 from ortpa.rewriter._graph import const_array, consumers, int_attr, ints_attr, producer_op, scalar, static_dim
-from ortpa.rewriter.mla import LayerFailure
+from ortpa.rewriter._match import (
+    LayerFailure,
+    MatchFail,
+    cache_concat,
+    cache_inputs,
+    cache_layers,
+    consumer_ops,
+    match_or_failure,
+    need,
+    softmax_of,
+    strip_scales,
+)
 
 __all__ = [
     "AttentionLayer",
@@ -66,35 +76,6 @@ class AttentionLayer:
         return self.query_raw is not None and self.key_raw is not None
 
 
-class _Fail(Exception):
-    def __init__(self, reason: str, where: ir.Value | ir.Node | None) -> None:
-        super().__init__(reason)
-        self.result = MatchResult().fail(reason, where)
-        self.reason = reason
-        self.where = "" if where is None else (where.name or "?")
-
-
-def _need(cond: object, reason: str, where: ir.Value | ir.Node | None) -> None:
-    if not cond:
-        raise _Fail(reason, where)
-
-
-def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
-    return next((v for v in graph.inputs if v.name == name), None)
-
-
-def _ops(value: ir.Value) -> list[str]:
-    return sorted({n.op_type for n in value.consumers()})
-
-
-def _cache_concat(past: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """``Concat(past, new, axis=-2)`` consuming ``past`` -> (present, new)."""
-    for node in consumers(past, "Concat"):
-        if len(node.inputs) == 2 and node.inputs[0] is past and int_attr(node, "axis") in (-2, 2):
-            return node.outputs[0], node.inputs[1]
-    raise _Fail(f"expected Concat({past.name}, new, axis=-2), found consumers {_ops(past)}", past)
-
-
 def _repeated(present: ir.Value) -> list[ir.Value]:
     """``present`` and what repeat_kv makes of it (Unsqueeze -> Expand -> Reshape), in that order."""
     found = [present]
@@ -119,32 +100,6 @@ def _reaches(start: ir.Value, target: ir.Value, max_nodes: int = 60) -> bool:
     return False
 
 
-def _strip_scales(value: ir.Value, *, through_layout: bool = False) -> tuple[ir.Value, float]:
-    """Walk back through Mul/Div by constant scalars and Casts (and Reshape/Transpose when asked)."""
-    factor = 1.0
-    while True:
-        node = producer_op(value, "Mul", "Div", "Reshape", "Transpose", "Cast")
-        if node is None:
-            return value, factor
-        if node.op_type in ("Reshape", "Transpose"):
-            if not through_layout:
-                return value, factor
-            value = node.inputs[0]
-        elif node.op_type == "Cast":
-            value = node.inputs[0]
-        else:
-            a, b = node.inputs[0], node.inputs[1]
-            sa, sb = scalar(a), scalar(b)
-            if node.op_type == "Mul" and sb is not None:
-                factor, value = factor * sb, a
-            elif node.op_type == "Mul" and sa is not None:
-                factor, value = factor * sa, b
-            elif node.op_type == "Div" and sb is not None and sb != 0:
-                factor, value = factor / sb, a
-            else:
-                return value, factor
-
-
 @dataclass
 class _Scores:
     matmul: ir.Node
@@ -159,7 +114,7 @@ def _scores(value: ir.Value) -> _Scores:
     outer = 1.0
     for _ in range(12):
         node = value.producer()
-        _need(node is not None and node.domain in ("", "ai.onnx"), "Softmax input is not computed from q @ k^T", value)
+        need(node is not None and node.domain in ("", "ai.onnx"), "Softmax input is not computed from q @ k^T", value)
         assert node is not None
         if node.op_type == "Cast":
             value = node.inputs[0]
@@ -170,25 +125,25 @@ def _scores(value: ir.Value) -> _Scores:
             masks.append(b if first is a else a)
             value = first
         elif node.op_type in ("Mul", "Div"):
-            base, f = _strip_scales(value)
-            _need(base is not value, f"{node.op_type} on the scores by a non-constant", node)
+            base, f = strip_scales(value)
+            need(base is not value, f"{node.op_type} on the scores by a non-constant", node)
             tanh = producer_op(base, "Tanh")
             if tanh is not None:
-                inner_base, inner = _strip_scales(tanh.inputs[0])
+                inner_base, inner = strip_scales(tanh.inputs[0])
                 mm = producer_op(inner_base, "MatMul")
-                _need(mm is not None, "Tanh (softcap) input is not scale * (q @ k^T)", tanh)
+                need(mm is not None, "Tanh (softcap) input is not scale * (q @ k^T)", tanh)
                 assert mm is not None
                 # outer * f * tanh(inner * qk): softcap = outer * f, scale = inner * softcap
                 cap = outer * f
-                _need(cap > 0, f"softcap factor {cap} is not positive", node)
+                need(cap > 0, f"softcap factor {cap} is not positive", node)
                 return _Scores(mm, inner * cap, cap, masks)
             outer *= f
             value = base
         elif node.op_type == "MatMul":
             return _Scores(node, outer, 0.0, masks)
         else:
-            raise _Fail(f"Softmax input is not scale * (q @ k^T) [+ mask]: found {node.op_type}", node)
-    raise _Fail("Softmax input: too many nodes before q @ k^T", value)
+            raise MatchFail(f"Softmax input is not scale * (q @ k^T) [+ mask]: found {node.op_type}", node)
+    raise MatchFail("Softmax input: too many nodes before q @ k^T", value)
 
 
 def _reaches_op(value: ir.Value, *op_types: str, depth: int = 6) -> bool:
@@ -202,23 +157,6 @@ def _reaches_op(value: ir.Value, *op_types: str, depth: int = 6) -> bool:
             return False
         value = node.inputs[0] if scalar(node.inputs[0]) is None else node.inputs[1]
     return False
-
-
-def _softmax_of(value: ir.Value) -> ir.Node | None:
-    """The Softmax producing the probabilities, through Where(IsNaN(p), 0, p), Cast and Dropout."""
-    for _ in range(6):
-        node = value.producer()
-        if node is None:
-            return None
-        if node.op_type == "Softmax":
-            return node
-        if node.op_type in ("Cast", "Dropout"):
-            value = node.inputs[0]
-        elif node.op_type == "Where" and len(node.inputs) == 3:
-            value = node.inputs[2]
-        else:
-            return None
-    return None
 
 
 @dataclass
@@ -240,43 +178,44 @@ def _attention_core(present_v: ir.Value) -> _Core:
             if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and len(node.inputs) > 2:
                 if node.inputs[2] is not v:
                     continue
-                _need(
+                need(
                     len(node.inputs) < 5 or all(x is None for x in node.inputs[4:]),
                     "ONNX Attention with past_key/past_value inputs: expected the cache as explicit Concat",
                     node,
                 )
-                _need(int_attr(node, "qk_matmul_output_mode", 0) == 0, "ONNX Attention returns qk scores", node)
-                _need(
+                need(int_attr(node, "qk_matmul_output_mode", 0) == 0, "ONNX Attention returns qk scores", node)
+                need(
                     len(node.outputs) == 1 or all(not o.uses() for o in node.outputs[1:]),
                     "Attention extra outputs used",
                     node,
                 )
                 attr = node.attributes.get("scale")
-                query, qf = _strip_scales(node.inputs[0])
-                key, kf = _strip_scales(node.inputs[1])
+                query, qf = strip_scales(node.inputs[0])
+                key, kf = strip_scales(node.inputs[1])
                 scale = float(attr.value) if attr is not None else None
                 if qf * kf != 1.0:  # scalar factors on q / k outside the node multiply its (default) scale
                     d = static_dim(query, -1)
-                    _need(d is not None, "query head size is not static", query)
+                    need(d is not None, "query head size is not static", query)
                     assert d is not None
                     scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * qf * kf
                 softcap = float(node.attributes["softcap"].value) if node.attributes.get("softcap") else 0.0
                 masks = [node.inputs[3]] if len(node.inputs) > 3 and node.inputs[3] is not None else []
                 if int_attr(node, "is_causal", 0) == 0:
-                    _need(masks, "ONNX Attention without a mask and is_causal=0 is not causal attention", node)
+                    need(masks, "ONNX Attention without a mask and is_causal=0 is not causal attention", node)
                 return _Core(query, key, v, node.outputs[0], scale, softcap, masks, "onnx-attention")
             if node.op_type == "MatMul" and node.inputs[1] is v:
-                softmax = _softmax_of(node.inputs[0])
-                _need(softmax is not None, f"MatMul({node.inputs[0].name}, v): probabilities are not a Softmax", node)
+                softmax = softmax_of(node.inputs[0])
+                need(softmax is not None, f"MatMul({node.inputs[0].name}, v): probabilities are not a Softmax", node)
                 assert softmax is not None
-                _need(int_attr(softmax, "axis", -1) in (-1, 3), "Softmax is not over the last axis", softmax)
+                need(int_attr(softmax, "axis", -1) in (-1, 3), "Softmax is not over the last axis", softmax)
                 s = _scores(softmax.inputs[0])
-                query, qf = _strip_scales(s.matmul.inputs[0])
-                key, kf = _strip_scales(s.matmul.inputs[1], through_layout=True)
+                query, qf = strip_scales(s.matmul.inputs[0])
+                key, kf = strip_scales(s.matmul.inputs[1], through_layout=True)
                 # factors on q / k scale q.k inside the tanh too: they belong to scale, not to softcap
                 return _Core(query, key, v, node.outputs[0], s.scale * qf * kf, s.softcap, s.masks, "matmul-softmax")
-    raise _Fail(
-        f"no attention (MatMul(p, v) or ONNX Attention) reads the value cache; consumers: {_ops(present_v)}", present_v
+    raise MatchFail(
+        f"no attention (MatMul(p, v) or ONNX Attention) reads the value cache; consumers: {consumer_ops(present_v)}",
+        present_v,
     )
 
 
@@ -333,7 +272,7 @@ def _sliding_window(masks: list[ir.Value]) -> int:
         if c is None or c <= 0 or const_array(kv) is not None:
             continue
         windows.add(c if strict else c + 1)
-    _need(
+    need(
         len(windows) <= 1, f"the attention mask encodes several windows {sorted(windows)}", masks[0] if masks else None
     )
     return windows.pop() if windows else -1
@@ -427,50 +366,44 @@ def _before_transpose_norm(raw: ir.Value) -> QkNorm | None:
 
 def match_attention_layer(graph: ir.Graph, layer: int) -> AttentionLayer | LayerFailure:
     """Match the dense MHA / GQA attention of ``layer``; never mutates the graph."""
-    try:
-        return _match(graph, layer)
-    except _Fail as fail:
-        return LayerFailure(layer, fail.reason, fail.where)
+    return match_or_failure(_match, graph, layer)
 
 
 def _match(graph: ir.Graph, i: int) -> AttentionLayer:
-    past_k = _graph_input(graph, f"past_key_values.{i}.key")
-    past_v = _graph_input(graph, f"past_key_values.{i}.value")
-    _need(past_k is not None and past_v is not None, f"graph inputs past_key_values.{i}.key/.value not found", None)
-    assert past_k is not None and past_v is not None
-    _need(
+    past_k, past_v = cache_inputs(graph, i)
+    need(
         past_k.shape is not None and len(past_k.shape) == 4,
         f"key cache is not [batch, heads, past, head]: {past_k.shape}",
         past_k,
     )
     kvh, d = static_dim(past_k, 1), static_dim(past_k, 3)
-    _need(kvh is not None and d is not None, f"key cache heads / head size are not static: {past_k.shape}", past_k)
+    need(kvh is not None and d is not None, f"key cache heads / head size are not static: {past_k.shape}", past_k)
     assert kvh is not None and d is not None
-    _need(
+    need(
         (static_dim(past_v, 1), static_dim(past_v, 3)) == (kvh, d),
         f"value cache {past_v.shape} differs from key cache {past_k.shape} in heads or head size (not MHA/GQA)",
         past_v,
     )
-    present_k, k_new = _cache_concat(past_k)
-    present_v, v_new = _cache_concat(past_v)
+    present_k, k_new = cache_concat(past_k)
+    present_v, v_new = cache_concat(past_v)
     core = _attention_core(present_v)
-    _need(_reaches(core.key, present_k), f"attention key does not come from the key cache {present_k.name}", core.key)
+    need(_reaches(core.key, present_k), f"attention key does not come from the key cache {present_k.name}", core.key)
     h = static_dim(core.query, 1)
-    _need(h is not None, f"query heads are not static: {core.query.shape}", core.query)
+    need(h is not None, f"query heads are not static: {core.query.shape}", core.query)
     assert h is not None
-    _need(
+    need(
         static_dim(core.query, -1) in (None, d),
         f"query head size {static_dim(core.query, -1)}, cache head size {d}",
         core.query,
     )
-    _need(h % kvh == 0, f"{h} query heads are not a multiple of {kvh} KV heads", core.query)
+    need(h % kvh == 0, f"{h} query heads are not a multiple of {kvh} KV heads", core.query)
     # the key may reach the scores transposed / reshaped: its heads are checked through the repeated value
     for what, v in (("value", core.value), ("output", core.attn_out)):
         got = static_dim(v, 1)
-        _need(got in (None, h), f"attention {what} has {got} heads, query has {h}", v)
+        need(got in (None, h), f"attention {what} has {got} heads, query has {h}", v)
     for what, v in (("key", k_new), ("value", v_new)):
-        _need(static_dim(v, 1) in (None, kvh), f"new {what} has {static_dim(v, 1)} heads, cache has {kvh}", v)
-    _need(d % 8 == 0, f"head size {d} is not a multiple of 8 (PagedAttention)", past_k)
+        need(static_dim(v, 1) in (None, kvh), f"new {what} has {static_dim(v, 1)} heads, cache has {kvh}", v)
+    need(d % 8 == 0, f"head size {d} is not a multiple of 8 (PagedAttention)", past_k)
     window = _sliding_window(core.masks)
 
     scale = core.scale if core.scale is not None else 1.0 / math.sqrt(d)
@@ -497,12 +430,7 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
 
 def match_attention_layers(graph: ir.Graph) -> list[AttentionLayer | LayerFailure]:
     """Match every layer that has ``past_key_values.{i}.key`` inputs, in layer order."""
-    layers = sorted(
-        int(v.name.split(".")[1])
-        for v in graph.inputs
-        if v.name and v.name.startswith("past_key_values.") and v.name.endswith(".key")
-    )
-    return [match_attention_layer(graph, i) for i in layers]
+    return [match_attention_layer(graph, i) for i in cache_layers(graph)]
 
 
 def rope_in_op_problems(m: AttentionLayer) -> list[str]:

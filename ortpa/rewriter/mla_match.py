@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult
 
 from ortpa.rewriter._graph import (
     const_array,
@@ -22,9 +21,20 @@ from ortpa.rewriter._graph import (
     int_attr,
     ints_attr,
     producer_op,
-    scalar,
     split_sizes,
     static_dim,
+)
+from ortpa.rewriter._match import (
+    LayerFailure,
+    MatchFail,
+    cache_concat,
+    cache_inputs,
+    cache_layers,
+    consumer_ops,
+    match_or_failure,
+    need,
+    softmax_of,
+    strip_scales,
 )
 
 __all__ = ["LayerFailure", "MlaLayer", "match_mla_layer", "match_mla_layers"]
@@ -59,51 +69,9 @@ class MlaLayer:
         return self.kv_lora_rank + self.qk_rope
 
 
-@dataclass(frozen=True)
-class LayerFailure:
-    """Why layer ``layer`` was not converted: a readable reason and the value or node it concerns."""
-
-    layer: int
-    reason: str
-    where: str
-
-    def as_pair(self) -> tuple[str, str]:
-        return (f"layer {self.layer} ({self.where})", self.reason)
-
-
-class _Fail(Exception):
-    def __init__(self, reason: str, where: ir.Value | ir.Node | None) -> None:
-        super().__init__(reason)
-        self.result = MatchResult().fail(reason, where)
-        self.reason = reason
-        self.where = "" if where is None else (where.name or "?")
-
-
-def _need(cond: object, reason: str, where: ir.Value | ir.Node | None) -> None:
-    if not cond:
-        raise _Fail(reason, where)
-
-
-def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
-    return next((v for v in graph.inputs if v.name == name), None)
-
-
-def _cache_concat(past: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """``Concat(past, new, axis=-2)`` consuming ``past`` -> (concat output, new)."""
-    for node in consumers(past, "Concat"):
-        axis = int_attr(node, "axis")
-        if len(node.inputs) == 2 and node.inputs[0] is past and axis in (-2, 2):
-            return node.outputs[0], node.inputs[1]
-    raise _Fail(f"expected Concat({past.name}, new, axis=-2), found consumers {_ops(past)}", past)
-
-
 def _what(value: ir.Value) -> str:
     node = value.producer()
     return "a graph input or constant" if node is None else f"{node.op_type} ({node.name})"
-
-
-def _ops(value: ir.Value) -> list[str]:
-    return sorted({n.op_type for n in value.consumers()})
 
 
 def _reaches(start: ir.Value, targets: set[int], max_nodes: int = 400) -> bool:
@@ -120,33 +88,6 @@ def _reaches(start: ir.Value, targets: set[int], max_nodes: int = 400) -> bool:
         seen.add(id(node))
         queue.extend(v for v in node.inputs if v is not None)
     return False
-
-
-def _strip_scales(value: ir.Value, *, through_layout: bool = False) -> tuple[ir.Value, float]:
-    """Walk back through Mul/Div by constant scalars (and Reshape/Transpose when asked); return (base, factor)."""
-    factor = 1.0
-    while True:
-        node = producer_op(value, "Mul", "Div", "Reshape", "Transpose", "Cast")
-        if node is None:
-            return value, factor
-        if node.op_type in ("Reshape", "Transpose"):
-            if not through_layout:
-                return value, factor
-            value = node.inputs[0]
-            continue
-        if node.op_type == "Cast":
-            value = node.inputs[0]
-            continue
-        a, b = node.inputs[0], node.inputs[1]
-        sb, sa = scalar(b), scalar(a)
-        if node.op_type == "Mul" and sb is not None:
-            factor, value = factor * sb, a
-        elif node.op_type == "Mul" and sa is not None:
-            factor, value = factor * sa, b
-        elif node.op_type == "Div" and sb is not None:
-            factor, value = factor / sb, a
-        else:
-            return value, factor
 
 
 def _scores_matmul(value: ir.Value, depth: int = 8) -> tuple[ir.Node, float] | None:
@@ -167,28 +108,11 @@ def _scores_matmul(value: ir.Value, depth: int = 8) -> tuple[ir.Node, float] | N
                 return found
         return None
     if node.op_type in ("Mul", "Div"):
-        base, factor = _strip_scales(value)
+        base, factor = strip_scales(value)
         if base is value:
             return None
         found = _scores_matmul(base, depth - 1)
         return None if found is None else (found[0], found[1] * factor)
-    return None
-
-
-def _softmax_of(value: ir.Value) -> ir.Node | None:
-    """The Softmax producing attention probabilities, through Where(IsNaN(p), 0, p), Cast and Dropout."""
-    for _ in range(6):
-        node = value.producer()
-        if node is None:
-            return None
-        if node.op_type == "Softmax":
-            return node
-        if node.op_type in ("Cast", "Dropout"):
-            value = node.inputs[0]
-        elif node.op_type == "Where" and len(node.inputs) == 3:
-            value = node.inputs[2]
-        else:
-            return None
     return None
 
 
@@ -198,43 +122,43 @@ def _attention_core(v: ir.Value, head_qk: int) -> tuple[ir.Value, ir.Value, ir.V
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and len(node.inputs) > 2:
             if node.inputs[2] is not v:
                 continue
-            _need(
+            need(
                 not node.attributes.get("softcap") or float(node.attributes["softcap"].value) == 0.0,
                 "ONNX Attention with softcap is not an MLA pattern ortpa converts",
                 node,
             )
-            _need(int_attr(node, "is_causal", 0) in (0, 1), "unexpected is_causal", node)
-            _need(
+            need(int_attr(node, "is_causal", 0) in (0, 1), "unexpected is_causal", node)
+            need(
                 len(node.inputs) < 5 or all(x is None for x in node.inputs[4:]),
                 "ONNX Attention with past_key/past_value inputs: the cache must be the explicit MLA latent",
                 node,
             )
             attr = node.attributes.get("scale")
             scale = float(attr.value) if attr is not None else 1.0 / math.sqrt(head_qk)
-            query, qf = _strip_scales(node.inputs[0])
+            query, qf = strip_scales(node.inputs[0])
             return query, node.inputs[1], node.outputs[0], scale * qf, "onnx-attention"
         if node.op_type == "MatMul" and node.inputs[1] is v:
-            softmax = _softmax_of(node.inputs[0])
-            _need(softmax is not None, f"MatMul({node.inputs[0].name}, v): probabilities are not a Softmax", node)
-            _need(int_attr(softmax, "axis", -1) in (-1, 3), "Softmax is not over the last axis", softmax)
+            softmax = softmax_of(node.inputs[0])
+            need(softmax is not None, f"MatMul({node.inputs[0].name}, v): probabilities are not a Softmax", node)
+            need(int_attr(softmax, "axis", -1) in (-1, 3), "Softmax is not over the last axis", softmax)
             found = _scores_matmul(softmax.inputs[0])
-            _need(found is not None, "Softmax input is not scale * (q @ k^T) [+ mask]", softmax)
+            need(found is not None, "Softmax input is not scale * (q @ k^T) [+ mask]", softmax)
             qk, s_scores = found
-            query, s_q = _strip_scales(qk.inputs[0])
-            key, s_k = _strip_scales(qk.inputs[1], through_layout=True)
+            query, s_q = strip_scales(qk.inputs[0])
+            key, s_k = strip_scales(qk.inputs[1], through_layout=True)
             return query, key, node.outputs[0], s_scores * s_q * s_k, "matmul-softmax"
-    raise _Fail(f"no attention (MatMul(p, v) or ONNX Attention) consumes v; consumers: {_ops(v)}", v)
+    raise MatchFail(f"no attention (MatMul(p, v) or ONNX Attention) consumes v; consumers: {consumer_ops(v)}", v)
 
 
 def _other_split_output(value: ir.Value, expect_last: int, what: str) -> ir.Value:
     node = producer_op(value, "Split")
-    _need(node is not None and len(node.outputs) == 2, f"{what} is not one output of a 2-way Split", value)
+    need(node is not None and len(node.outputs) == 2, f"{what} is not one output of a 2-way Split", value)
     assert node is not None
-    _need(int_attr(node, "axis", 0) in (-1, len(value.shape or ()) - 1), f"{what}: Split not on last axis", node)
+    need(int_attr(node, "axis", 0) in (-1, len(value.shape or ()) - 1), f"{what}: Split not on last axis", node)
     other = node.outputs[1] if node.outputs[0] is value else node.outputs[0]
     sizes = split_sizes(node)
     if sizes is not None:
-        _need(sizes[other.index()] == expect_last, f"{what}: Split sizes {sizes}, expected {expect_last}", node)
+        need(sizes[other.index()] == expect_last, f"{what}: Split sizes {sizes}, expected {expect_last}", node)
     return other
 
 
@@ -319,63 +243,57 @@ def _q_proj(q_nope: ir.Value, heads: int, width: int) -> ir.Node | None:
 
 def match_mla_layer(graph: ir.Graph, layer: int) -> MlaLayer | LayerFailure:
     """Match the dense MLA attention of ``layer``; never mutates the graph."""
-    try:
-        return _match(graph, layer)
-    except _Fail as fail:
-        return LayerFailure(layer, fail.reason, fail.where)
+    return match_or_failure(_match, graph, layer)
 
 
 def _match(graph: ir.Graph, i: int) -> MlaLayer:
-    past_k = _graph_input(graph, f"past_key_values.{i}.key")
-    past_v = _graph_input(graph, f"past_key_values.{i}.value")
-    _need(past_k is not None and past_v is not None, f"graph inputs past_key_values.{i}.key/.value not found", None)
-    assert past_k is not None and past_v is not None
-    _need(static_dim(past_k, 1) == 1, f"key cache has {past_k.shape} heads, expected one latent head (MLA)", past_k)
+    past_k, past_v = cache_inputs(graph, i)
+    need(static_dim(past_k, 1) == 1, f"key cache has {past_k.shape} heads, expected one latent head (MLA)", past_k)
     L, R = static_dim(past_k, 3), static_dim(past_v, 3)
-    _need(L is not None and R is not None, "latent / rope widths of the caches are not static", past_k)
+    need(L is not None and R is not None, "latent / rope widths of the caches are not static", past_k)
     assert L is not None and R is not None
-    latent_all, latent = _cache_concat(past_k)
-    _, k_pe = _cache_concat(past_v)
+    latent_all, latent = cache_concat(past_k)
+    _, k_pe = cache_concat(past_v)
 
     kvb = next((n for n in consumers(latent_all, "MatMul") if n.inputs[0] is latent_all), None)
-    _need(
+    need(
         kvb is not None,
-        f"present latent is not expanded by a MatMul (kv_b_proj); consumers {_ops(latent_all)}",
+        f"present latent is not expanded by a MatMul (kv_b_proj); consumers {consumer_ops(latent_all)}",
         latent_all,
     )
     assert kvb is not None
     w_kv_b = const_array(kvb.inputs[1])
-    _need(
+    need(
         w_kv_b is not None and w_kv_b.ndim == 2 and w_kv_b.shape[0] == L, "kv_b_proj weight not a constant [L, N]", kvb
     )
     assert w_kv_b is not None
     reshape = next(iter(consumers(kvb.outputs[0], "Reshape")), None)
     transpose = next(iter(consumers(reshape.outputs[0], "Transpose")), None) if reshape else None
-    _need(
+    need(
         transpose is not None and ints_attr(transpose, "perm") == [0, 2, 1, 3],
         "kv_b_proj output not Reshape->Transpose(0,2,1,3)",
         kvb,
     )
     assert transpose is not None
     split = next(iter(consumers(transpose.outputs[0], "Split")), None)
-    _need(
+    need(
         split is not None and len(split.outputs) == 2,
         "expanded K/V is not Split into (k_nope, v)",
         transpose.outputs[0],
     )
     assert split is not None
     sizes = split_sizes(split)
-    _need(sizes is not None and len(sizes) == 2, "Split sizes of (k_nope, v) are not constant", split)
+    need(sizes is not None and len(sizes) == 2, "Split sizes of (k_nope, v) are not constant", split)
     assert sizes is not None
     P, V = sizes
     N = w_kv_b.shape[1]
-    _need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", kvb)
+    need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", kvb)
     H = N // (P + V)
     k_nope, v = split.outputs
 
     query, key, attn_out, scale, kind = _attention_core(v, P + R)
     concat = producer_op(query, "Concat")
-    _need(
+    need(
         concat is not None and len(concat.inputs) == 2 and int_attr(concat, "axis") in (-1, 3),
         f"attention query is not Concat(q_nope, q_pe, axis=-1) but {_what(query)}",
         query,
@@ -383,17 +301,17 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
     assert concat is not None
     q_nope, q_pe = concat.inputs
     assert q_nope is not None and q_pe is not None
-    _need(_reaches(key, {id(k_nope)}), "attention key does not come from kv_b_proj's k_nope", key)
-    _need(_reaches(key, {id(k_pe)}), f"attention key does not contain the cached k_pe ({k_pe.name})", key)
+    need(_reaches(key, {id(k_nope)}), "attention key does not come from kv_b_proj's k_nope", key)
+    need(_reaches(key, {id(k_pe)}), f"attention key does not contain the cached k_pe ({k_pe.name})", key)
     for value, dim, what in ((q_nope, P, "q_nope"), (q_pe, R, "q_pe")):
         got = static_dim(value, -1)
-        _need(got in (None, dim), f"{what} last dim {got}, expected {dim}", value)
+        need(got in (None, dim), f"{what} last dim {got}, expected {dim}", value)
     q_pe_raw = _other_split_output(q_nope, R, "q_nope")
     rope = _rope_interleaved(q_pe_raw)
     k_pe_raw = _k_pe_raw(latent, k_pe, R)
     q_proj = _q_proj(q_nope, H, P + R)
     o_proj = _o_proj(attn_out, H * V)
-    _need((L + R) % 8 == 0, f"latent row width kv_lora_rank + qk_rope = {L + R} is not a multiple of 8", past_k)
+    need((L + R) % 8 == 0, f"latent row width kv_lora_rank + qk_rope = {L + R} is not a multiple of 8", past_k)
     return MlaLayer(
         layer=i,
         num_heads=H,
@@ -419,9 +337,4 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
 
 def match_mla_layers(graph: ir.Graph) -> list[MlaLayer | LayerFailure]:
     """Match every layer that has ``past_key_values.{i}.key`` inputs, in layer order."""
-    layers = sorted(
-        int(v.name.split(".")[1])
-        for v in graph.inputs
-        if v.name and v.name.startswith("past_key_values.") and v.name.endswith(".key")
-    )
-    return [match_mla_layer(graph, i) for i in layers]
+    return [match_mla_layer(graph, i) for i in cache_layers(graph)]

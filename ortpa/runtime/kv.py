@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ortpa.errors import OrtpaError, OutOfBlocks
+from ortpa.errors import BlockRefError, InvalidSequenceOp, OutOfBlocks, UnknownSequence
 from ortpa.runtime.kv_memory import (
     BlockCopier,
     blocks_for_budget,
@@ -59,30 +59,6 @@ __all__ = [
 ]
 
 SeqId = Hashable
-
-
-# These errors belong in ortpa/errors.py; they live here until that shared file is next edited.
-class BlockRefError(OrtpaError, RuntimeError):
-    """A block id was freed or shared while not allocated (double free), or is out of range."""
-
-
-class UnknownSequence(OrtpaError, KeyError):
-    """A sequence id that the cache does not hold."""
-
-    def __init__(self, seq_id: SeqId, where: str) -> None:
-        self.seq_id = seq_id
-        self.where = where
-        super().__init__(f"{where}: unknown sequence {seq_id!r} (expected an id added and not yet freed)")
-
-    def __str__(self) -> str:  # KeyError would print repr(message); say it plainly
-        return str(self.args[0])
-
-    def __reduce__(self):
-        return (type(self), (self.seq_id, self.where))
-
-
-class InvalidSequenceOp(OrtpaError, ValueError):
-    """A cache call with bad arguments: duplicate id, negative count, too narrow block_table, ..."""
 
 
 class BlockPool:

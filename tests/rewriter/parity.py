@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from tolerances import assert_close, tol_for
 
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
 
-__all__ = ["DenseModel", "ParityResult", "run_parity"]
+__all__ = ["DenseModel", "ParityResult", "attrs", "check_near_miss", "near_miss", "paged_nodes", "run_parity"]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BLOCK_SIZE, NUM_BLOCKS = 16, 24
@@ -90,12 +91,20 @@ def run_parity(
     seed: int = 0,
     vocab: int = 256,
     extra_atol: float = 0.0,
+    allow_ties: bool = True,
+    scatter_blocks: bool = False,
+    logits: str = "auto",
 ) -> ParityResult:
     """Continuous batching on ``converted`` vs the dense model; asserts logits close and greedy tokens equal.
 
     Greedy tokens must be identical unless the reference's two best logits are closer than twice the logit
     tolerance (a numerical tie: either token is a correct greedy choice); both models then continue with the
     paged model's token, so their histories stay identical. Such ties are counted in ``ParityResult.ties``.
+    ``allow_ties=False`` demands identical greedy tokens at every step.
+
+    ``scatter_blocks`` hands out blocks in a random order (drawn from ``seed`` before the prompts), so the block
+    table really is a page table. ``logits``: ``"last"`` requires one logits row per sequence, ``"all"`` one per
+    packed token (the last of each sequence is checked), ``"auto"`` accepts either.
     """
     atol = tol_for(dtype)[1] + extra_atol
     sess = PagedSession(
@@ -109,6 +118,10 @@ def run_parity(
     dense = DenseModel(dense_path)
     kv = PagedKVCache(NUM_BLOCKS, BLOCK_SIZE)
     rng = np.random.default_rng(seed)
+    if scatter_blocks:
+        order = [int(b) for b in rng.permutation(NUM_BLOCKS)]
+        kv.pool.allocate(NUM_BLOCKS)  # take every block, then free them back in a random queue order
+        kv.pool.free(reversed(order))
     seqs: dict[str, dict] = {}
 
     def add(name: str, length: int) -> None:
@@ -134,8 +147,11 @@ def run_parity(
             "position_ids": plan.positions,
         }
         out = sess.run({k: v for k, v in feed.items() if k in wanted})
-        logits = out["logits"]
-        rows = logits if logits.shape[0] == len(names) else logits[plan.last_token_indices]
+        all_rows = out["logits"]
+        if logits == "last":
+            assert all_rows.shape[0] == len(names), f"step {step}: {all_rows.shape[0]} rows for {len(names)} sequences"
+        one_per_sequence = logits == "last" or (logits == "auto" and all_rows.shape[0] == len(names))
+        rows = all_rows if one_per_sequence else all_rows[plan.last_token_indices]
         assert rows.shape[0] == len(names), f"step {step}: {rows.shape[0]} logits rows for {len(names)} sequences"
         for j, name in enumerate(names):
             seq = seqs[name]
@@ -147,7 +163,7 @@ def run_parity(
             result.max_abs_error = max(result.max_abs_error, err)
             token = int(got.argmax())
             top2 = np.sort(ref)[-2:]
-            if top2[1] - top2[0] <= 2 * atol:
+            if allow_ties and top2[1] - top2[0] <= 2 * atol:
                 result.ties += 1
             else:
                 assert token == int(ref.argmax()), f"step {step}, sequence {name}: greedy token differs"
@@ -156,3 +172,41 @@ def run_parity(
             seq["pending"] = [token]
         result.steps += 1
     return result
+
+
+def attrs(node: onnx.NodeProto) -> dict:
+    """A node's attributes as a ``{name: value}`` dict."""
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def paged_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "PagedAttention"]
+
+
+def near_miss(fixture: str) -> onnx.ModelProto:
+    """The fixture with layer 1's Softmax turned into a Sigmoid: attention-shaped, but not softmax attention."""
+    model = onnx.load(str(FIXTURES / f"{fixture}.onnx"))
+    softmaxes = [n for n in model.graph.node if n.op_type == "Softmax"]
+    assert len(softmaxes) == 2
+    softmaxes[1].op_type = "Sigmoid"
+    del softmaxes[1].attribute[:]
+    return model
+
+
+def check_near_miss(model: onnx.ModelProto, match: str, match_layers, layer_type: type, failure_type: type) -> None:
+    """``convert`` reports layer 1 (not a Softmax) and leaves the input alone; the matcher finds layer 0 only."""
+    import hashlib
+
+    import onnx_ir as ir
+
+    from ortpa.errors import ConversionError
+    from ortpa.rewriter.pipeline import convert
+
+    before = hashlib.sha256(model.SerializeToString()).hexdigest()
+    with pytest.raises(ConversionError, match=match) as info:
+        convert(model)
+    assert hashlib.sha256(model.SerializeToString()).hexdigest() == before  # the input is never modified
+    (where, why), *rest = info.value.failures
+    assert not rest and where.startswith("layer 1") and "not a Softmax" in why
+    results = match_layers(ir.serde.deserialize_model(model).graph)
+    assert isinstance(results[0], layer_type) and isinstance(results[1], failure_type)

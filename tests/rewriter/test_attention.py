@@ -9,13 +9,10 @@ steps, contexts up to 18 tokens: well past the window).
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
-from parity import FIXTURES, run_parity
+from parity import FIXTURES, attrs, check_near_miss, near_miss, paged_nodes, run_parity
 from tolerances import FAMILY_EXTRA_ATOL
 
 from ortpa.errors import ConversionError
@@ -38,20 +35,12 @@ CASES = [
 ]
 
 
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _paged(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == "PagedAttention"]
-
-
 @pytest.mark.parametrize(("fixture", "options"), CASES, ids=[c[0] + str(c[1] or "") for c in CASES])
 def test_parity_continuous_batching(fixture, options):
     dense = FIXTURES / f"{fixture}.onnx"
     converted = convert(str(dense), **options)
-    nodes = _paged(converted)
-    assert len(nodes) == 2 and all(_attrs(n)["kv_cache_layout"] == b"SEPARATE" for n in nodes)
+    nodes = paged_nodes(converted)
+    assert len(nodes) == 2 and all(attrs(n)["kv_cache_layout"] == b"SEPARATE" for n in nodes)
     report = validate_model(converted, backend="cuda")
     assert report.ok, report.format()
     result = run_parity(converted, dense, extra_atol=FAMILY_EXTRA_ATOL.get(fixture.split("_")[0], 0.0))
@@ -78,10 +67,10 @@ def test_interface_and_attributes():
         "present.1.key",
         "present.1.value",
     ]
-    node = _paged(converted)[0]
+    node = paged_nodes(converted)[0]
     assert list(node.input[3:5]) == ["past_key_values.0.key", "past_key_values.0.value"]
     assert list(node.output[1:]) == ["present.0.key", "present.0.value"]
-    a = _attrs(node)
+    a = attrs(node)
     # 1/sqrt(head) is the op's default: not written; RoPE stays in the graph by default
     assert (a["num_heads"], a["kv_num_heads"]) == (4, 2) and "scale" not in a and "do_rotary" not in a
     cache = converted.graph.input[5].type.tensor_type
@@ -94,9 +83,9 @@ def test_interface_and_attributes():
 
 
 def test_sliding_window_softcap_and_scale_per_layer():
-    qwen2 = [_attrs(n) for n in _paged(convert(str(FIXTURES / "qwen2_sliding_sdpa_op18.onnx")))]
+    qwen2 = [attrs(n) for n in paged_nodes(convert(str(FIXTURES / "qwen2_sliding_sdpa_op18.onnx")))]
     assert "local_window_size" not in qwen2[0] and qwen2[1]["local_window_size"] == 4  # max_window_layers=1
-    gemma = [_attrs(n) for n in _paged(convert(str(FIXTURES / "gemma2_eager_op18.onnx")))]
+    gemma = [attrs(n) for n in paged_nodes(convert(str(FIXTURES / "gemma2_eager_op18.onnx")))]
     assert gemma[0]["local_window_size"] == 4 and "local_window_size" not in gemma[1]  # sliding, full, ...
     for a in gemma:
         assert a["softcap"] == pytest.approx(50.0)
@@ -105,8 +94,8 @@ def test_sliding_window_softcap_and_scale_per_layer():
 
 def test_qk_norm_and_rope_move_into_the_op():
     converted = convert(str(FIXTURES / "qwen3_sdpa_op18.onnx"), rope_in_op=True, max_positions=64)
-    node = _paged(converted)[0]
-    a = _attrs(node)
+    node = paged_nodes(converted)[0]
+    a = attrs(node)
     assert (a["do_rotary"], a["rotary_interleaved"]) == (1, 0)
     assert a["qk_norm_epsilon"] == pytest.approx(1e-6)
     inits = {i.name: i for i in converted.graph.initializer}
@@ -119,7 +108,7 @@ def test_qk_norm_and_rope_move_into_the_op():
 def test_dropping_the_window_breaks_parity():
     """The harness can fail: without local_window_size the sliding layer attends to the whole context."""
     converted = convert(str(FIXTURES / "qwen2_sliding_sdpa_op18.onnx"))
-    for node in _paged(converted):
+    for node in paged_nodes(converted):
         kept = [a for a in node.attribute if a.name != "local_window_size"]
         del node.attribute[:]
         node.attribute.extend(kept)
@@ -127,26 +116,14 @@ def test_dropping_the_window_breaks_parity():
         run_parity(converted, FIXTURES / "qwen2_sliding_sdpa_op18.onnx")
 
 
-def _near_miss() -> onnx.ModelProto:
-    """Llama with layer 1's Softmax turned into a Sigmoid: attention-shaped, but not softmax attention."""
-    model = onnx.load(str(FIXTURES / "llama_sdpa_op18.onnx"))
-    softmaxes = [n for n in model.graph.node if n.op_type == "Softmax"]
-    assert len(softmaxes) == 2
-    softmaxes[1].op_type = "Sigmoid"
-    del softmaxes[1].attribute[:]
-    return model
-
-
 def test_near_miss_is_reported_and_left_alone():
-    model = _near_miss()
-    before = hashlib.sha256(model.SerializeToString()).hexdigest()
-    with pytest.raises(ConversionError, match="1 of 2 layers are not MHA/GQA") as info:
-        convert(model)
-    assert hashlib.sha256(model.SerializeToString()).hexdigest() == before  # the input is never modified
-    (where, why), *rest = info.value.failures
-    assert not rest and where.startswith("layer 1") and "not a Softmax" in why
-    results = match_attention_layers(ir.serde.deserialize_model(model).graph)
-    assert isinstance(results[0], AttentionLayer) and isinstance(results[1], LayerFailure)
+    check_near_miss(
+        near_miss("llama_sdpa_op18"),
+        "1 of 2 layers are not MHA/GQA",
+        match_attention_layers,
+        AttentionLayer,
+        LayerFailure,
+    )
 
 
 def test_mismatched_head_count_is_reported():
@@ -162,7 +139,7 @@ def test_mismatched_head_count_is_reported():
 
 def test_mla_models_still_take_the_latent_path():
     converted = convert(str(FIXTURES / "dsv3_sdpa_op18.onnx"))
-    assert {_attrs(n)["kv_cache_layout"] for n in _paged(converted)} == {b"LATENT"}
+    assert {attrs(n)["kv_cache_layout"] for n in paged_nodes(converted)} == {b"LATENT"}
 
 
 def test_float16_model():

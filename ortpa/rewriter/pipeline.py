@@ -210,11 +210,16 @@ def _convert_separate(
         paged_io.set_present(graph, m.layer, key_out, key_cache)
         paged_io.set_present_value(graph, m.layer, value_out, value_cache)
     # present.{i}.key / .value next to each other, in layer order, after logits (as the inputs are ordered)
+    _finish(irm, io, "paged-attention-separate", logits=logits, dtype=dtype, rope_in_op=rope_in_op, progress=progress)
+
+
+def _finish(irm: ir.Model, io, kind: str, *, logits, dtype, rope_in_op: bool, progress) -> None:
+    """The tail both families share: outputs and logits rows, optional whole-model dtype, metadata."""
     paged_io.finish(irm, io, logits=logits)
     if dtype is not None:
         _progress(progress, f"converting to {dtype}")
         convert_float_type(irm, _IR_DTYPES[dtype])
-    irm.metadata_props["ortpa.converted"] = "paged-attention-separate"
+    irm.metadata_props["ortpa.converted"] = kind
     irm.metadata_props["ortpa.logits"] = logits
     irm.metadata_props["ortpa.rope_in_op"] = str(int(rope_in_op))
 
@@ -303,13 +308,7 @@ def convert(
             graph, m, cache, io.op_inputs(), rope_in_op=rope_in_op, absorb=absorb, op_dtype=op_dtype
         )
         paged_io.set_present(graph, m.layer, out, cache)
-    paged_io.finish(irm, io, logits=logits)
-    if dtype is not None:
-        _progress(progress, f"converting to {dtype}")
-        convert_float_type(irm, _IR_DTYPES[dtype])
-    irm.metadata_props["ortpa.converted"] = "paged-attention-latent"
-    irm.metadata_props["ortpa.logits"] = logits
-    irm.metadata_props["ortpa.rope_in_op"] = str(int(rope_in_op))
+    _finish(irm, io, "paged-attention-latent", logits=logits, dtype=dtype, rope_in_op=rope_in_op, progress=progress)
     return _serialize_checked(irm, progress, check_session)
 
 

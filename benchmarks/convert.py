@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from ortpa.bench import format_table
+
 __all__ = ["run"]
 
 SMALL = dict(hidden=256, heads=8, q_lora_rank=128, kv_lora_rank=64, qk_nope=32, qk_rope=16, v_head=32,
@@ -108,15 +110,8 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
-def _print(rows: list[dict]) -> None:
-    w = max(len(r["name"]) for r in rows)
-    print(f"{'name':<{w}}  {'metric':<18} {'value':>10} {'unit':<4} notes")
-    for r in rows:
-        print(f"{r['name']:<{w}}  {r['metric']:<18} {r['value']:>10.4g} {r['unit']:<4} {r['notes']}")
-
-
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         print(json.dumps(_child(int(sys.argv[2]), json.loads(sys.argv[3]))))
     else:
-        _print(run(quick="--quick" in sys.argv[1:]))
+        print(format_table(run(quick="--quick" in sys.argv[1:])))

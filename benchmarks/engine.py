@@ -29,6 +29,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
+from ortpa.bench import format_table
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
 
@@ -196,15 +197,7 @@ def run(quick: bool = False) -> list[dict]:
     ]
 
 
-def _print_table(rows: list[dict]) -> None:
-    cols = ("name", "metric", "value", "unit", "notes")
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths, strict=True)))
-
-
 if __name__ == "__main__":
     import sys
 
-    _print_table(run(quick="--quick" in sys.argv))
+    print(format_table(run(quick="--quick" in sys.argv)))

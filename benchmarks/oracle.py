@@ -16,6 +16,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from ortpa.bench import format_table
 from ortpa.ops.oracle import paged_attention
 
 __all__ = ["run"]
@@ -109,15 +110,7 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
-def _print_table(rows: list[dict]) -> None:
-    cols = ("name", "metric", "value", "unit", "notes")
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths, strict=True)))
-
-
 if __name__ == "__main__":
     import sys
 
-    _print_table(run(quick="--quick" in sys.argv))
+    print(format_table(run(quick="--quick" in sys.argv)))

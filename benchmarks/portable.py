@@ -20,6 +20,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from ortpa.bench import format_table
 from ortpa.ops.portable import portable_single_node_model
 
 __all__ = ["run"]
@@ -165,12 +166,5 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
-def _print(rows: list[dict]) -> None:
-    w = max(len(r["name"]) for r in rows)
-    print(f"{'name':<{w}}  {'metric':<18} {'value':>10} {'unit':<4} notes")
-    for r in rows:
-        print(f"{r['name']:<{w}}  {r['metric']:<18} {r['value']:>10.4g} {r['unit']:<4} {r['notes']}")
-
-
 if __name__ == "__main__":
-    _print(run(quick="--quick" in sys.argv[1:]))
+    print(format_table(run(quick="--quick" in sys.argv[1:])))

@@ -57,7 +57,7 @@ def _fmt(value: Any) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    cols = ("benchmark", *_COLUMNS)
+    cols = (("benchmark",) if any("benchmark" in r for r in rows) else ()) + _COLUMNS
     cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: every `cuda` test, then the GPU-relevant benchmarks, then one summary.
+# One command for a GPU machine: every `cuda` test (the native kernel vs the oracle and the portable op; the aliased
+# PagedSession on the device; every converted fixture model natively on CUDA with IO-bound caches vs the portable
+# CPU run, tests/gpu/test_cuda_fixtures.py), then the GPU-relevant benchmarks, then one summary.
 # Needs: a CUDA device, `pip install ".[test,cuda]"` (onnxruntime-gpu is a core dependency). Under 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +12,7 @@ import onnxruntime as ort
 from ortpa.runtime.device import cuda_device_count
 print("onnxruntime", ort.__version__, ort.get_available_providers(), "cuda devices:", cuda_device_count())
 PY
-timeout 240 python -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$log"
+timeout 240 python -m pytest -q -s -m cuda -p no:cacheprovider tests/gpu 2>&1 | tee "$log"
 tests_rc=${PIPESTATUS[0]}
 timeout 60 python benchmarks/portable.py --quick 2>&1 | tail -15 || true
 echo "== summary"

@@ -24,7 +24,7 @@ from ortpa.runtime.session import PagedSession
 
 __all__ = ["DenseModel", "ParityResult", "attrs", "check_near_miss", "near_miss", "paged_nodes", "run_parity"]
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BLOCK_SIZE, NUM_BLOCKS = 16, 24
 PROMPTS = (("A", 5), ("B", 11), ("C", 3))
 LATE_PROMPT, LEAVER, JOIN_STEP = ("D", 6), "C", 4
@@ -79,6 +79,7 @@ class ParityResult:
     tokens_checked: int = 0
     max_context: int = 0
     errors: list[float] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)  # per step, per sequence: the checked rows (float32)
     ties: int = 0  # greedy steps whose reference top-2 gap was within the tolerance (either token is right)
 
 
@@ -94,13 +95,17 @@ def run_parity(
     allow_ties: bool = True,
     scatter_blocks: bool = False,
     logits: str = "auto",
+    providers: list[str] | None = None,
+    follow_reference: bool = False,
 ) -> ParityResult:
     """Continuous batching on ``converted`` vs the dense model; asserts logits close and greedy tokens equal.
 
     Greedy tokens must be identical unless the reference's two best logits are closer than twice the logit
     tolerance (a numerical tie: either token is a correct greedy choice); both models then continue with the
     paged model's token, so their histories stay identical. Such ties are counted in ``ParityResult.ties``.
-    ``allow_ties=False`` demands identical greedy tokens at every step.
+    ``allow_ties=False`` demands identical greedy tokens at every step. ``follow_reference`` continues with the
+    dense model's token instead, so two runs of this driver (say CUDA and CPU) see identical histories whatever
+    their tie-breaks, and their ``ParityResult.logits`` compare row by row.
 
     ``scatter_blocks`` hands out blocks in a random order (drawn from ``seed`` before the prompts), so the block
     table really is a page table. ``logits``: ``"last"`` requires one logits row per sequence, ``"all"`` one per
@@ -111,7 +116,7 @@ def run_parity(
         converted,
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK_SIZE,
-        providers=["CPUExecutionProvider"],
+        providers=providers or ["CPUExecutionProvider"],
         sess_options=_options(),
     )
     wanted = {i.name for i in sess.session.get_inputs()}
@@ -160,6 +165,7 @@ def run_parity(
             assert_close(got, ref, dtype, what=f"step {step}, sequence {name}", extra_atol=extra_atol)
             err = float(np.abs(got - ref).max())
             result.errors.append(err)
+            result.logits.append(got)
             result.max_abs_error = max(result.max_abs_error, err)
             token = int(got.argmax())
             top2 = np.sort(ref)[-2:]
@@ -169,7 +175,7 @@ def run_parity(
                 assert token == int(ref.argmax()), f"step {step}, sequence {name}: greedy token differs"
             result.tokens_checked += 1
             result.max_context = max(result.max_context, seq["dense"]["len"])
-            seq["pending"] = [token]
+            seq["pending"] = [int(ref.argmax()) if follow_reference else token]
         result.steps += 1
     return result
 

@@ -447,6 +447,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"ortpa {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return EXIT_INVALID
+    except Exception as exc:
+        # ONNX Runtime's own exception types (Fail, InvalidGraph, ...) when it refuses a model that passed ortpa's
+        # load checks (e.g. a corrupted constant): invalid input, said on one line; anything else is a bug
+        if not type(exc).__module__.startswith("onnxruntime"):
+            raise
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        models = " / ".join(
+            str(getattr(args, k)) for k in ("input", "model", "original", "converted") if hasattr(args, k)
+        )
+        print(
+            f"ortpa {args.command}: error: ONNX Runtime rejected {models}: {' '.join(str(exc).split())}",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -11,6 +11,7 @@ from collections.abc import Hashable
 
 __all__ = [
     "BlockRefError",
+    "ConcurrentUse",
     "ConversionError",
     "InvalidArgument",
     "InvalidModel",
@@ -118,6 +119,18 @@ class UnknownSequence(OrtpaError, KeyError):
 
     def __reduce__(self):
         return (type(self), (self.seq_id, self.where))
+
+
+class ConcurrentUse(OrtpaError, RuntimeError):
+    """An object one thread must drive (an Engine's step loop) was entered by a second thread at once."""
+
+    def __init__(self, what: str, owner: str) -> None:
+        self.what = what
+        self.owner = owner
+        super().__init__(f"{what} is already in use by thread {owner!r}; drive it from one thread at a time")
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.owner))
 
 
 class InvalidSequenceOp(OrtpaError, ValueError):

@@ -9,7 +9,10 @@ so cache rounding and quantization reach the output exactly as on the device.
 Choices where backends differ or behaviour is undefined (reference §3.4(d), §10):
 
 * an unmapped (-1) page inside the attended range is masked out, as the paged-decode, latent and Flash
-  kernels do (the gather backends zero-fill it instead);
+  kernels do (the gather backends zero-fill it instead); whatever it would read (another sequence's block,
+  NaN/Inf garbage) never reaches the output;
+* two tokens of one call writing the same cache slot (a duplicate ``slot_mapping`` entry, a block table that
+  repeats a block) race on CUDA; here the last writer (highest token index) wins;
 * query token ``i`` of sequence ``b`` sits at position ``past[b] + i`` and keys beyond the sequence's live
   length ``min(past + q_len, capacity)`` do not exist; this only matters for the overflow case
   ``q_len > capacity``, where bottom-right-aligned backends shift the mask instead;
@@ -120,7 +123,8 @@ def paged_attention(
     if scale is not None:  # absent, not 0.0: "explicit scale required" must still fire for a missing scale
         attrs["scale"] = scale
     p = check_inputs(inputs, attrs)
-    return _compute(inputs, p)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not an error
+        return _compute(inputs, p)
 
 
 def _compute(x: Mapping[str, Any], p: PagedAttentionParams) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -158,7 +162,7 @@ def _compute(x: Mapping[str, Any], p: PagedAttentionParams) -> tuple[np.ndarray,
 
     # cache write first: attention reads the new tokens back through the (possibly quantized) cache
     slots = _slots(x["slot_mapping"], bt, seq, pos, bs, max_blocks)
-    write = live & (slots >= 0) & (slots < num_blocks * bs)
+    write = _last_writers(slots, live & (slots >= 0) & (slots < num_blocks * bs))
     kc_flat = kc_out.reshape(num_blocks * bs, kvh, kc_out.shape[-1])
     kc_flat[slots[write]] = quantize(k[write], k_kind, k_s)
     if vc_out is not None:
@@ -218,6 +222,17 @@ def _slots(slot_mapping, bt: np.ndarray, seq: np.ndarray, pos: np.ndarray, bs: i
     return np.where(page >= 0, page * bs + pos % bs, -1)
 
 
+def _last_writers(slots: np.ndarray, write: np.ndarray) -> np.ndarray:
+    """Token indices that write, keeping only the last (highest) token of each duplicated slot.
+
+    Two tokens resolving to one slot race on CUDA; ortpa's paths make it deterministic (last writer wins).
+    NumPy leaves repeated indices in an assignment unspecified, so the duplicates are removed here.
+    """
+    idx = np.nonzero(write)[0][::-1]
+    _, first = np.unique(slots[idx], return_index=True)  # first in reversed order = last writer
+    return np.sort(idx[first])
+
+
 def _gather_sequence(kc, vc, bt_row: np.ndarray, kvlen: int, p: PagedAttentionParams, k_kind, k_s, v_s):
     """Dequantized K ``[kvh, kvlen, H]`` and V ``[kvh, kvlen, vh]`` of one sequence, and which keys are mapped."""
     bs, h, vh = int(p.block_size), int(p.head_size), int(p.v_head_size)
@@ -230,11 +245,13 @@ def _gather_sequence(kc, vc, bt_row: np.ndarray, kvlen: int, p: PagedAttentionPa
         raw = cache[idx].reshape(-1, *cache.shape[2:])[:kvlen]  # [kvlen, kvh, Hc]
         return dequantize(raw, kind, s, h)[..., :width].transpose(1, 0, 2)
 
-    keys = read(kc, k_kind, k_s, h)
+    # an unmapped page reads block 0, which may belong to another sequence or hold garbage: zero it, or its
+    # NaN/Inf would reach this sequence's output through 0 * NaN in the probability-weighted sum
+    keys = np.where(key_ok[None, :, None], read(kc, k_kind, k_s, h), np.float32(0))
     if p.is_latent:
         values = keys[..., :vh]  # V is the leading v_head_size channels of the same dequantized row
     else:
-        values = read(vc, cache_kind(vc.dtype), v_s, vh)
+        values = np.where(key_ok[None, :, None], read(vc, cache_kind(vc.dtype), v_s, vh), np.float32(0))
     return keys, values, key_ok
 
 

@@ -7,10 +7,13 @@ graph has no loops and no custom ops; it follows the oracle (``ortpa.ops.oracle`
 1. sanitize ``block_table`` / ``cumulative_sequence_length`` / ``past_seqlens`` (reference §3.4(a));
 2. prologue: split packed QKV, QK RMSNorm in float32 rounded to T, RoPE in T arithmetic (§3.4(b));
 3. cache write: every written token's K/V is encoded to the cache type, the write set is compacted with
-   ``NonZero`` + ``Gather`` and stored by one ``ScatterND`` whose data input IS the cache graph input, so that
-   ONNX Runtime updates an IO-bound, aliased cache in place (§3.4(c), §3.5);
+   ``NonZero`` + ``Gather``, de-duplicated (a slot written twice keeps its last writer's row, as in the
+   oracle; ``ScatterND`` with repeated indices is unspecified and races in ONNX Runtime) and stored by one
+   ``ScatterND`` whose data input IS the cache graph input, so that ONNX Runtime updates an IO-bound,
+   aliased cache in place (§3.4(c), §3.5);
 4. attention over a padded ``[batch, max_q, max_kv]`` grid: only the attended positions are gathered from the
-   ScatterND output through the block table, one row per (sequence, kv head, position) (§3.4(d)/(e)).
+   ScatterND output through the block table, one row per (sequence, kv head, position) (§3.4(d)/(e)); rows
+   of padding and unmapped pages are zeroed, so another block's NaN/Inf cannot leak in through ``0 * NaN``.
 
 Memory per call (float32 unless said): scores/probabilities ``B * max_q * max_kv * num_heads`` (a few live
 copies), gathered K and V ``B * max_kv * kv_heads * head_size`` in the cache type plus a float32 copy each,
@@ -256,6 +259,7 @@ class _Body:
                 op.And(op.GreaterOrEqual(slot, 0), op.Less(slot, op.Mul(self.NB, self.BS))),
             )
             rows = op.Reshape(op.NonZero(ok), self.ints([-1]))  # skipped tokens are dropped, not redirected
+            rows = self.last_writers(op.Gather(slot, rows), rows)
             wslot = op.Gather(slot, rows)
             self._write_rows = rows
             self._write_index = op.Concat(
@@ -264,6 +268,22 @@ class _Body:
         upd = op.Gather(new, self._write_rows)  # [n, kvh, H] in T
         upd = self.encode(upd, quant, scale)
         return op.ScatterND(cache, self._write_index, upd)
+
+    def last_writers(self, wslot, rows):
+        """The subset of ``rows`` that are the last (highest) token writing their slot.
+
+        Duplicate slots (a repeated slot_mapping entry, a block table repeating a block) would otherwise reach
+        ScatterND, whose result is then unspecified (ONNX) and racy (ONNX Runtime copies in parallel). Sorting
+        the unique keys ``slot * T + row`` groups each slot's writers with the last one at the end of its group.
+        """
+        op = self.op
+        t = op.Max(self.T, 1)  # ONNX Runtime's integer Div rejects a zero divisor even on empty tensors
+        key = op.Add(op.Mul(wslot, t), rows)  # slot < 2**31 * block_size and row < T: no int64 overflow
+        srt, _ = op.TopK(key, self.dim(key, 0), largest=0, sorted=1, _outputs=2)
+        sslot, srow = op.Div(srt, t), op.Mod(srt, t)
+        nxt = op.Concat(op.Slice(sslot, [1], [_INT64_MAX]), self.ints([-1]), axis=0)
+        keep = op.Reshape(op.NonZero(op.Not(op.Equal(sslot, nxt))), self.ints([-1]))
+        return op.Gather(srow, keep)
 
     def encode(self, x, quant: str, scale):
         """T -> cache element type; int8: ``rint(clamp(x / s, -128, 127))``, zero where ``s == 0``."""
@@ -310,6 +330,10 @@ class _Body:
         mapped = op.GreaterOrEqual(pages, 0)
         slot = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))
         row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [B,kvh,kv]
+        # rows past a sequence's live length or on an unmapped page read some other block (page 0), which may
+        # belong to another sequence or hold garbage: zero them, or NaN/Inf there would reach this sequence's
+        # output through 0 * NaN in the probability-weighted sum
+        self.row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(self.kvlen, [1]))), [1, 3])
         kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)  # [B, kvh, max_kv, H]
 
         # scores transposed: [B, kvh, max_kv, G*max_q] viewed as [B, kvh, max_kv, G, max_q]; softmax over axis 2
@@ -341,19 +365,22 @@ class _Body:
         o = op.Reshape(o, op.Concat(B, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
         o = op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [B*max_q, N*vh]
         out = op.Gather(o, op.Add(op.Mul(self.seq, maxq), self.s_in))
-        return op.Cast(out, to=self.t_dtype)
+        # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of the call has a key,
+        # max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
+        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
+        return op.Cast(op.Where(has_keys, out, 0.0), to=self.t_dtype)
 
     def read(self, cache, row, quant: str, scale, width: int):
         """Gather ``row`` ([B, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32."""
         op = self.op
         flat = op.Reshape(cache, self.ints([-1, width]))  # a view of the written cache, not a copy
         rows = self.f32(op.Gather(flat, row))
-        if quant == "NONE":
-            return rows
-        s = self.scale_for(scale, quant, [self.c.kv_num_heads, width])
-        if quant == "PER_CHANNEL":
-            s = op.Unsqueeze(s, [1])  # [kvh, 1, H] against [B, kvh, max_kv, H]
-        return op.Mul(rows, s)
+        if quant != "NONE":
+            s = self.scale_for(scale, quant, [self.c.kv_num_heads, width])
+            if quant == "PER_CHANNEL":
+                s = op.Unsqueeze(s, [1])  # [kvh, 1, H] against [B, kvh, max_kv, H]
+            rows = op.Mul(rows, s)
+        return op.Where(self.row_ok, rows, 0.0)
 
     def mask(self, i, j, mapped):
         """[B, max_kv, max_q]: key j is attended by query i of sequence b (oracle `_attend`)."""

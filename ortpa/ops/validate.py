@@ -22,7 +22,7 @@ would have derived stay ``None``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "RULES",
     "TensorInfo",
     "check_inputs",
+    "check_signature",
     "check_types",
     "dtype_name",
     "validate",
@@ -44,8 +45,9 @@ __all__ = [
 
 RULES: dict[str, str] = {
     # graph resolution: types and attributes
-    "type.required": "every required input (query, key_cache, sequence tensors, block_table) is present",
-    "type.attribute": "attributes are known to the schema and have the schema's type",
+    "type.required": "every required input (query, key_cache, sequence tensors, block_table) and output 0 are "
+    "present; at most 17 inputs and 1-3 outputs",
+    "type.attribute": "attributes are known to the schema, have the schema's type, and the required ones are given",
     "type.T": "T inputs are float16 or bfloat16",
     "type.T.bind": "all T inputs (query, key, value, cos/sin, head_sink, q/k norm weights) share one type",
     "type.T_CACHE": "caches are float16, bfloat16, int8, float8e4m3fn or uint8",
@@ -353,6 +355,58 @@ def check_types(inputs: Mapping[str, Any], *, node: str | None = None, unchecked
                 f"Type Error: Type parameter ({f.type_param}) of Optype ({OP_TYPE}) bound to different types "
                 f"({_ort_type(first[0])} and {_ort_type(name)} in node ({where}).",
             )
+
+
+def check_signature(
+    inputs: Sequence[str], outputs: Sequence[str], attribute_types: Mapping[str, str], *, node: str | None = None
+) -> None:
+    """Graph resolution's node checks (ONNX ``OpSchema::Verify``) on an ONNX node, with ONNX Runtime's wording.
+
+    ``inputs`` / ``outputs`` are the node's input and output names ("" = an absent optional slot) and
+    ``attribute_types`` maps each attribute to its ``AttributeProto`` type name ("INT", "FLOAT", "INTS", ...).
+    In ONNX Runtime's order: input and output counts, required inputs and output 0 present, each attribute
+    known and of the schema's type, required attributes present. A Python attribute dict cannot express the
+    types (an int is accepted for a FLOAT attribute there), so :func:`ortpa.ops.node_check.validate_model`
+    calls this on the node before :func:`check_types`.
+    """
+    r = _Rules(node, None)
+    where = node or ""
+    schema = f"schema({PAGED_ATTENTION.domain}::{OP_TYPE}:{PAGED_ATTENTION.since_version})"
+    min_in = 1 + max(f.index for f in PAGED_ATTENTION.inputs if not f.optional)
+    for what, names, lo, hi in (
+        ("input", inputs, min_in, len(PAGED_ATTENTION.inputs)),
+        ("output", outputs, 1, len(PAGED_ATTENTION.outputs)),
+    ):
+        if not lo <= len(names) <= hi:
+            r.fail(
+                "type.required",
+                f"{what}s",
+                f"Node({where}) with {schema} has {what} size {len(names)} not in range [min={lo}, max={hi}].",
+            )
+    for what, formals, names in (
+        ("input", PAGED_ATTENTION.inputs, inputs),
+        ("output", PAGED_ATTENTION.outputs, outputs),
+    ):
+        for f in formals:
+            if not f.optional and not names[f.index]:
+                r.fail(
+                    "type.required",
+                    f.name,
+                    f"Node ({where})'s {what} {f.index} is marked single but has an empty string in the graph",
+                )
+    for name, found in attribute_types.items():
+        spec = _ATTR_SPECS.get(name)
+        if spec is None:
+            r.fail("type.attribute", name, f"Unrecognized attribute: {name} for operator {OP_TYPE}")
+        if found != spec.type:
+            r.fail(
+                "type.attribute",
+                name,
+                f"Mismatched attribute type in '{where} : {name}'. Expected: '{spec.type}', actual: '{found}'",
+            )
+    for spec in PAGED_ATTENTION.attributes:
+        if spec.required and spec.name not in attribute_types:
+            r.fail("type.attribute", spec.name, f"Required attribute '{spec.name}' is missing.")
 
 
 def _ctor(attrs: Mapping[str, Any], r: _Rules, constructor_checks: bool) -> dict[str, Any]:

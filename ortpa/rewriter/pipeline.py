@@ -20,6 +20,7 @@ import onnx_ir as ir
 import onnxscript.optimizer
 
 from ortpa.errors import ConversionError, InvalidModel
+from ortpa.model_file import read_model
 from ortpa.rewriter import paged_io
 from ortpa.rewriter.attention import (
     AttentionLayer,
@@ -45,19 +46,27 @@ def _progress(progress: Callable[[str], None] | None, message: str) -> None:
 
 
 def _to_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
-    """A private ir.Model: the caller's model object is never modified."""
-    if isinstance(model, (str, os.PathLike)):
-        try:
-            return ir.load(os.fspath(model))
-        except Exception as exc:
-            raise InvalidModel(os.fspath(model), f"cannot read ONNX model: {exc}") from exc
-    if isinstance(model, ir.Model):
+    """A private ir.Model: the caller's model object is never modified.
+
+    Files and ModelProtos go through the shared loader (:func:`ortpa.model_file.read_model`), which checks
+    external data and reads it in: onnx_ir's lazy external tensors would stay references to the input's
+    folder, which the serialized result cannot resolve (onnx.checker and ORT would look in the working
+    directory). The input must also pass onnx.checker, which the converted model has to pass anyway: a model
+    it rejects would otherwise fail somewhere deep in the optimizer with an unrelated message.
+    """
+    if isinstance(model, ir.Model):  # the caller's own in-memory object: a private copy, as before
         return ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    if isinstance(model, onnx.ModelProto):
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        return ir.serde.deserialize_model(copy)
-    raise TypeError(f"expected onnx.ModelProto, onnx_ir.Model or a path, got {type(model).__name__}")
+    if not isinstance(model, (onnx.ModelProto, str, os.PathLike)):
+        raise TypeError(f"expected onnx.ModelProto, onnx_ir.Model or a path, got {type(model).__name__}")
+    loaded = read_model(model)
+    try:
+        onnx.checker.check_model(loaded.proto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        reason = " ".join(str(exc).split())
+        raise InvalidModel(loaded.label, f"fails onnx.checker: {reason[:500]}") from None
+    except ValueError:  # over 2 GB in memory: the checker needs a path; ONNX Runtime checks it at the end
+        pass
+    return ir.serde.deserialize_model(loaded.proto)
 
 
 def _op_dtype(model_dtype: ir.DataType, dtype: DType | None, kv_cache_dtype: str | None) -> ir.DataType:
@@ -375,6 +384,11 @@ def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **opti
     """:func:`convert` a model file; the input is never modified; the output is written atomically."""
     if Path(in_path).resolve() == Path(out_path).resolve():
         raise ConversionError("refusing to overwrite the input model", [("out_path", str(out_path))])
+    if Path(out_path).is_dir():  # found before the work, not after it
+        raise ConversionError(f"cannot write {os.fspath(out_path)}: it is a directory")
     proto = convert(in_path, **options)
-    save_model(proto, out_path)
+    try:
+        save_model(proto, out_path)  # removes its temp files on failure
+    except OSError as exc:
+        raise ConversionError(f"cannot write {os.fspath(out_path)}: {exc.strerror or exc}") from exc
     return proto

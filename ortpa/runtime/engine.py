@@ -18,8 +18,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import InvalidModel, OrtpaError
+from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
 from ortpa.runtime.prefix_cache import PrefixCache
@@ -38,6 +40,7 @@ from ortpa.runtime.scheduler import (
     Request,
     RequestStatus,
     RequestTooLarge,
+    RequestTooLong,
     Scheduler,
     UnknownRequest,
 )
@@ -45,13 +48,16 @@ from ortpa.runtime.session import PagedSession, find_cache_aliases, load_model
 
 __all__ = [
     "DEFAULT_KV_BUDGET_BYTES",
+    "ConcurrentUse",
     "Engine",
     "EngineStats",
     "InvalidRequest",
     "RequestOutput",
     "RequestTooLarge",
+    "RequestTooLong",
     "SamplingParams",
     "UnknownRequest",
+    "rotary_table_rows",
 ]
 
 # Pool size when neither num_blocks nor kv_budget_bytes is given: enough for the examples, small enough for a
@@ -126,6 +132,64 @@ def _bytes_per_block(model: onnx.ModelProto, cache_inputs: set[str], block_size:
     return total
 
 
+def rotary_table_rows(model: onnx.ModelProto) -> int | None:
+    """Positions the model's in-op RoPE tables hold (the fewest rows over every ``do_rotary=1`` node).
+
+    ``None`` when no node rotates in the op, or a table's row count is not static (RoPE computed in the graph
+    from ``position_ids`` has no table, hence no limit).
+    """
+    static: dict[str, int | None] = {
+        init.name: (init.dims[0] if init.dims else None) for init in model.graph.initializer
+    }
+    for vi in [*model.graph.input, *model.graph.value_info]:
+        dims = vi.type.tensor_type.shape.dim
+        static.setdefault(vi.name, dims[0].dim_value if dims and dims[0].HasField("dim_value") else None)
+    rows: list[int] = []
+    for node in model.graph.node:
+        if node.op_type != "PagedAttention" or node.domain != "com.microsoft":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if not attrs.get("do_rotary", 0):
+            continue
+        for name in node.input[8:10]:
+            n = static.get(name)
+            if n is None:
+                return None
+            rows.append(int(n))
+    return min(rows) if rows else None
+
+
+class _Driver:
+    """At most one thread drives an engine (``step``, ``generate``) at a time; re-entrant for that thread.
+
+    A second driver is refused rather than queued: tokens go to whoever called ``step``, so two threads
+    stepping one engine would each lose the other's tokens (and ``generate`` could wait forever for them).
+    """
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._owner_name = ""
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner not in (None, me):
+                raise ConcurrentUse(self._what, self._owner_name)
+            self._owner, self._owner_name = me, threading.current_thread().name
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+
+
 class Engine:
     """Continuous batching, chunked prefill, preemption and prefix caching over one paged model.
 
@@ -138,6 +202,12 @@ class Engine:
     sequence is padded to the step's longest query, so a long prompt chunk next to many decodes is slow. There,
     ``mixed_steps=False`` (prompt chunks and decodes in separate steps, prompts first) or a small
     ``max_num_batched_tokens`` (32) is several times faster than the defaults, which suit the native kernels.
+
+    Threads: one thread drives the engine (:meth:`step`, :meth:`generate`, :meth:`stream`); a second thread
+    calling :meth:`step` or :meth:`generate` while it does gets :class:`~ortpa.errors.ConcurrentUse`.
+    :meth:`add_request`, :meth:`abort` and the read-only queries are safe from any thread: they take the
+    engine's lock, which a step holds from scheduling to sampling (so they wait at most one step). Each engine
+    owns its own :class:`PagedSession` and KV pool; engines never share cache buffers.
     """
 
     def __init__(
@@ -176,34 +246,51 @@ class Engine:
             max_num_seqs=max_num_seqs,
             prefix_cache=self.prefix_cache,
             mixed_steps=mixed_steps,
+            max_model_len=rotary_table_rows(proto),
         )
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        self._lock = threading.RLock()  # scheduler, KV and prefix-cache state: held for a whole step
+        self._driver = _Driver("Engine.step")
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
         self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a prompt; returns its request id. Raises :class:`RequestTooLarge` if it can never fit."""
-        request = self._make_request(prompt_ids, sampling or SamplingParams(), request_id)
-        self.scheduler.add(request)
-        self._prompt_tokens += request.prompt_len
-        return request.request_id
+        """Queue a prompt; returns its request id. Raises :class:`RequestTooLarge` if it can never fit.
+
+        :class:`RequestTooLong` (a :class:`RequestTooLarge`) if prompt + ``max_new_tokens`` runs past the
+        model's rotary position table (models converted with RoPE in the op hold ``max_positions`` rows).
+        """
+        with self._lock:
+            request = self._make_request(prompt_ids, sampling or SamplingParams(), request_id)
+            self.scheduler.add(request)
+            self._prompt_tokens += request.prompt_len
+            return request.request_id
 
     def abort(self, request_id: str) -> None:
         """Drop an unfinished request and free its blocks (its cached full blocks stay in the prefix cache)."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
-            raise UnknownRequest(request_id, "abort")
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        with self._lock:
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                raise UnknownRequest(request_id, "abort")
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        with self._lock:
+            return self.scheduler.has_unfinished()
 
     # -- stepping ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the token each sampled request got (chunks mid-prompt produce nothing)."""
+        """Run one batch; return the token each sampled request got (chunks mid-prompt produce nothing).
+
+        Raises :class:`~ortpa.errors.ConcurrentUse` if another thread is driving the engine.
+        """
+        with self._driver.hold(), self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan.inputs is None:
             if self.scheduler.has_unfinished():  # the scheduler's accounting makes this unreachable
@@ -251,12 +338,16 @@ class Engine:
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[list[int]]:
-        """Generate for every prompt (batched continuously); the generated ids, in prompt order."""
-        ids = self._add_all(prompts, sampling)
-        outputs: dict[str, list[int]] = {i: [] for i in ids}
-        for request_id, token in self._drain(ids):
-            outputs[request_id].append(token)
-        return [outputs[i] for i in ids]
+        """Generate for every prompt (batched continuously); the generated ids, in prompt order.
+
+        A request aborted from another thread meanwhile returns the tokens it had produced.
+        """
+        with self._driver.hold():  # for the whole call: another driver would take this call's tokens
+            ids = self._add_all(prompts, sampling)
+            outputs: dict[str, list[int]] = {i: [] for i in ids}
+            for request_id, token in self._drain(ids):
+                outputs[request_id].append(token)
+            return [outputs[i] for i in ids]
 
     def stream(
         self,
@@ -270,25 +361,27 @@ class Engine:
         """
         if requests and all(isinstance(r, str) for r in requests):
             ids = list(requests)
-            for i in ids:
-                if i not in self.scheduler.requests:
-                    raise UnknownRequest(i, "stream")
-            done = [(i, t) for i in ids for t in self.scheduler.requests[i].output]
+            with self._lock:
+                for i in ids:
+                    if i not in self.scheduler.requests:
+                        raise UnknownRequest(i, "stream")
+                done = [(i, t) for i in ids for t in self.scheduler.requests[i].output]
         else:
             ids, done = self._add_all(requests, sampling), []  # type: ignore[arg-type]
         return itertools.chain(done, self._drain(ids))
 
     @property
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        return EngineStats(
-            steps=s.steps,
-            prompt_tokens=self._prompt_tokens,
-            computed_tokens=s.computed_tokens,
-            cached_tokens=s.cached_tokens,
-            generated_tokens=self._generated_tokens,
-            preemptions=s.preemptions,
-        )
+        with self._lock:
+            s = self.scheduler.stats
+            return EngineStats(
+                steps=s.steps,
+                prompt_tokens=self._prompt_tokens,
+                computed_tokens=s.computed_tokens,
+                cached_tokens=s.cached_tokens,
+                generated_tokens=self._generated_tokens,
+                preemptions=s.preemptions,
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -297,12 +390,14 @@ class Engine:
     @property
     def num_available_blocks(self) -> int:
         """Free blocks plus cached blocks no request reads: ``num_blocks`` once every request is done."""
-        return self.scheduler.num_available_blocks
+        with self._lock:
+            return self.scheduler.num_available_blocks
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (blocks of running requests stay with them)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        with self._lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
 
     # -- internals -----------------------------------------------------------------------------------
     def _make_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None) -> Request:
@@ -327,16 +422,18 @@ class Engine:
             params = list(sampling)
             if len(params) != len(prompts):
                 raise InvalidRequest(f"expected one SamplingParams per prompt ({len(prompts)}), found {len(params)}")
-        requests = [self._make_request(p, s, None) for p, s in zip(prompts, params, strict=True)]
-        for r in requests:
-            self.scheduler.check(r)
-        for r in requests:
-            self.scheduler.add(r)
-            self._prompt_tokens += r.prompt_len
-        return [r.request_id for r in requests]
+        with self._lock:
+            requests = [self._make_request(p, s, None) for p, s in zip(prompts, params, strict=True)]
+            for r in requests:
+                self.scheduler.check(r)
+            for r in requests:
+                self.scheduler.add(r)
+                self._prompt_tokens += r.prompt_len
+            return [r.request_id for r in requests]
 
     def _drain(self, ids: list[str]) -> Iterator[tuple[str, int]]:
-        pending = {i for i in ids if i in self.scheduler.requests}
+        with self._lock:
+            pending = {i for i in ids if i in self.scheduler.requests}
         while pending:
             for out in self.step():
                 if out.request_id in pending:
@@ -344,6 +441,8 @@ class Engine:
                         yield out.request_id, t
                     if out.finished:
                         pending.discard(out.request_id)
+            with self._lock:  # aborted meanwhile (from another thread): nothing more will come for it
+                pending = {i for i in pending if i in self.scheduler.requests}
 
     @staticmethod
     def _rows_per_sequence(logits: np.ndarray, batch: int, tokens: int, last: np.ndarray) -> np.ndarray:

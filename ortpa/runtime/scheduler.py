@@ -40,6 +40,7 @@ __all__ = [
     "Request",
     "RequestStatus",
     "RequestTooLarge",
+    "RequestTooLong",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerOutput",
@@ -69,6 +70,28 @@ class RequestTooLarge(InvalidRequest):
 
     def __reduce__(self):
         return (type(self), (self.request_id, self.tokens, self.blocks, self.num_blocks, self.block_size))
+
+
+class RequestTooLong(RequestTooLarge):
+    """A request whose longest possible sequence runs past the model's position table (RoPE in the op).
+
+    The op reads ``cos_cache[position]`` with no bounds check on CUDA, so such a request would read outside the
+    table there (and be clamped, silently wrong, by the portable op): it is refused when added instead.
+    """
+
+    def __init__(self, request_id: str, tokens: int, max_model_len: int) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.max_model_len = max_model_len
+        InvalidRequest.__init__(
+            self,
+            f"request {request_id!r}: up to {tokens} tokens, but the model's rotary position table holds "
+            f"{max_model_len} positions; shorten the prompt or max_new_tokens, or convert with a larger "
+            f"max_positions",
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.tokens, self.max_model_len))
 
 
 class UnknownRequest(OrtpaError, KeyError):
@@ -165,10 +188,12 @@ class Scheduler:
         max_num_seqs: int,
         prefix_cache: PrefixCache | None = None,
         mixed_steps: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         """``mixed_steps=False`` never puts prompt chunks and decodes in one step: prompt chunks go first while
         any are pending (vLLM v0's policy). Backends that pad every sequence to the step's longest query (the
         portable op on CPU) run such steps several times faster; decodes wait while prompts keep arriving.
+        ``max_model_len`` (positions the model can take, ``None`` = unbounded) refuses longer requests.
         """
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise InvalidRequest(
@@ -180,6 +205,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.mixed_steps = mixed_steps
+        self.max_model_len = max_model_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: oldest first, preempted last-in-first-out
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -200,6 +226,8 @@ class Scheduler:
         # The last generated token is returned, never fed back, so it needs no K/V.
         longest = request.prompt_len + request.sampler.params.max_new_tokens - 1
         blocks = -(-longest // self.kv.block_size)
+        if self.max_model_len is not None and longest > self.max_model_len:
+            raise RequestTooLong(request.request_id, longest, self.max_model_len)
         if blocks > self.kv.num_blocks:
             raise RequestTooLarge(request.request_id, longest, blocks, self.kv.num_blocks, self.kv.block_size)
 
@@ -230,8 +258,11 @@ class Scheduler:
             chunks, preempted = self._select(decodes=True, prompts=True)
         else:  # prompt chunks while any prompt is pending, else decodes (see __init__)
             chunks, preempted = self._select(decodes=False, prompts=True)
-            if not chunks and not preempted:
-                chunks, preempted = self._select(decodes=True, prompts=False)
+            if not chunks:
+                # Also when the prompt phase preempted (possibly its own request, the newest running one):
+                # the older decodes still hold their blocks, and a step with nothing to run would stall.
+                more, also_preempted = self._select(decodes=True, prompts=False)
+                chunks, preempted = more, preempted + also_preempted
         inputs = None
         if chunks:
             inputs = self.kv.plan_step([(c.request.request_id, c.num_tokens) for c in chunks])

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import onnx
 import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument, InvalidModel, NotImplementedByBackend
+from ortpa.model_file import read_model
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
@@ -32,23 +34,12 @@ _ORT_DEVICE = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
 
 
 def load_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
-    """Read a model from a path, bytes or a ModelProto (copied), with a clear error for bad files."""
-    if isinstance(model, onnx.ModelProto):
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        return copy
-    if isinstance(model, (bytes, bytearray)):
-        try:
-            return onnx.load_from_string(bytes(model))
-        except Exception as exc:
-            raise InvalidModel("<bytes>", f"not a valid ONNX model ({type(exc).__name__}: {exc})") from None
-    path = os.fspath(model)
-    if not os.path.isfile(path):
-        raise InvalidModel(path, "no such file")
-    try:
-        return onnx.load(path)
-    except Exception as exc:
-        raise InvalidModel(path, f"not a valid ONNX model ({type(exc).__name__}: {exc})") from None
+    """Read a model from a path, bytes or a ModelProto (copied), with a clear error for bad files.
+
+    External data is read into the copy (checked first: inside the model's folder, within the file); see
+    :func:`ortpa.model_file.read_model`.
+    """
+    return read_model(model).proto
 
 
 def _provider_names(providers: Sequence[Any] | None) -> list[str]:
@@ -144,6 +135,9 @@ class InferenceSession:
     Inputs may be numpy arrays of any dtype ortpa uses (bfloat16 and float8 via ml_dtypes included) or
     OrtValues. With plain :meth:`run`, cache outputs come back as new arrays; use :class:`PagedSession` (or
     :meth:`io_binding` with the same OrtValue bound to a cache input and its output) to update in place.
+
+    :meth:`run` is safe to call from several threads at once, as ONNX Runtime's own ``run`` is: the wrapper
+    keeps no per-call state (each bound run makes its own IO binding and copies of aliased caches).
     """
 
     def __init__(
@@ -255,6 +249,10 @@ class PagedSession:
     ``bind_ortvalue_output`` to the same OrtValue, which is the CUDA kernel's contract and lets the portable
     op's in-place ``ScatterND`` skip its copy. :meth:`data_ptrs` exposes the buffers' addresses so callers
     (and tests) can check that they never move.
+
+    Thread safety: the caches are one mutable buffer, so :meth:`run`, :meth:`copy_blocks`,
+    :meth:`write_cache` and :meth:`cache` take one lock: calls from several threads are safe and run one
+    at a time (a step must never see another step's half-written cache or a block copy in flight).
     """
 
     def __init__(
@@ -287,6 +285,7 @@ class PagedSession:
         self.block_size = int(first.shape[1])
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._cache_outputs = {a.output_name: a.input_name for a in self.aliases if a.output_name}
+        self._lock = threading.Lock()  # serializes every use of the cache buffers (see the class docstring)
 
     @property
     def cache_names(self) -> list[str]:
@@ -294,11 +293,12 @@ class PagedSession:
 
     def cache(self, name: str) -> np.ndarray:
         """A copy of one cache's current contents."""
-        if self.device == "cpu":
-            return self._arrays[name].copy()
-        from ortpa.runtime.cuda_memory import device_to_host
+        with self._lock:
+            if self.device == "cpu":
+                return self._arrays[name].copy()
+            from ortpa.runtime.cuda_memory import device_to_host
 
-        return device_to_host(self._values[name], self._arrays[name].dtype)
+            return device_to_host(self._values[name], self._arrays[name].dtype)
 
     def data_ptrs(self) -> dict[str, int]:
         return {name: value.data_ptr() for name, value in self._values.items()}
@@ -308,28 +308,34 @@ class PagedSession:
         target = self._arrays[name]
         if array.shape != target.shape or np.dtype(array.dtype) != target.dtype:
             raise ValueError(f"cache {name!r}: expected {target.shape} {target.dtype}, got {array.shape} {array.dtype}")
-        target[...] = array
-        if self.device != "cpu":
-            self._values[name].update_inplace(np.ascontiguousarray(array).view(_raw(array.dtype)))
+        with self._lock:
+            target[...] = array
+            if self.device != "cpu":
+                self._values[name].update_inplace(np.ascontiguousarray(array).view(_raw(array.dtype)))
 
     def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every cache (copy-on-write of forked sequences)."""
         pairs = list(pairs)
         if not pairs:
             return
-        if self.device == "cpu":
-            src = np.array([s for s, _ in pairs])
-            dst = np.array([d for _, d in pairs])
-            for arr in self._arrays.values():
-                arr[dst] = arr[src]
-            return
-        from ortpa.runtime.cuda_memory import copy_device_blocks
+        with self._lock:
+            if self.device == "cpu":
+                src = np.array([s for s, _ in pairs])
+                dst = np.array([d for _, d in pairs])
+                for arr in self._arrays.values():
+                    arr[dst] = arr[src]
+                return
+            from ortpa.runtime.cuda_memory import copy_device_blocks
 
-        for value in self._values.values():
-            copy_device_blocks(value, pairs)
+            for value in self._values.values():
+                copy_device_blocks(value, pairs)
 
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """One step: bind the step's inputs and the aliased caches, run, return the non-cache outputs."""
+        with self._lock:
+            return self._run(feeds, output_names)
+
+    def _run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None) -> dict[str, np.ndarray]:
         sess = self.session._sess
         io = sess.io_binding()
         keep = []

@@ -1,20 +1,24 @@
 """The PagedAttention accept/reject matrix as data: a valid baseline per mode, one mutation per case.
 
-Used by test_validate.py (ortpa's own rules) and test_validate_ort.py (agreement with ONNX Runtime).
+Used by test_validate.py (ortpa's own rules) and test_validate_ort.py / test_validate_fuzz_ort.py (agreement
+with ONNX Runtime, through :func:`node_model` and :func:`ort_verdict`).
 An input spec is a shape (the formal's natural dtype: T for T/T_CACHE, int32 for S, float32 for scales),
 ``(shape, dtype)``, an ndarray (values matter), a ``TensorInfo`` (symbolic dims), or None (remove it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+import onnx
+from onnx import helper
 
 from ortpa.ops.spec import PAGED_ATTENTION
-from ortpa.ops.validate import TensorInfo
+from ortpa.ops.validate import TensorInfo, dtype_name
 
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn
@@ -991,3 +995,68 @@ SCHEMA_REJECT = [
         text="The block-based KV cache inputs shall be 4 dimensions",
     ),
 ]
+
+
+# ------------------------------------------------------------------------------------------ ONNX Runtime
+def elem_type(dtype: Any) -> int:
+    """The ONNX ``TensorProto`` element type of a numpy / ml_dtypes dtype or a dtype name."""
+    name = dtype_name(dtype)
+    return onnx.TensorProto.DataType.Value({"float32": "FLOAT", "float64": "DOUBLE"}.get(name, name.upper()))
+
+
+def node_model(
+    inputs: Mapping[str, Any], attrs: Mapping[str, Any], outputs: Sequence[str], *, name: str = "pa"
+) -> onnx.ModelProto:
+    """A one-node PagedAttention model: each given input is a graph input with its declared shape and type.
+
+    ``inputs`` maps formal names to arrays or :class:`TensorInfo` (``shape`` None = unknown rank; a str dim is
+    symbolic, a None dim unnamed); ``outputs`` are the node's output slots ("" = an absent optional output).
+    """
+    from ortpa.ops.spec import PAGED_ATTENTION
+
+    graph_inputs, node_inputs = [], []
+    for f in PAGED_ATTENTION.inputs:
+        x = inputs.get(f.name)
+        node_inputs.append(f.name if x is not None else "")
+        if x is not None:
+            shape = None if x.shape is None else list(x.shape)
+            graph_inputs.append(helper.make_tensor_value_info(f.name, elem_type(x.dtype), shape))
+    while node_inputs and not node_inputs[-1]:
+        node_inputs.pop()
+    node = helper.make_node("PagedAttention", node_inputs, list(outputs), domain="com.microsoft", name=name, **attrs)
+
+    def _elem_of(*names: str) -> int:
+        x = next((inputs[n] for n in names if inputs.get(n) is not None), None)
+        return elem_type(BF16 if x is None else x.dtype)
+
+    # output slot i has the type of query / key_cache / value_cache (an extra slot: any type, it fails anyway)
+    by_slot = [("query",), ("key_cache",), ("value_cache", "key_cache")]
+    graph_outputs = [
+        helper.make_tensor_value_info(o, _elem_of(*(by_slot[i] if i < 3 else ())), None)
+        for i, o in enumerate(outputs)
+        if o
+    ]
+    graph = helper.make_graph([node], "g", graph_inputs, graph_outputs)
+    opsets = [helper.make_opsetid("", 22), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def ort_verdict(model: onnx.ModelProto) -> tuple[str, str]:
+    """Create a CPU session: ("kernel", text) when the node passed graph resolution, ("reject", text) if not.
+
+    ONNX Runtime has no CPU kernel for PagedAttention, so a node that passes type binding and shape inference
+    fails kernel lookup with NOT_IMPLEMENTED. A float16 node instead gets float32 casts inserted around it
+    (InsertCastTransformer, after resolution), which then fail type binding on an ``InsertedPrecisionFreeCast_*``
+    input: that too means the node as written passed resolution. ("accept", "") means a CPU kernel appeared.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        text = str(exc)
+        kernel = "NOT_IMPLEMENTED" in text or "InsertedPrecisionFreeCast_" in text
+        return ("kernel" if kernel else "reject"), text
+    return "accept", ""

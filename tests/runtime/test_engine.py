@@ -301,3 +301,24 @@ def test_step_mode_defaults_to_separate_prompt_steps_on_the_portable_path():
     engine = _engine()
     assert engine.session.session.portable_nodes and engine.mixed_steps is False
     assert _engine(mixed_steps=True).mixed_steps is True
+
+
+def test_requests_past_the_rotary_table_are_refused():
+    """RoPE in the op reads cos_cache[position] unchecked on CUDA: the engine refuses what would run past it."""
+    from parity import FIXTURES
+
+    from ortpa.rewriter.pipeline import convert
+    from ortpa.runtime.engine import RequestTooLong, rotary_table_rows
+
+    fixture = str(FIXTURES / "llama_sdpa_op18.onnx")
+    in_op = convert(fixture, rope_in_op=True, max_positions=24)
+    assert rotary_table_rows(in_op) == 24
+    assert rotary_table_rows(convert(fixture)) is None  # RoPE in the graph: computed per position, no table
+    engine = _engine(in_op)
+    prompt = list(range(1, 11))
+    # positions 0..23: 10 prompt tokens, then 14 of the 15 generated tokens are fed back
+    assert len(engine.generate([prompt], SamplingParams(max_new_tokens=15))[0]) == 15
+    with pytest.raises(RequestTooLong, match="24 positions") as info:
+        engine.add_request(prompt, SamplingParams(max_new_tokens=16))
+    assert isinstance(info.value, RequestTooLarge) and info.value.tokens == 25
+    assert not engine.has_unfinished()

@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -30,6 +31,7 @@ from ortpa.runtime.kv import (
     bytes_per_block,
     copy_blocks,
 )
+from ortpa.runtime.prefix_cache import CacheHolder, PrefixCache, extend_block_hashes
 
 # --------------------------------------------------------------------------------------------------
 # BlockPool
@@ -630,3 +632,253 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+# --------------------------------------------------------------------------------------------------
+# Random interleavings with the prefix cache and preemption, as the scheduler drives them
+
+
+class KVPrefixPreemptMachine(RuleBasedStateMachine):
+    """:class:`PagedKVCache` + :class:`PrefixCache` under add / append / fork / preempt / resume / finish /
+    evict / clear, in the order the scheduler uses them (adopt cached blocks first, evict only on shortage).
+
+    The model is the test's own, never read back from the code: token ids per sequence (from a 2-letter
+    alphabet, so prefixes collide and the cache hits often), the block list each live sequence must hold, the
+    cache entries (hash -> block and the tokens up to that block's end), and per slot the *prefix* whose last
+    token's K/V was written there (a token's K/V depends on every token before it). From these the test
+    computes each block's exact ref count, the free count, and what every sequence and entry must read back.
+    """
+
+    @initialize(block_size=st.sampled_from([1, 2, 3]), num_blocks=st.integers(1, 12))
+    def setup(self, block_size, num_blocks):
+        self.bs = block_size
+        self.cache = PagedKVCache(num_blocks, block_size)
+        self.pc = PrefixCache(self.cache)
+        self.live: dict[int, list[int]] = {}  # sequence -> token ids
+        self.blocks: dict[int, list[int]] = {}  # sequence -> the blocks it must hold
+        self.offered: dict[int, int] = {}  # sequence -> leading full blocks already offered to the cache
+        self.preempted: dict[int, list[int]] = {}  # freed sequences waiting to be recomputed
+        self.entries: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # hash -> (block, tokens to its end)
+        self.store: dict[int, tuple[int, ...]] = {}  # slot -> prefix whose last token was written there
+        self.next_id = 0
+        self.counts = collections.Counter()
+
+    # model helpers ----------------------------------------------------------------------------------
+    def _refs(self) -> collections.Counter:
+        refs = collections.Counter(b for bl in self.blocks.values() for b in bl)
+        refs.update(b for b, _ in self.entries.values())
+        return refs
+
+    def _hashes(self, tokens, n_blocks):
+        hashes: list = []
+        extend_block_hashes(hashes, tokens, self.bs, n_blocks)
+        return hashes
+
+    def _write(self, sid, start, slots):
+        tokens = self.live[sid]
+        for p, slot in zip(range(start, len(tokens)), slots, strict=True):
+            assert self._refs()[int(slot) // self.bs] == 1, f"write into shared block {int(slot) // self.bs}"
+            self.store[int(slot)] = tuple(tokens[: p + 1])
+
+    def _make_room(self, need):
+        """The scheduler's reservation: evict cached blocks only when the free pool is short."""
+        short = need - self.cache.num_free_blocks
+        if short > 0 and self.pc.num_evictable() >= short:
+            self._evict(short)
+
+    def _evict(self, n):
+        refs = self._refs()
+        evictable = {h for h, (b, _) in self.entries.items() if refs[b] == 1}
+        assert self.pc.num_evictable() == len(evictable)
+        got = self.pc.evict(n)
+        gone = {h for h in self.entries if h not in self.pc}
+        assert got == min(n, len(evictable)) == len(gone), (got, n, len(evictable), len(gone))
+        assert gone <= evictable, "evicted a block a sequence still reads"
+        for h in gone:
+            del self.entries[h]
+        self.counts["evicted"] += got
+
+    def _offer(self, sid):
+        """Offer the sequence's new full blocks to the cache, as Scheduler.commit does."""
+        tokens, full = self.live[sid], len(self.live[sid]) // self.bs
+        hashes = self._hashes(tokens, full)
+        for b in range(self.offered[sid], full):
+            fresh = hashes[b] not in self.entries
+            assert self.pc.insert(hashes[b], self.blocks[sid][b], tokens[b * self.bs : (b + 1) * self.bs]) == fresh
+            if fresh:
+                self.entries[hashes[b]] = (self.blocks[sid][b], tuple(tokens[: (b + 1) * self.bs]))
+        self.offered[sid] = full
+
+    def _admit(self, sid, tokens) -> bool:
+        """Adopt the cached prefix, then reserve and compute the rest; False (nothing changed) if it can't fit."""
+        limit = (len(tokens) - 1) // self.bs  # never the last token: the scheduler needs its logits
+        hashes = self._hashes(tokens, limit)
+        want = []
+        for h in hashes:
+            if h not in self.entries:
+                break
+            want.append(self.entries[h][0])
+        hits = self.pc.match(hashes, tokens)
+        assert hits == want, f"prefix match {hits}, model expects {want}"
+        cached = len(hits) * self.bs
+        self.cache.add_sequence(sid, cached, shared_blocks=hits)  # full blocks only: allocates nothing
+        self.live[sid], self.blocks[sid], self.offered[sid] = list(tokens), list(hits), len(hits)
+        self.pc.touch(hashes[: len(hits)])
+        self._make_room(self.cache.blocks_needed(sid, len(tokens) - cached))
+        try:
+            slots = self.cache.append(sid, len(tokens) - cached)
+        except OutOfBlocks:
+            self.cache.free(sid)
+            for d in (self.live, self.blocks, self.offered):
+                del d[sid]
+            self.counts["admit_refused"] += 1
+            return False
+        got = self.cache.block_ids(sid)
+        assert got[: len(hits)] == hits and len(got) == -(-len(tokens) // self.bs)
+        self.blocks[sid] = got
+        assert not self.cache.take_pending_copies(), "adopting full blocks must not copy"
+        self._write(sid, cached, slots)
+        self._offer(sid)
+        self.counts["adopted_blocks"] += len(hits)
+        return True
+
+    def _pick(self, data, pool):
+        return data.draw(st.sampled_from(sorted(pool)))
+
+    # rules ------------------------------------------------------------------------------------------
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=9))
+    def add(self, tokens):
+        sid = self.next_id
+        self.next_id += 1
+        if not self._admit(sid, tokens):
+            self.preempted[sid] = tokens  # it waits, as a request the scheduler could not admit
+
+    @rule(data=st.data(), new=st.lists(st.integers(0, 1), min_size=0, max_size=4))
+    def append(self, data, new):
+        if self.live:
+            self._append(self._pick(data, self.live), new)
+
+    def _append(self, sid, new):
+        old = list(self.blocks[sid])
+        length = len(self.live[sid])
+        cow = bool(new) and length % self.bs != 0 and self._refs()[old[-1]] > 1
+        self._make_room(self.cache.blocks_needed(sid, len(new)))
+        try:
+            slots = self.cache.append(sid, len(new))
+        except OutOfBlocks:
+            assert self.cache.block_ids(sid) == old
+            return
+        got = self.cache.block_ids(sid)
+        copies = self.cache.take_pending_copies()
+        if cow:
+            assert got[: len(old) - 1] == old[:-1] and got[len(old) - 1] != old[-1]
+            assert copies == [(old[-1], got[len(old) - 1])]
+            for off in range(self.bs):  # the runtime runs the copy before the step writes
+                src = old[-1] * self.bs + off
+                if src in self.store:
+                    self.store[got[len(old) - 1] * self.bs + off] = self.store[src]
+            self.counts["cow"] += 1
+        else:
+            assert got[: len(old)] == old and not copies
+        assert len(got) == -(-(length + len(new)) // self.bs)
+        self.blocks[sid] = got
+        self.live[sid] += new
+        self._write(sid, length, slots)
+        self._offer(sid)
+
+    @rule(data=st.data(), diverge=st.lists(st.integers(0, 1), max_size=3))
+    def fork(self, data, diverge):
+        """Share every block; ``diverge`` is appended to the child at once (a beam), copying a shared tail."""
+        if not self.live:
+            return
+        parent, child = self._pick(data, self.live), self.next_id
+        self.next_id += 1
+        free = self.cache.num_free_blocks
+        self.cache.fork(parent, child)
+        assert self.cache.num_free_blocks == free
+        self.live[child] = list(self.live[parent])
+        self.blocks[child] = list(self.blocks[parent])
+        self.offered[child] = self.offered[parent]
+        self._append(child, diverge)
+
+    @rule(data=st.data())
+    def preempt(self, data):
+        """Free a running sequence's blocks; it is recomputed later (Scheduler._preempt)."""
+        if not self.live:
+            return
+        sid = self._pick(data, self.live)
+        self.cache.free(sid)
+        self.pc.release(self._hashes(self.live[sid], self.offered[sid]))
+        self.preempted[sid] = self.live.pop(sid)
+        del self.blocks[sid], self.offered[sid]
+        self.counts["preempted"] += 1
+
+    @rule(data=st.data())
+    def resume(self, data):
+        if not self.preempted:
+            return
+        sid = self._pick(data, self.preempted)
+        if self._admit(sid, self.preempted[sid]):
+            del self.preempted[sid]
+            self.counts["resumed"] += 1
+
+    @rule(data=st.data())
+    def finish(self, data):
+        if not self.live:
+            return
+        sid = self._pick(data, self.live)
+        self.cache.free(sid)
+        for d in (self.live, self.blocks, self.offered):
+            del d[sid]
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n):
+        self._evict(n)
+
+    @rule()
+    def clear(self):
+        self.pc.clear()
+        self.entries.clear()
+
+    # invariants -------------------------------------------------------------------------------------
+    @invariant()
+    def refcounts_exact_no_leak_no_double_free(self):
+        c, refs = self.cache, self._refs()
+        c.check_invariants()
+        assert [c.pool.ref_count(b) for b in range(c.num_blocks)] == [refs[b] for b in range(c.num_blocks)]
+        used = sum(1 for b in range(c.num_blocks) if refs[b])
+        assert c.num_free_blocks + used == c.num_blocks
+        for sid, blocks in self.blocks.items():
+            assert c.block_ids(sid) == blocks and c.num_tokens(sid) == len(self.live[sid])
+        holders = sorted(b for b, _ in self.entries.values())
+        assert sorted(s for s in c.seq_ids if isinstance(s, int)) == sorted(self.live)
+        assert sorted(s.block for s in c.seq_ids if isinstance(s, CacheHolder)) == holders
+        assert len(self.pc) == len(self.entries)
+
+    @invariant()
+    def sequences_and_cache_entries_read_back_their_prefixes(self):
+        for sid, tokens in self.live.items():
+            for p, slot in enumerate(self.cache.slots(sid, 0, len(tokens))):
+                assert self.store.get(int(slot)) == tuple(tokens[: p + 1]), f"sequence {sid}, token {p}"
+        for block, prefix in self.entries.values():
+            start = len(prefix) - self.bs
+            for off in range(self.bs):
+                got = self.store.get(block * self.bs + off)
+                assert got == prefix[: start + off + 1], f"cached block {block} was overwritten"
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        for sid in list(self.live):
+            self.cache.free(sid)
+        self.pc.clear()
+        assert self.cache.num_free_blocks == self.cache.num_blocks, "blocks leaked"
+        assert all(self.cache.pool.ref_count(b) == 0 for b in range(self.cache.num_blocks))
+        self.cache.check_invariants()
+        KV_PREFIX_COUNTS.update(self.counts)
+
+
+KV_PREFIX_COUNTS: collections.Counter = collections.Counter()  # what the examples exercised, for the report
+TestKVPrefixPreemptMachine = KVPrefixPreemptMachine.TestCase
+# The ci profile's 60 derandomized examples rarely reach copy-on-write or a resume; 200 do (~45 each, ~6 s).
+TestKVPrefixPreemptMachine.settings = settings(settings.default, max_examples=max(settings.default.max_examples, 200))

@@ -16,12 +16,17 @@ from __future__ import annotations
 from typing import Any
 
 from ortpa.errors import (
+    ConcurrentUse,
     ConversionError,
     InvalidArgument,
     InvalidModel,
+    InvalidRequest,
+    KVPoolTooLarge,
     NotImplementedByBackend,
     OrtpaError,
     OutOfBlocks,
+    RequestTooLarge,
+    RequestTooLong,
 )
 from ortpa.ops.node_check import ValidationReport, validate
 from ortpa.ops.validate import check_inputs
@@ -34,18 +39,23 @@ from ortpa.runtime.session import InferenceSession, PagedSession
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConcurrentUse",
     "ConversionError",
     "Engine",
     "EngineStats",
     "InferenceSession",
     "InvalidArgument",
     "InvalidModel",
+    "InvalidRequest",
+    "KVPoolTooLarge",
     "NotImplementedByBackend",
     "OrtpaError",
     "OutOfBlocks",
     "PagedKVCache",
     "PagedSession",
     "RequestOutput",
+    "RequestTooLarge",
+    "RequestTooLong",
     "SamplingParams",
     "StepInputs",
     "ValidationReport",

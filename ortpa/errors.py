@@ -15,10 +15,15 @@ __all__ = [
     "ConversionError",
     "InvalidArgument",
     "InvalidModel",
+    "InvalidRequest",
     "InvalidSequenceOp",
+    "KVPoolTooLarge",
     "NotImplementedByBackend",
     "OrtpaError",
     "OutOfBlocks",
+    "RequestTooLarge",
+    "RequestTooLong",
+    "UnknownRequest",
     "UnknownSequence",
 ]
 
@@ -135,3 +140,84 @@ class ConcurrentUse(OrtpaError, RuntimeError):
 
 class InvalidSequenceOp(OrtpaError, ValueError):
     """A cache call with bad arguments: duplicate id, negative count, too narrow block_table, ..."""
+
+
+class InvalidRequest(OrtpaError, ValueError):
+    """A request the engine cannot take: empty prompt, token id out of range, duplicate id, ..."""
+
+
+class RequestTooLarge(InvalidRequest):
+    """A request whose longest possible sequence needs more blocks than the whole pool holds."""
+
+    def __init__(self, request_id: str, tokens: int, blocks: int, num_blocks: int, block_size: int) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.blocks = blocks
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        super().__init__(
+            f"request {request_id!r}: up to {tokens} tokens need {blocks} KV blocks of {block_size}, but the pool "
+            f"holds {num_blocks}; shorten the prompt or max_new_tokens, or give the engine more blocks"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.tokens, self.blocks, self.num_blocks, self.block_size))
+
+
+class RequestTooLong(RequestTooLarge):
+    """A request whose longest possible sequence runs past the model's position table (RoPE in the op).
+
+    The op reads ``cos_cache[position]`` with no bounds check on CUDA, so such a request would read outside the
+    table there (and be clamped, silently wrong, by the portable op): it is refused when added instead.
+    """
+
+    def __init__(self, request_id: str, tokens: int, max_model_len: int) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.max_model_len = max_model_len
+        InvalidRequest.__init__(
+            self,
+            f"request {request_id!r}: up to {tokens} tokens, but the model's rotary position table holds "
+            f"{max_model_len} positions; shorten the prompt or max_new_tokens, or convert with a larger "
+            f"max_positions",
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.tokens, self.max_model_len))
+
+
+class UnknownRequest(OrtpaError, KeyError):
+    """A request id the engine does not hold (never added, or already finished)."""
+
+    def __init__(self, request_id: str, where: str) -> None:
+        self.request_id = request_id
+        self.where = where
+        super().__init__(f"{where}: unknown request {request_id!r} (expected an id added and not yet finished)")
+
+    def __str__(self) -> str:  # KeyError would print repr(message)
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.where))
+
+
+class KVPoolTooLarge(OrtpaError, MemoryError):
+    """A KV pool (``num_blocks`` x the model's declared cache dims) larger than the device's memory.
+
+    Refused before anything is allocated: ``np.zeros`` of an absurd size may "succeed" lazily on an
+    overcommitting host and then kill the process on first write.
+    """
+
+    def __init__(self, where: str, requested: int, available: int, detail: str = "") -> None:
+        self.where = where
+        self.requested = requested
+        self.available = available
+        self.detail = detail
+        super().__init__(
+            f"{where}: the KV caches need {requested:,} bytes but the device has {available:,}"
+            + (f" ({detail})" if detail else "")
+            + "; use fewer blocks, or check the model's declared cache dims"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.where, self.requested, self.available, self.detail))

@@ -27,6 +27,7 @@ refuses external data outright. We check first, with one message format, then re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -111,7 +112,15 @@ def read_model(
     ``load_external_data=False`` validates external references (when there is a folder to resolve them in)
     but leaves them in the proto. ``copy=False`` returns a caller's ``ModelProto`` itself.
     ``check_runtime=False`` skips step 5, for static checks (``validate``) of models no session will load.
+    A :class:`LoadedModel` (already checked) passes through with its label, its proto copied unless
+    ``copy=False``: layers that read a model once and hand it on keep naming the file in their errors.
     """
+    if isinstance(model, LoadedModel):
+        if not copy:
+            return model
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model.proto)
+        return dataclasses.replace(model, proto=proto)
     if isinstance(model, onnx.ModelProto):
         proto, label, base_dir = model, "<ModelProto>", None
         if copy:

@@ -31,6 +31,7 @@ import onnx
 import onnxruntime as ort
 
 from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
+from ortpa.model_file import LoadedModel, read_model
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
 from ortpa.runtime.prefix_cache import PrefixCache
@@ -44,7 +45,7 @@ from ortpa.runtime.scheduler import (
     Scheduler,
     UnknownRequest,
 )
-from ortpa.runtime.session import PagedSession, find_cache_aliases, load_model
+from ortpa.runtime.session import PagedSession, find_cache_aliases
 
 __all__ = [
     "DEFAULT_KV_BUDGET_BYTES",
@@ -212,7 +213,7 @@ class Engine:
 
     def __init__(
         self,
-        model: str | os.PathLike | bytes | onnx.ModelProto,
+        model: str | os.PathLike | bytes | onnx.ModelProto | LoadedModel,
         *,
         num_blocks: int | None = None,
         block_size: int = 16,
@@ -224,7 +225,8 @@ class Engine:
         sess_options: ort.SessionOptions | None = None,
         mixed_steps: bool | None = None,
     ) -> None:
-        proto = load_model(model)
+        loaded = read_model(model)  # once: the session takes it as is, keeping the file's name for errors
+        proto = loaded.proto
         caches = {a.input_name for a in find_cache_aliases(proto)}
         self.io = _model_io(proto, caches)
         if num_blocks is None:
@@ -233,7 +235,7 @@ class Engine:
         if num_blocks < 1:
             raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
         self.session = PagedSession(
-            proto, num_blocks=num_blocks, block_size=block_size, providers=providers, sess_options=sess_options
+            loaded, num_blocks=num_blocks, block_size=block_size, providers=providers, sess_options=sess_options
         )
         if mixed_steps is None:
             mixed_steps = not self.session.session.portable_nodes

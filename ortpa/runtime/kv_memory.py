@@ -7,6 +7,7 @@ device-memory copy of OrtValues.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "blocks_from_device_memory",
     "bytes_per_block",
     "copy_blocks",
+    "device_memory_bytes",
 ]
 
 # copier(cache, src_block, dst_block): make block dst of one cache tensor a copy of block src.
@@ -121,6 +123,34 @@ def blocks_from_device_memory(bytes_per_block: int, memory_fraction: float = 0.9
     finally:
         cudart.cudaSetDevice(previous)
     return blocks_for_budget(int(int(free) * memory_fraction), bytes_per_block)
+
+
+def device_memory_bytes(device: str, device_id: int = 0) -> int | None:
+    """Total memory of the device a pool would live on (host RAM for ``"cpu"``); ``None`` if unknown.
+
+    Total, not free: it bounds what a pool could ever take, so a pool above it is certainly wrong, while one
+    below it may still fail later in the allocator with that allocator's own error.
+    """
+    if device == "cpu":
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (AttributeError, ValueError, OSError):  # not POSIX, or the name is unknown there
+            return None
+    try:
+        cudart = _cudart()
+    except ImportError:
+        return None
+    err, previous = cudart.cudaGetDevice()
+    if int(err) != 0:
+        return None
+    try:
+        (err,) = cudart.cudaSetDevice(device_id)
+        if int(err) != 0:
+            return None
+        err, _free, total = cudart.cudaMemGetInfo()
+        return int(total) if int(err) == 0 else None
+    finally:
+        cudart.cudaSetDevice(previous)
 
 
 def _numpy_copier(cache: np.ndarray, src: int, dst: int) -> None:

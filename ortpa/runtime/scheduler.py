@@ -30,7 +30,7 @@ import collections
 import enum
 from dataclasses import dataclass, field
 
-from ortpa.errors import OrtpaError
+from ortpa.errors import InvalidRequest, RequestTooLarge, RequestTooLong, UnknownRequest
 from ortpa.runtime.kv import PagedKVCache, StepInputs
 from ortpa.runtime.prefix_cache import BlockHash, PrefixCache, extend_block_hashes
 from ortpa.runtime.sampling import Sampler
@@ -47,66 +47,6 @@ __all__ = [
     "SchedulerStats",
     "UnknownRequest",
 ]
-
-
-# These errors belong in ortpa/errors.py; they live here until that shared file is next edited.
-class InvalidRequest(OrtpaError, ValueError):
-    """A request the engine cannot take: empty prompt, token id out of range, duplicate id, ..."""
-
-
-class RequestTooLarge(InvalidRequest):
-    """A request whose longest possible sequence needs more blocks than the whole pool holds."""
-
-    def __init__(self, request_id: str, tokens: int, blocks: int, num_blocks: int, block_size: int) -> None:
-        self.request_id = request_id
-        self.tokens = tokens
-        self.blocks = blocks
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        super().__init__(
-            f"request {request_id!r}: up to {tokens} tokens need {blocks} KV blocks of {block_size}, but the pool "
-            f"holds {num_blocks}; shorten the prompt or max_new_tokens, or give the engine more blocks"
-        )
-
-    def __reduce__(self):
-        return (type(self), (self.request_id, self.tokens, self.blocks, self.num_blocks, self.block_size))
-
-
-class RequestTooLong(RequestTooLarge):
-    """A request whose longest possible sequence runs past the model's position table (RoPE in the op).
-
-    The op reads ``cos_cache[position]`` with no bounds check on CUDA, so such a request would read outside the
-    table there (and be clamped, silently wrong, by the portable op): it is refused when added instead.
-    """
-
-    def __init__(self, request_id: str, tokens: int, max_model_len: int) -> None:
-        self.request_id = request_id
-        self.tokens = tokens
-        self.max_model_len = max_model_len
-        InvalidRequest.__init__(
-            self,
-            f"request {request_id!r}: up to {tokens} tokens, but the model's rotary position table holds "
-            f"{max_model_len} positions; shorten the prompt or max_new_tokens, or convert with a larger "
-            f"max_positions",
-        )
-
-    def __reduce__(self):
-        return (type(self), (self.request_id, self.tokens, self.max_model_len))
-
-
-class UnknownRequest(OrtpaError, KeyError):
-    """A request id the engine does not hold (never added, or already finished)."""
-
-    def __init__(self, request_id: str, where: str) -> None:
-        self.request_id = request_id
-        self.where = where
-        super().__init__(f"{where}: unknown request {request_id!r} (expected an id added and not yet finished)")
-
-    def __str__(self) -> str:  # KeyError would print repr(message)
-        return str(self.args[0])
-
-    def __reduce__(self):
-        return (type(self), (self.request_id, self.where))
 
 
 class RequestStatus(enum.Enum):

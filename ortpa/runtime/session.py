@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,8 +22,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import InvalidArgument, InvalidModel, NotImplementedByBackend
-from ortpa.model_file import read_model
+from ortpa.errors import InvalidArgument, InvalidModel, KVPoolTooLarge, NotImplementedByBackend
+from ortpa.model_file import LoadedModel, read_model
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
@@ -142,13 +143,14 @@ class InferenceSession:
 
     def __init__(
         self,
-        model: str | os.PathLike | bytes | onnx.ModelProto,
+        model: str | os.PathLike | bytes | onnx.ModelProto | LoadedModel,
         sess_options: ort.SessionOptions | None = None,
         providers: Sequence[Any] | None = None,
         provider_options: Sequence[dict] | None = None,
         **kwargs: Any,
     ) -> None:
-        proto = load_model(model)
+        loaded = read_model(model)
+        proto, self.label = loaded.proto, loaded.label
         _name_nodes(proto)
         self._providers_requested = list(providers) if providers else _provider_names(None)
         names = _provider_names(self._providers_requested)
@@ -162,13 +164,21 @@ class InferenceSession:
         self.model = proto
         self._native_aliases = [a for a in self.aliases if a.node in self.native_nodes and a.output_name]
         self._device = _ORT_DEVICE.get(names[0], "cpu")
-        self._sess = ort.InferenceSession(
-            proto.SerializeToString(),
-            sess_options,
-            providers=self._providers_requested,
-            provider_options=provider_options,
-            **kwargs,
-        )
+        try:
+            self._sess = ort.InferenceSession(
+                proto.SerializeToString(),
+                sess_options,
+                providers=self._providers_requested,
+                provider_options=provider_options,
+                **kwargs,
+            )
+        except Exception as exc:
+            # ONNX Runtime's own errors (Fail, InvalidGraph, ...) on a model that passed our checks: name the
+            # file. Anything else (an unknown provider name is a ValueError) is the caller's and passes through.
+            if not type(exc).__module__.startswith("onnxruntime."):
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidModel(self.label, f"ONNX Runtime rejected it: {first}") from None
         self._output_types = {o.name: o.type for o in self._sess.get_outputs()}
 
     # -- the onnxruntime.InferenceSession surface ---------------------------------------------------------
@@ -257,7 +267,7 @@ class PagedSession:
 
     def __init__(
         self,
-        model: str | os.PathLike | bytes | onnx.ModelProto,
+        model: str | os.PathLike | bytes | onnx.ModelProto | LoadedModel,
         *,
         num_blocks: int,
         block_size: int | None = None,
@@ -270,14 +280,18 @@ class PagedSession:
         self.num_blocks = int(num_blocks)
         self.aliases = self.session.aliases
         if not self.aliases:
-            raise InvalidModel("model", "no PagedAttention cache input is a graph input; nothing to page")
+            raise InvalidModel(self.session.label, "no PagedAttention cache input is a graph input; nothing to page")
         declared = {i.name: i for i in self.session.model.graph.input}
-        self._arrays: dict[str, np.ndarray] = {}
-        self._values: dict[str, ort.OrtValue] = {}
+        layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         for alias in self.aliases:
             vi = declared[alias.input_name]
             shape = _concrete_shape(vi, alias.input_name, num_blocks, block_size, dims or {})
-            dtype = numpy_dtype_for_onnx(vi.type.tensor_type.elem_type)
+            layout[alias.input_name] = (shape, np.dtype(numpy_dtype_for_onnx(vi.type.tensor_type.elem_type)))
+        _check_pool_fits(self.session.label, self.device, layout)
+        self._arrays: dict[str, np.ndarray] = {}
+        self._values: dict[str, ort.OrtValue] = {}
+        for alias in self.aliases:
+            shape, dtype = layout[alias.input_name]
             arr = np.zeros(shape, dtype=dtype)
             self._arrays[alias.input_name] = arr
             self._values[alias.input_name] = to_ortvalue(arr, self.device)
@@ -363,6 +377,19 @@ class PagedSession:
 def _raw(dtype: np.dtype):
     dtype = np.dtype(dtype)
     return {1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize] if dtype.kind == "V" else dtype
+
+
+def _check_pool_fits(label: str, device: str, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+    """Refuse, before allocating, caches that exceed the device's total memory (absurd declared dims)."""
+    from ortpa.runtime.kv_memory import device_memory_bytes
+
+    need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+    have = device_memory_bytes(device)
+    if have is not None and need > have:
+        name, (shape, dtype) = max(layout.items(), key=lambda kv: math.prod(kv[1][0]) * kv[1][1].itemsize)
+        raise KVPoolTooLarge(
+            label, need, have, f"{len(layout)} caches on {device}, the largest {name!r} {list(shape)} {dtype}"
+        )
 
 
 def _concrete_shape(

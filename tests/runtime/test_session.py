@@ -237,3 +237,42 @@ def test_paged_session_rejects_feeding_a_cache_and_bad_dims():
         sess.run({"key_cache": x["key_cache"]})
     with pytest.raises(InvalidArgument, match="symbolic"):
         PagedSession(model, num_blocks=NB)  # block_size is symbolic in the model and not given
+
+
+# ------------------------------------------------------------------------------------------------ bad models
+def test_a_model_only_onnx_runtime_rejects_is_an_invalid_model_naming_the_file(tmp_path):
+    """Weights whose dims no longer fit their MatMul pass ortpa's file checks; ORT's error is typed and named."""
+    from ortpa.errors import InvalidModel
+    from ortpa.testing.toy_lm import build_toy_lm
+
+    model = build_toy_lm()
+    weight = next(t for t in model.graph.initializer if t.name == "lm_head")
+    rows, cols = weight.dims
+    del weight.dims[:]
+    weight.dims.extend([rows * 2, cols // 2])
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, path)
+    for make in (InferenceSession, lambda p: PagedSession(p, num_blocks=4)):
+        with pytest.raises(InvalidModel, match="ONNX Runtime rejected it") as info:
+            make(str(path))
+        assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_pool_larger_than_the_device_is_refused_before_allocating(monkeypatch):
+    from ortpa.errors import KVPoolTooLarge
+    from ortpa.runtime import kv_memory
+    from ortpa.testing.toy_lm import build_toy_lm
+
+    total = kv_memory.device_memory_bytes("cpu")
+    assert total is not None and total > 2**26
+    model = build_toy_lm()
+    with pytest.raises(KVPoolTooLarge, match="the KV caches need") as info:
+        PagedSession(model, num_blocks=2**40, block_size=16)  # petabytes: np.zeros would not refuse this itself
+    assert info.value.requested > total == info.value.available
+    fits = PagedSession(model, num_blocks=8, block_size=16)
+    need = sum(fits.cache(n).nbytes for n in fits.cache_names)
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda device, device_id=0: need - 1)
+    with pytest.raises(KVPoolTooLarge):
+        PagedSession(model, num_blocks=8, block_size=16)
+    monkeypatch.setattr(kv_memory, "device_memory_bytes", lambda device, device_id=0: need)
+    PagedSession(model, num_blocks=8, block_size=16)  # exactly the device's size is not refused

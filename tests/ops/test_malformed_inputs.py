@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from iobind import bind_cpu
 from tolerances import assert_close
 
 from ortpa.ops.oracle import paged_attention
@@ -47,11 +47,6 @@ pytestmark = pytest.mark.filterwarnings("error")  # a warning on bad data is a f
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16]
-_ELEM = {
-    np.dtype(np.float16): onnx.TensorProto.FLOAT16,
-    BF16: onnx.TensorProto.BFLOAT16,
-    np.dtype(np.int32): onnx.TensorProto.INT32,
-}
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 # Small dims keep one example at a few milliseconds; LATENT: 32-wide rows, values = leading 16 channels.
@@ -135,14 +130,14 @@ def run_portable(b: Batch, x: dict) -> dict[str, np.ndarray]:
     for name, a in x.items():
         a = np.ascontiguousarray(a)
         keep.append(a)
-        io.bind_input(name, "cpu", 0, _ELEM[a.dtype], a.shape, a.ctypes.data)
+        bind_cpu(io, name, a)
     width = LAYOUTS[b.sig.layout]["num_heads"] * LAYOUTS[b.sig.layout]["v_head_size"]
     outs = {"output": np.zeros((x["query"].shape[0], width), x["query"].dtype)}
     outs["key_cache_out"] = np.empty_like(x["key_cache"])
     if "value_cache" in x:
         outs["value_cache_out"] = np.empty_like(x["value_cache"])
     for name, arr in outs.items():
-        io.bind_output(name, "cpu", 0, _ELEM[arr.dtype], arr.shape, arr.ctypes.data)
+        bind_cpu(io, name, arr, output=True)
     sess.run_with_iobinding(io)
     return outs
 

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from iobind import bind_cpu
 from tolerances import assert_close
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
@@ -28,13 +29,6 @@ from ortpa.ops.spec import PAGED_ATTENTION
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16]
-_ELEM = {
-    np.dtype(np.float16): onnx.TensorProto.FLOAT16,
-    BF16: onnx.TensorProto.BFLOAT16,
-    np.dtype(np.int8): onnx.TensorProto.INT8,
-    np.dtype(np.int32): onnx.TensorProto.INT32,
-    np.dtype(np.float32): onnx.TensorProto.FLOAT,
-}
 _SESSIONS: dict[bytes, ort.InferenceSession] = {}
 
 
@@ -60,7 +54,7 @@ def run(sess: ort.InferenceSession, inputs: dict, *, alias: bool = False) -> dic
             continue
         a = np.ascontiguousarray(a)
         keep.append(a)
-        io.bind_input(name, "cpu", 0, _ELEM[a.dtype], a.shape, a.ctypes.data)
+        bind_cpu(io, name, a)
     outs: dict[str, np.ndarray] = {}
     for o in sess.get_outputs():
         if o.name == "output":
@@ -70,7 +64,7 @@ def run(sess: ort.InferenceSession, inputs: dict, *, alias: bool = False) -> dic
             src = inputs["key_cache" if o.name == "key_cache_out" else "value_cache"]
             arr = src if alias else np.empty_like(src)
         outs[o.name] = arr
-        io.bind_output(o.name, "cpu", 0, _ELEM[arr.dtype], arr.shape, arr.ctypes.data)
+        bind_cpu(io, o.name, arr, output=True)
     sess.run_with_iobinding(io)
     return outs
 

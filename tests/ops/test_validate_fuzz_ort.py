@@ -506,10 +506,12 @@ def test_generated_nodes_agree_with_onnxruntime() -> None:
     print(table.format())
     counts = table.counts
     assert table.examples >= 0.9 * _CI_EXAMPLES, counts
-    # the generator's bias: all three agreeing outcomes are well represented
+    # The generator's bias: all three agreeing outcomes are well represented and the mutations reach many rules.
+    # Bounds sit well below what seeds give (500 nodes: 11-26% per outcome, 33-43 rules; derandomized runs
+    # differ between checkouts) so that they only fail when the generator collapses.
     for cat in (BOTH_REJECT, KERNEL_RULE, BOTH_ACCEPT):
-        assert counts[cat] >= 0.1 * table.examples, (cat, counts)
-    assert len(table.rules) >= 35, sorted(table.rules)  # the mutations reach many distinct rules
+        assert counts[cat] >= 0.05 * table.examples, (cat, counts)
+    assert len(table.rules) >= 25, sorted(table.rules)
 
 
 # ------------------------------------------------------------------------------------------ found by the fuzzer

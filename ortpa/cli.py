@@ -452,13 +452,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # load checks (e.g. a corrupted constant): invalid input, said on one line; anything else is a bug
         if not type(exc).__module__.startswith("onnxruntime"):
             raise
+        from ortpa.model_file import ort_message_line
+
         if getattr(args, "verbose", False):
             traceback.print_exc()
         models = " / ".join(
             str(getattr(args, k)) for k in ("input", "model", "original", "converted") if hasattr(args, k)
         )
         print(
-            f"ortpa {args.command}: error: ONNX Runtime rejected {models}: {' '.join(str(exc).split())}",
+            f"ortpa {args.command}: error: ONNX Runtime rejected {models}: {ort_message_line(str(exc))}",
             file=sys.stderr,
         )
         return EXIT_INVALID

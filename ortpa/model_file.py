@@ -41,7 +41,14 @@ import onnx
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["ExternalRef", "LoadedModel", "check_ort_version_support", "read_model", "tensor_nbytes"]
+__all__ = [
+    "ExternalRef",
+    "LoadedModel",
+    "check_ort_version_support",
+    "ort_message_line",
+    "read_model",
+    "tensor_nbytes",
+]
 
 # bytes past which a declared tensor is refused outright: int64 byte counts overflow beyond it in ORT and numpy
 _MAX_TENSOR_BYTES = 2**62
@@ -455,11 +462,11 @@ def _ort_refusal(ir_version: int, opsets: tuple[tuple[str, int], ...]) -> str:
     try:
         ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT's own exception types; the text is the reason
-        return f"ONNX Runtime {ort.__version__} cannot load it: {_clean_ort_message(str(exc))}"
+        return f"ONNX Runtime {ort.__version__} cannot load it: {ort_message_line(str(exc))}"
     return ""
 
 
-def _clean_ort_message(message: str) -> str:
+def ort_message_line(message: str) -> str:
     """ORT's text without its C++ source location and signature, on one line."""
     text = " ".join(message.split())
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)

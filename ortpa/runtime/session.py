@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument, InvalidModel, KVPoolTooLarge, NotImplementedByBackend
-from ortpa.model_file import LoadedModel, read_model
+from ortpa.model_file import LoadedModel, ort_message_line, read_model
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
@@ -177,8 +177,7 @@ class InferenceSession:
             # file. Anything else (an unknown provider name is a ValueError) is the caller's and passes through.
             if not type(exc).__module__.startswith("onnxruntime."):
                 raise
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InvalidModel(self.label, f"ONNX Runtime rejected it: {first}") from None
+            raise InvalidModel(self.label, f"ONNX Runtime rejected it: {ort_message_line(str(exc))}") from None
         self._output_types = {o.name: o.type for o in self._sess.get_outputs()}
 
     # -- the onnxruntime.InferenceSession surface ---------------------------------------------------------

@@ -95,6 +95,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         position_ids=args.position_ids,
         max_positions=args.max_positions,
         progress=_progress_printer(args),
+        kv_scale=args.kv_scale,
     )
     nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
     result = {"output": args.output, "paged_attention_nodes": nodes}
@@ -128,7 +129,15 @@ def _register_convert(sub) -> None:
         "--kv-cache-dtype",
         choices=["float16", "bfloat16", "int8", "float8e4m3fn"],
         default=None,
-        help="element type of the KV caches",
+        help="element type of the KV caches (default: the op's float type). int8: static scales calibrated by "
+        "running the dense model on seeded random prompts (see docs/converted_model.md); float8e4m3fn is "
+        "rejected (ortpa's portable op cannot run it)",
+    )
+    p.add_argument(
+        "--kv-scale",
+        choices=["per-channel", "per-tensor"],
+        default="per-channel",
+        help="with --kv-cache-dtype int8: one scale per (kv head, channel) (default) or one per cache tensor",
     )
     p.add_argument("--rope-in-op", action="store_true", help="move RoPE into the op (do_rotary=1)")
     p.add_argument(

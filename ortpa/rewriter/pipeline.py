@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -21,7 +21,7 @@ import onnxscript.optimizer
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model_file import read_model
-from ortpa.rewriter import paged_io
+from ortpa.rewriter import kv_quant, paged_io
 from ortpa.rewriter.attention import (
     AttentionLayer,
     match_attention_layers,
@@ -75,8 +75,8 @@ def _op_dtype(model_dtype: ir.DataType, dtype: DType | None, kv_cache_dtype: str
         target = _IR_DTYPES[dtype]
         if kv_cache_dtype not in (None, dtype):
             raise ConversionError(
-                f"kv_cache_dtype {kv_cache_dtype!r} differs from dtype {dtype!r}: "
-                "quantized caches are not supported yet"
+                f"kv_cache_dtype {kv_cache_dtype!r} differs from dtype {dtype!r}: a float cache has the "
+                "activations' type; the quantized cache ortpa supports is 'int8'"
             )
         return target
     if model_dtype in _IR_DTYPES.values():
@@ -86,7 +86,7 @@ def _op_dtype(model_dtype: ir.DataType, dtype: DType | None, kv_cache_dtype: str
     if kv_cache_dtype is None:
         return ir.DataType.FLOAT16
     if kv_cache_dtype not in _IR_DTYPES:
-        raise ConversionError(f"kv_cache_dtype must be None, 'float16' or 'bfloat16', got {kv_cache_dtype!r}")
+        raise ConversionError(f"kv_cache_dtype must be None, 'float16', 'bfloat16' or 'int8', got {kv_cache_dtype!r}")
     return _IR_DTYPES[kv_cache_dtype]
 
 
@@ -183,6 +183,7 @@ def _convert_separate(
     position_ids: paged_io.PositionMode,
     max_positions: int | None,
     progress: Callable[[str], None] | None,
+    kv_plan: kv_quant.KVQuantPlan | None = None,
 ) -> None:
     """In place: every MHA/GQA layer -> one PagedAttention SEPARATE node, paged I/O, optional dtype."""
     failures = [r for r in results if isinstance(r, LayerFailure)]
@@ -219,15 +220,29 @@ def _convert_separate(
         paged_io.set_present(graph, m.layer, key_out, key_cache)
         paged_io.set_present_value(graph, m.layer, value_out, value_cache)
     # present.{i}.key / .value next to each other, in layer order, after logits (as the inputs are ordered)
-    _finish(irm, io, "paged-attention-separate", logits=logits, dtype=dtype, rope_in_op=rope_in_op, progress=progress)
+    _finish(
+        irm,
+        io,
+        "paged-attention-separate",
+        logits=logits,
+        dtype=dtype,
+        rope_in_op=rope_in_op,
+        progress=progress,
+        kv_plan=kv_plan,
+    )
 
 
-def _finish(irm: ir.Model, io, kind: str, *, logits, dtype, rope_in_op: bool, progress) -> None:
-    """The tail both families share: outputs and logits rows, optional whole-model dtype, metadata."""
+def _finish(irm: ir.Model, io, kind: str, *, logits, dtype, rope_in_op: bool, progress, kv_plan=None) -> None:
+    """The tail both families share: outputs and logits rows, optional whole-model dtype, int8 caches, metadata."""
     paged_io.finish(irm, io, logits=logits)
     if dtype is not None:
         _progress(progress, f"converting to {dtype}")
         convert_float_type(irm, _IR_DTYPES[dtype])
+    if kv_plan is not None:  # after the dtype pass: the scales must stay float32 (T_KV_SCALE)
+        assert kv_plan.dense is not None
+        _progress(progress, "calibrating int8 KV cache scales on the dense model")
+        amax = kv_quant.calibrate(kv_plan.dense, kv_plan.prompts)
+        kv_quant.apply_scales(irm, amax, mode=kv_plan.mode, margin=kv_plan.margin)
     irm.metadata_props["ortpa.converted"] = kind
     irm.metadata_props["ortpa.logits"] = logits
     irm.metadata_props["ortpa.rope_in_op"] = str(int(rope_in_op))
@@ -246,6 +261,9 @@ def convert(
     max_positions: int | None = None,
     progress: Callable[[str], None] | None = None,
     check_session: bool = True,
+    kv_scale: kv_quant.KVScaleMode = "per-channel",
+    kv_scale_margin: float = kv_quant.DEFAULT_MARGIN,
+    calibration_prompts: Sequence[Sequence[int]] | None = None,
 ) -> onnx.ModelProto:
     """Convert a dense MLA model (DeepSeek-V2/V3 style export with past/present KV) to PagedAttention LATENT.
 
@@ -256,9 +274,19 @@ def convert(
     * ``logits``: ``"last"`` = one row per sequence (its last new token), ``"all"`` = one row per packed token.
     * ``absorb``: ``"auto"`` folds W_UK / W_UV into q_proj / o_proj when that is exact and not larger,
       ``"fold"`` always folds where exact, ``"matmul"`` never folds (per-head MatMuls, as vLLM does).
+    * ``kv_cache_dtype="int8"``: int8 caches with static scales (``kv_scale`` per-channel or per-tensor, times
+      ``kv_scale_margin``) calibrated by running the dense model on ``calibration_prompts`` (token-id lists;
+      default: seeded random prompts); see :mod:`ortpa.rewriter.kv_quant`. float8e4m3fn is rejected.
     """
+    kv_plan = kv_quant.plan(
+        kv_cache_dtype, kv_scale=kv_scale, margin=kv_scale_margin, calibration_prompts=calibration_prompts
+    )
+    if kv_plan is not None:
+        kv_cache_dtype = None  # the op's T follows dtype / the model as for a float cache; the cache is int8
     _progress(progress, "loading")
     irm = _to_ir(model)
+    if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
+        kv_plan.dense = ir.serde.serialize_model(irm)
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     graph = irm.graph
@@ -277,6 +305,7 @@ def convert(
             position_ids=position_ids,
             max_positions=max_positions,
             progress=progress,
+            kv_plan=kv_plan,
         )
         return _serialize_checked(irm, progress, check_session)
     layers = _check_layers(mla_results)
@@ -317,7 +346,16 @@ def convert(
             graph, m, cache, io.op_inputs(), rope_in_op=rope_in_op, absorb=absorb, op_dtype=op_dtype
         )
         paged_io.set_present(graph, m.layer, out, cache)
-    _finish(irm, io, "paged-attention-latent", logits=logits, dtype=dtype, rope_in_op=rope_in_op, progress=progress)
+    _finish(
+        irm,
+        io,
+        "paged-attention-latent",
+        logits=logits,
+        dtype=dtype,
+        rope_in_op=rope_in_op,
+        progress=progress,
+        kv_plan=kv_plan,
+    )
     return _serialize_checked(irm, progress, check_session)
 
 

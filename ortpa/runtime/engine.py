@@ -9,6 +9,8 @@ The model is driven through the converted-model interface (DESIGN.md): ``input_i
 ``cumulative_sequence_lengths``, ``past_sequence_lengths``, ``block_table``, and, when the graph declares
 them, ``attention_metadata`` and ``position_ids``. ``logits`` may have one row per sequence (ortpa's default)
 or one per packed token (onnxruntime-genai's); the engine tells them apart at run time by the row count.
+Reading that interface from the graph lives in :mod:`ortpa.runtime.model_io`, the one-driver-thread guard in
+:mod:`ortpa.runtime.driver`.
 
 Example::
 
@@ -18,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -32,8 +33,9 @@ import onnxruntime as ort
 
 from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
 from ortpa.model_file import LoadedModel, read_model
+from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
-from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
+from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
 from ortpa.runtime.prefix_cache import PrefixCache
 from ortpa.runtime.sampling import Sampler, SamplingParams
 from ortpa.runtime.scheduler import (
@@ -65,9 +67,6 @@ __all__ = [
 # laptop. On a GPU pass kv_budget_bytes (or num_blocks) sized from the memory left after the weights.
 DEFAULT_KV_BUDGET_BYTES = 256 << 20
 
-_REQUIRED_INPUTS = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
-_OPTIONAL_INPUTS = ("attention_metadata", "position_ids")
-
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -89,106 +88,6 @@ class EngineStats:
     cached_tokens: int  # prompt tokens taken from the prefix cache instead of computed
     generated_tokens: int
     preemptions: int
-
-
-@dataclass(frozen=True)
-class _ModelIO:
-    """Which optional inputs the converted graph declares, and its vocabulary size if static."""
-
-    attention_metadata: bool
-    position_ids: bool
-    vocab: int | None
-
-
-def _model_io(model: onnx.ModelProto, cache_inputs: set[str]) -> _ModelIO:
-    inputs = [i.name for i in model.graph.input if i.name not in cache_inputs]
-    where = model.graph.name or "model"
-    missing = [n for n in _REQUIRED_INPUTS if n not in inputs]
-    unknown = [n for n in inputs if n not in _REQUIRED_INPUTS + _OPTIONAL_INPUTS]
-    if missing or unknown:
-        raise InvalidModel(
-            where,
-            f"expected the converted-model inputs {list(_REQUIRED_INPUTS)} (+ optional {list(_OPTIONAL_INPUTS)}) "
-            f"and KV caches; missing {missing}, unexpected {unknown}",
-        )
-    logits = next((o for o in model.graph.output if o.name == "logits"), None)
-    if logits is None:
-        raise InvalidModel(where, f"expected a graph output 'logits'; found {[o.name for o in model.graph.output]}")
-    dims = logits.type.tensor_type.shape.dim
-    vocab = dims[-1].dim_value if len(dims) == 2 and dims[-1].HasField("dim_value") else None
-    return _ModelIO("attention_metadata" in inputs, "position_ids" in inputs, vocab)
-
-
-def _bytes_per_block(model: onnx.ModelProto, cache_inputs: set[str], block_size: int) -> int:
-    """Bytes one block id costs over every cache input, from their declared ``[.., .., kv_heads, head]`` dims."""
-    total = 0
-    for vi in model.graph.input:
-        if vi.name not in cache_inputs:
-            continue
-        dims = vi.type.tensor_type.shape.dim
-        if len(dims) != 4 or not all(d.HasField("dim_value") for d in dims[2:]):
-            raise InvalidModel(vi.name, "expected a cache input [num_blocks, block_size, kv_heads, head_size]")
-        row = dims[2].dim_value * dims[3].dim_value
-        total += block_size * row * np.dtype(numpy_dtype_for_onnx(vi.type.tensor_type.elem_type)).itemsize
-    return total
-
-
-def rotary_table_rows(model: onnx.ModelProto) -> int | None:
-    """Positions the model's in-op RoPE tables hold (the fewest rows over every ``do_rotary=1`` node).
-
-    ``None`` when no node rotates in the op, or a table's row count is not static (RoPE computed in the graph
-    from ``position_ids`` has no table, hence no limit).
-    """
-    static: dict[str, int | None] = {
-        init.name: (init.dims[0] if init.dims else None) for init in model.graph.initializer
-    }
-    for vi in [*model.graph.input, *model.graph.value_info]:
-        dims = vi.type.tensor_type.shape.dim
-        static.setdefault(vi.name, dims[0].dim_value if dims and dims[0].HasField("dim_value") else None)
-    rows: list[int] = []
-    for node in model.graph.node:
-        if node.op_type != "PagedAttention" or node.domain != "com.microsoft":
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if not attrs.get("do_rotary", 0):
-            continue
-        for name in node.input[8:10]:
-            n = static.get(name)
-            if n is None:
-                return None
-            rows.append(int(n))
-    return min(rows) if rows else None
-
-
-class _Driver:
-    """At most one thread drives an engine (``step``, ``generate``) at a time; re-entrant for that thread.
-
-    A second driver is refused rather than queued: tokens go to whoever called ``step``, so two threads
-    stepping one engine would each lose the other's tokens (and ``generate`` could wait forever for them).
-    """
-
-    def __init__(self, what: str) -> None:
-        self._what = what
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._owner_name = ""
-        self._depth = 0
-
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        me = threading.get_ident()
-        with self._lock:
-            if self._owner not in (None, me):
-                raise ConcurrentUse(self._what, self._owner_name)
-            self._owner, self._owner_name = me, threading.current_thread().name
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
 
 
 class Engine:
@@ -228,10 +127,10 @@ class Engine:
         loaded = read_model(model)  # once: the session takes it as is, keeping the file's name for errors
         proto = loaded.proto
         caches = {a.input_name for a in find_cache_aliases(proto)}
-        self.io = _model_io(proto, caches)
+        self.io = model_io(proto, caches)
         if num_blocks is None:
             budget = DEFAULT_KV_BUDGET_BYTES if kv_budget_bytes is None else kv_budget_bytes
-            num_blocks = budget // max(1, _bytes_per_block(proto, caches, block_size))
+            num_blocks = budget // max(1, cache_bytes_per_block(proto, caches, block_size))
         if num_blocks < 1:
             raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
         self.session = PagedSession(
@@ -254,7 +153,7 @@ class Engine:
         self._prompt_tokens = 0
         self._generated_tokens = 0
         self._lock = threading.RLock()  # scheduler, KV and prefix-cache state: held for a whole step
-        self._driver = _Driver("Engine.step")
+        self._driver = SingleDriver("Engine.step")
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(

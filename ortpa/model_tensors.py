@@ -1,0 +1,233 @@
+"""Tensor and external-data checks of :func:`ortpa.model_file.read_model` (its steps 2 and 3).
+
+Every tensor of a model (initializers, sparse initializers, ``Constant``-style attributes, subgraphs,
+functions) declares a known element type, non-negative dims, a byte size that does not overflow int64, and
+inline ``raw_data`` of exactly that size; sizes are Python ints and nothing of that size is allocated. Every
+external-data reference is a relative ``location`` without ``..`` that resolves (symlinks included) to a
+regular file inside the model's folder, with ``offset + size`` inside that file; :func:`inline_external` then
+reads the checked bytes into the proto.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ortpa.errors import InvalidModel
+
+__all__ = ["ExternalRef", "check_tensors", "inline_external", "tensor_nbytes"]
+
+# bytes past which a declared tensor is refused outright: int64 byte counts overflow beyond it in ORT and numpy
+_MAX_TENSOR_BYTES = 2**62
+
+# bits per element of every fixed-size ONNX element type (STRING has no fixed size)
+_BITS: dict[int, int] = {
+    onnx.TensorProto.FLOAT: 32,
+    onnx.TensorProto.UINT8: 8,
+    onnx.TensorProto.INT8: 8,
+    onnx.TensorProto.UINT16: 16,
+    onnx.TensorProto.INT16: 16,
+    onnx.TensorProto.INT32: 32,
+    onnx.TensorProto.INT64: 64,
+    onnx.TensorProto.BOOL: 8,
+    onnx.TensorProto.FLOAT16: 16,
+    onnx.TensorProto.DOUBLE: 64,
+    onnx.TensorProto.UINT32: 32,
+    onnx.TensorProto.UINT64: 64,
+    onnx.TensorProto.COMPLEX64: 64,
+    onnx.TensorProto.COMPLEX128: 128,
+    onnx.TensorProto.BFLOAT16: 16,
+}
+for _name, _bits in [
+    ("FLOAT8E4M3FN", 8),
+    ("FLOAT8E4M3FNUZ", 8),
+    ("FLOAT8E5M2", 8),
+    ("FLOAT8E5M2FNUZ", 8),
+    ("FLOAT8E8M0", 8),
+    ("UINT4", 4),
+    ("INT4", 4),
+    ("FLOAT4E2M1", 4),
+    ("UINT2", 2),
+    ("INT2", 2),
+]:
+    if hasattr(onnx.TensorProto, _name):  # newer element types exist only in newer onnx releases
+        _BITS[getattr(onnx.TensorProto, _name)] = _bits
+
+
+@dataclass(frozen=True)
+class ExternalRef:
+    """One validated external-data reference: ``nbytes`` bytes at ``offset`` of ``path`` (inside the folder)."""
+
+    tensor: str
+    location: str
+    path: Path
+    offset: int
+    nbytes: int
+
+
+# ------------------------------------------------------------------------------------------ tensors
+def tensor_nbytes(tensor: onnx.TensorProto, label: str) -> int | None:
+    """Declared byte size of ``tensor`` from dims and element type (``None`` for strings), checked."""
+    where = f"tensor {tensor.name!r}"
+    if tensor.data_type not in _BITS and tensor.data_type != onnx.TensorProto.STRING:
+        raise InvalidModel(label, f"{where}: unknown element type {tensor.data_type}")
+    count = 1
+    for d in tensor.dims:
+        if d < 0:
+            raise InvalidModel(label, f"{where}: negative dimension {d} in dims {list(tensor.dims)}")
+        count *= d  # a Python int: no overflow, and nothing of this size is allocated
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None
+    nbytes = (count * _BITS[tensor.data_type] + 7) // 8
+    if nbytes > _MAX_TENSOR_BYTES:
+        raise InvalidModel(
+            label, f"{where}: dims {list(tensor.dims)} declare {nbytes} bytes, more than any machine holds"
+        )
+    return nbytes
+
+
+def _tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto in the model: graph and subgraphs, attributes, sparse tensors and functions."""
+
+    def from_attr(attr: onnx.AttributeProto) -> Iterator[onnx.TensorProto]:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        for sparse in [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []:
+            yield sparse.values
+            yield sparse.indices
+        for sparse in attr.sparse_tensors:
+            yield sparse.values
+            yield sparse.indices
+        if attr.HasField("g"):
+            yield from from_graph(attr.g)
+        for g in attr.graphs:
+            yield from from_graph(g)
+
+    def from_nodes(nodes) -> Iterator[onnx.TensorProto]:
+        for node in nodes:
+            for attr in node.attribute:
+                yield from from_attr(attr)
+
+    def from_graph(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        yield from from_nodes(graph.node)
+
+    yield from from_graph(proto.graph)
+    for fn in proto.functions:
+        yield from from_nodes(fn.node)
+
+
+def check_tensors(
+    proto: onnx.ModelProto, label: str, base_dir: Path | None, need_data: bool
+) -> tuple[ExternalRef, ...]:
+    """Check every tensor's declared size and inline bytes, and every external reference (unless there is no
+    folder and ``need_data`` is false); the checked references, in walk order (:func:`inline_external` relies
+    on it)."""
+    refs = []
+    for tensor in _tensors(proto):
+        nbytes = tensor_nbytes(tensor, label)
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            if base_dir is None and not need_data:
+                continue  # nothing will follow the reference (static validation of an in-memory model)
+            refs.append(_check_external(tensor, nbytes, label, base_dir))
+        elif tensor.HasField("raw_data") and nbytes is not None and len(tensor.raw_data) != nbytes:
+            raise InvalidModel(
+                label,
+                f"tensor {tensor.name!r}: dims {list(tensor.dims)} need {nbytes} bytes, "
+                f"raw_data holds {len(tensor.raw_data)}",
+            )
+    return tuple(refs)
+
+
+# ------------------------------------------------------------------------------------------ external data
+def _check_external(tensor: onnx.TensorProto, nbytes: int | None, label: str, base_dir: Path | None) -> ExternalRef:
+    """Validate one reference without opening it: only ``os.stat`` of a path already known to be inside."""
+    where = f"tensor {tensor.name!r}: external data"
+    entries = {e.key: e.value for e in tensor.external_data}
+    location = entries.get("location", "")
+    if base_dir is None:
+        raise InvalidModel(
+            label,
+            f"{where} {location!r} cannot be resolved without the model's folder; pass the model's path instead",
+        )
+    if nbytes is None:
+        raise InvalidModel(label, f"{where}: string tensors cannot be stored as external data")
+    if not location:
+        raise InvalidModel(label, f"{where} has no location")
+    if "\0" in location:
+        raise InvalidModel(label, f"{where} location {location!r} contains a NUL byte")
+    parts = re.split(r"[\\/]", location)
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", location):
+        raise InvalidModel(label, f"{where} location {location!r} is absolute; expected a file in {base_dir}")
+    if ".." in parts:
+        raise InvalidModel(label, f"{where} location {location!r} contains '..'; expected a file in {base_dir}")
+    offset = _int_entry(entries, "offset", 0, where, label)
+    length = _int_entry(entries, "length", None, where, label)
+    folder = os.path.realpath(base_dir)
+    target = os.path.realpath(os.path.join(folder, location))  # resolves every symlink on the way
+    if os.path.commonpath([folder, target]) != folder:
+        raise InvalidModel(
+            label, f"{where} location {location!r} resolves to {target}, outside the model's folder {folder}"
+        )
+    try:
+        st = os.stat(target)
+    except OSError:
+        raise InvalidModel(label, f"{where} file {location!r} not found in {folder}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidModel(label, f"{where} location {location!r} is not a regular file")
+    if length is not None and length != nbytes:
+        raise InvalidModel(label, f"{where}: length {length} but dims {list(tensor.dims)} need {nbytes} bytes")
+    if offset + nbytes > st.st_size:
+        raise InvalidModel(
+            label,
+            f"{where}: bytes {offset}..{offset + nbytes} (dims {list(tensor.dims)}) run past the end of "
+            f"{location!r} ({st.st_size} bytes)",
+        )
+    return ExternalRef(tensor.name, location, Path(target), offset, nbytes)
+
+
+def _int_entry(entries: dict[str, str], key: str, default: int | None, where: str, label: str) -> int | None:
+    if key not in entries:
+        return default
+    value = entries[key]
+    if not re.fullmatch(r"[0-9]{1,20}", value):
+        raise InvalidModel(label, f"{where}: {key} {value!r} is not a non-negative integer")
+    return int(value)
+
+
+def inline_external(proto: onnx.ModelProto, refs: tuple[ExternalRef, ...], label: str) -> None:
+    """Read each checked reference's bytes into its tensor's ``raw_data``; the proto then has no external data."""
+    # refs and tensors come from the same walk in the same order: pair them up again
+    ref_iter = iter(refs)
+    handles: dict[Path, Any] = {}
+    try:
+        for tensor in _tensors(proto):
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            ref = next(ref_iter)
+            f = handles.get(ref.path)
+            if f is None:
+                f = handles[ref.path] = open(ref.path, "rb")  # closed in finally
+            f.seek(ref.offset)
+            data = f.read(ref.nbytes)
+            if len(data) != ref.nbytes:  # the file shrank since it was checked
+                raise InvalidModel(label, f"tensor {ref.tensor!r}: external file {ref.location!r} ended early")
+            tensor.raw_data = data
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    except OSError as exc:
+        raise InvalidModel(label, f"cannot read external data: {exc.strerror}") from None
+    finally:
+        for f in handles.values():
+            f.close()

@@ -144,11 +144,23 @@ def test_parity_good_and_mismatched(paged, capsys, tmp_path):
     assert main(["parity", str(DENSE), str(paged), "--max-new-tokens", "3", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] and result["tokens_identical"] and result["max_abs_logit_error"] < 5e-2
+    assert result["atol"] == 5e-2
     other = tmp_path / "other.onnx"  # a converted model of a different network must fail parity
     assert main(["convert", str(FIXTURES / "kimi_sdpa_op18.onnx"), str(other), "--quiet"]) == 0
     code = main(["parity", str(DENSE), str(other), "--max-new-tokens", "3"])
     out = capsys.readouterr()
     assert code == 1 and "PARITY FAILED" in out.out
+
+
+def test_parity_tolerance_follows_the_kv_cache_dtype(capsys, tmp_path):
+    """int8 caches carry their quantization error into the logits: the default tolerance says so, and says which."""
+    q8 = tmp_path / "q8.onnx"
+    assert main(["convert", str(DENSE), str(q8), "--kv-cache-dtype", "int8", "--quiet"]) == 0
+    assert main(["parity", str(DENSE), str(q8), "--max-new-tokens", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] and result["atol"] == 0.25 and 5e-3 < result["max_abs_logit_error"] < 0.25
+    assert main(["parity", str(DENSE), str(q8), "--max-new-tokens", "4", "--atol", "0.005"]) == 1
+    assert "PARITY FAILED" in capsys.readouterr().out
 
 
 def test_bench_unknown_module_is_reported(capsys):

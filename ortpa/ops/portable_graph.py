@@ -334,7 +334,8 @@ class _Body:
         # belong to another sequence or hold garbage: zero them, or NaN/Inf there would reach this sequence's
         # output through 0 * NaN in the probability-weighted sum
         self.row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(self.kvlen, [1]))), [1, 3])
-        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)  # [B, kvh, max_kv, H]
+        # in LATENT the key rows are also the values, so they are zeroed like values (see `read`)
+        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h, zero_masked=c.latent)  # [B,kvh,kv,H]
 
         # scores transposed: [B, kvh, max_kv, G*max_q] viewed as [B, kvh, max_kv, G, max_q]; softmax over axis 2
         s = op.MatMul(kf, qt)
@@ -361,7 +362,7 @@ class _Body:
         if c.latent:
             o = op.Slice(op.MatMul(p, kf), [0], [vh], [3])  # V is the leading v_head_size channels of K
         else:
-            o = op.MatMul(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h))
+            o = op.MatMul(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h, zero_masked=True))
         o = op.Reshape(o, op.Concat(B, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
         o = op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [B*max_q, N*vh]
         out = op.Gather(o, op.Add(op.Mul(self.seq, maxq), self.s_in))
@@ -370,8 +371,13 @@ class _Body:
         has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
         return op.Cast(op.Where(has_keys, out, 0.0), to=self.t_dtype)
 
-    def read(self, cache, row, quant: str, scale, width: int):
-        """Gather ``row`` ([B, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32."""
+    def read(self, cache, row, quant: str, scale, width: int, *, zero_masked: bool):
+        """Gather ``row`` ([B, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32.
+
+        ``zero_masked``: rows past the live length or on unmapped pages become 0. Needed for values only:
+        masked scores are replaced by -inf with ``Where``, which drops a NaN key, but a NaN value reaches the
+        output through ``0 * NaN`` in ``P @ V``.
+        """
         op = self.op
         flat = op.Reshape(cache, self.ints([-1, width]))  # a view of the written cache, not a copy
         rows = self.f32(op.Gather(flat, row))
@@ -380,7 +386,8 @@ class _Body:
             if quant == "PER_CHANNEL":
                 s = op.Unsqueeze(s, [1])  # [kvh, 1, H] against [B, kvh, max_kv, H]
             rows = op.Mul(rows, s)
-        return op.Where(self.row_ok, rows, 0.0)
+        # in float32: ONNX Runtime's CPU Where has no bfloat16 kernel
+        return op.Where(self.row_ok, rows, 0.0) if zero_masked else rows
 
     def mask(self, i, j, mapped):
         """[B, max_kv, max_q]: key j is attended by query i of sequence b (oracle `_attend`)."""

@@ -376,11 +376,21 @@ def check_malformed(clean: Batch, bad: Batch) -> None:
             rows = list(e.tokens(s))
             if not e.valid[s]:
                 assert not out[rows].any(), f"{which}: invalid sequence {s} has a non-zero output"
-            if s not in hit:
+            if s not in hit and which == "oracle":  # the oracle computes each sequence alone: bit for bit
                 np.testing.assert_array_equal(
                     g["output"][rows].view(np.uint16),
                     ref[which]["output"][rows].view(np.uint16),
                     err_msg=f"{which}: untouched sequence {s} output differs from the clean run",
+                )
+            elif s not in hit:
+                # the portable op pads every sequence to the call's longest query and key range, so corrupting
+                # another sequence changes the padded shapes and ONNX Runtime's MatMul blocking: last-ulp
+                # differences (seen: 1 ulp in fp16, LATENT), not leaks, which would be NaN or O(1)
+                assert_close(
+                    g["output"][rows],
+                    ref[which]["output"][rows],
+                    bad.sig.dtype,
+                    what=f"{which}: untouched sequence {s} output differs from the clean run",
                 )
             # (5) non-finite values stay with the sequence that owns or reads them
             if s not in tainted:

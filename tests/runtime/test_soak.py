@@ -31,6 +31,9 @@ MODEL = build_toy_lm(CFG, WEIGHTS)
 BS = 4
 NUM_BLOCKS = 24  # ~16 running requests would need ~60 blocks: preemption and eviction are the normal case
 CI_REQUESTS = 1000
+# Two dense logits closer than this are a numerical tie for the fp16 paged model (its logits are within ~2e-3
+# of the dense ones on this toy model); batching may break such a tie either way.
+TIE = 2e-3
 
 
 @dataclass(frozen=True)
@@ -137,12 +140,25 @@ def _run_and_check(requests: list[SoakRequest], alone: list[list[int]], mixed_st
     )
     result = _soak(engine, requests)
 
+    tie_flips = 0
     for i, (r, got, ref) in enumerate(zip(requests, result.outputs, alone, strict=True)):
-        if i in result.aborted:
-            assert got == ref[: len(got)], f"aborted request {i}: {got} is not a prefix of its run alone {ref}"
-            continue
-        assert got == ref, f"request {i} (prompt {len(r.prompt)}, {r.params}): batched {got}, alone {ref}"
-        assert len(got) == r.params.max_new_tokens or got[-1] in r.params.stop_token_ids
+        same = got == ref[: len(got)] if i in result.aborted else got == ref
+        if not same:
+            # Batching changes the portable op's padded shapes, so logits may differ from the alone run in the
+            # last fp16 place; that may only ever decide a numerical tie of the dense model (the first
+            # differing token), after which the batched run must still be greedy picks of the dense model.
+            k = next((j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), min(len(got), len(ref)))
+            assert k < min(len(got), len(ref)), f"request {i}: batched {got} vs alone {ref} (lengths differ)"
+            row = toy_lm_reference(CFG, WEIGHTS, r.prompt + got[:k])[-1]
+            assert abs(row[got[k]] - row[ref[k]]) < TIE, (
+                f"request {i} (prompt {len(r.prompt)}, {r.params}): batched {got}, alone {ref}: token {k} differs "
+                f"and the dense logits {row[got[k]]:.5f} / {row[ref[k]]:.5f} are no tie"
+            )
+            _assert_greedy_picks_of_dense_model([r], [got])
+            tie_flips += 1
+        if i not in result.aborted:
+            assert len(got) == r.params.max_new_tokens or got[-1] in r.params.stop_token_ids
+    assert tie_flips <= len(requests) // 100, f"{tie_flips} requests differ from their run alone at a tie"
 
     stats = engine.stats
     evictions = engine.prefix_cache.num_evictions

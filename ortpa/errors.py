@@ -15,7 +15,9 @@ __all__ = [
     "ConversionError",
     "InvalidArgument",
     "InvalidModel",
+    "InvalidParameter",
     "InvalidRequest",
+    "InvalidSamplingParams",
     "InvalidSequenceOp",
     "KVPoolTooLarge",
     "NotImplementedByBackend",
@@ -28,12 +30,49 @@ __all__ = [
 ]
 
 
+def _rebuild(cls: type, args: tuple, state: dict) -> OrtpaError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class OrtpaError(Exception):
-    """Base class of every error ortpa raises on purpose."""
+    """Base class of every error ortpa raises on purpose.
+
+    Picklable across processes whatever a subclass's constructor takes: the message (``args``) and the fields
+    (``__dict__``) are restored as they are, without calling ``__init__`` again (the default pickling would call
+    it with the message as the only argument).
+    """
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+class InvalidParameter(OrtpaError, ValueError):
+    """A caller's parameter out of its domain: a session dimension, a prompt, a provider, a benchmark name.
+
+    Not about a model (:class:`InvalidModel`) nor a PagedAttention node (:class:`InvalidArgument`).
+    """
+
+    def __init__(self, where: str, name: str, expected: str, found: object) -> None:
+        self.where = where
+        self.name = name
+        self.expected = expected
+        self.found = found
+        super().__init__(f"{where}: {name}: expected {expected}, found {found!r}")
+
+
+class InvalidSamplingParams(InvalidParameter):
+    """A :class:`~ortpa.runtime.sampling.SamplingParams` field outside its range."""
+
+    def __init__(self, name: str, expected: str, found: object) -> None:
+        self.where, self.name, self.expected, self.found = "SamplingParams", name, expected, found
+        OrtpaError.__init__(self, f"SamplingParams.{name}: expected {expected}, found {found!r}")
 
 
 class InvalidArgument(OrtpaError, ValueError):
-    """A PagedAttention input or attribute breaks one of ONNX Runtime's rules.
+    """A PagedAttention input or attribute breaks one of ONNX Runtime's rules (a node of a model).
 
     ``rule`` is a stable id (``"1.5.2"`` style ids follow the reference's sections, ``"ctor.*"`` the kernel
     constructor, ``"schema.*"`` shape inference); ``name`` is the offending input or attribute;
@@ -48,9 +87,6 @@ class InvalidArgument(OrtpaError, ValueError):
         where = f"node {node!r}, " if node else ""
         super().__init__(f"[{rule}] {where}{name}: {message}")
 
-    def __reduce__(self):  # keep the error picklable across processes
-        return (type(self), (self.rule, self.name, self.message, self.node))
-
 
 class NotImplementedByBackend(OrtpaError, NotImplementedError):
     """A schema-valid PagedAttention node uses a feature the chosen backend cannot run."""
@@ -64,9 +100,6 @@ class NotImplementedByBackend(OrtpaError, NotImplementedError):
         extra = f": {detail}" if detail else ""
         super().__init__(f"backend {backend!r} does not implement {feature}{where}{extra}")
 
-    def __reduce__(self):
-        return (type(self), (self.backend, self.feature, self.detail, self.node))
-
 
 class InvalidModel(OrtpaError, ValueError):
     """A model file cannot be read or is not a well-formed ONNX model."""
@@ -75,9 +108,6 @@ class InvalidModel(OrtpaError, ValueError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}")
-
-    def __reduce__(self):
-        return (type(self), (self.path, self.reason))
 
 
 class ConversionError(OrtpaError):
@@ -89,9 +119,6 @@ class ConversionError(OrtpaError):
         lines = [reason] + [f"  {where}: {why}" for where, why in self.failures]
         super().__init__("\n".join(lines))
 
-    def __reduce__(self):
-        return (type(self), (self.reason, self.failures))
-
 
 class OutOfBlocks(OrtpaError, RuntimeError):
     """The KV block pool cannot satisfy a request; nothing was allocated."""
@@ -102,9 +129,6 @@ class OutOfBlocks(OrtpaError, RuntimeError):
         self.what = what
         ctx = f" for {what}" if what else ""
         super().__init__(f"out of KV cache blocks{ctx}: needed {requested}, {free} free")
-
-    def __reduce__(self):
-        return (type(self), (self.requested, self.free, self.what))
 
 
 class BlockRefError(OrtpaError, RuntimeError):
@@ -122,9 +146,6 @@ class UnknownSequence(OrtpaError, KeyError):
     def __str__(self) -> str:  # KeyError would print repr(message); say it plainly
         return str(self.args[0])
 
-    def __reduce__(self):
-        return (type(self), (self.seq_id, self.where))
-
 
 class ConcurrentUse(OrtpaError, RuntimeError):
     """An object one thread must drive (an Engine's step loop) was entered by a second thread at once."""
@@ -133,9 +154,6 @@ class ConcurrentUse(OrtpaError, RuntimeError):
         self.what = what
         self.owner = owner
         super().__init__(f"{what} is already in use by thread {owner!r}; drive it from one thread at a time")
-
-    def __reduce__(self):
-        return (type(self), (self.what, self.owner))
 
 
 class InvalidSequenceOp(OrtpaError, ValueError):
@@ -160,9 +178,6 @@ class RequestTooLarge(InvalidRequest):
             f"holds {num_blocks}; shorten the prompt or max_new_tokens, or give the engine more blocks"
         )
 
-    def __reduce__(self):
-        return (type(self), (self.request_id, self.tokens, self.blocks, self.num_blocks, self.block_size))
-
 
 class RequestTooLong(RequestTooLarge):
     """A request whose longest possible sequence runs past the model's position table (RoPE in the op).
@@ -182,9 +197,6 @@ class RequestTooLong(RequestTooLarge):
             f"max_positions",
         )
 
-    def __reduce__(self):
-        return (type(self), (self.request_id, self.tokens, self.max_model_len))
-
 
 class UnknownRequest(OrtpaError, KeyError):
     """A request id the engine does not hold (never added, or already finished)."""
@@ -196,9 +208,6 @@ class UnknownRequest(OrtpaError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print repr(message)
         return str(self.args[0])
-
-    def __reduce__(self):
-        return (type(self), (self.request_id, self.where))
 
 
 class KVPoolTooLarge(OrtpaError, MemoryError):
@@ -218,6 +227,3 @@ class KVPoolTooLarge(OrtpaError, MemoryError):
             + (f" ({detail})" if detail else "")
             + "; use fewer blocks, or check the model's declared cache dims"
         )
-
-    def __reduce__(self):
-        return (type(self), (self.where, self.requested, self.available, self.detail))

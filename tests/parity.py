@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from tolerances import assert_close, tol_for
+from tolerances import assert_close, max_tie_flips, tie_bound
 
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
@@ -80,7 +80,7 @@ class ParityResult:
     max_context: int = 0
     errors: list[float] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)  # per step, per sequence: the checked rows (float32)
-    ties: int = 0  # greedy steps whose reference top-2 gap was within the tolerance (either token is right)
+    tie_flips: int = 0  # greedy steps whose token differs from the reference's at a tie (ortpa.tolerances)
 
 
 def run_parity(
@@ -100,10 +100,11 @@ def run_parity(
 ) -> ParityResult:
     """Continuous batching on ``converted`` vs the dense model; asserts logits close and greedy tokens equal.
 
-    Greedy tokens must be identical unless the reference's two best logits are closer than twice the logit
-    tolerance (a numerical tie: either token is a correct greedy choice); both models then continue with the
-    paged model's token, so their histories stay identical. Such ties are counted in ``ParityResult.ties``.
-    ``allow_ties=False`` demands identical greedy tokens at every step. ``follow_reference`` continues with the
+    Greedy tokens must be identical except at a tie flip (:class:`ortpa.tolerances.TieBound`: the reference's
+    gap between the two tokens within the tie margin), at most :func:`ortpa.tolerances.max_tie_flips` of the
+    checked tokens; both models then continue with the paged model's token, so their histories stay
+    identical. Flips are counted in ``ParityResult.tie_flips``. ``allow_ties=False`` demands identical greedy
+    tokens at every step. ``follow_reference`` continues with the
     dense model's token instead, so two runs of this driver (say CUDA and CPU) see identical histories whatever
     their tie-breaks, and their ``ParityResult.logits`` compare row by row.
 
@@ -111,7 +112,7 @@ def run_parity(
     table really is a page table. ``logits``: ``"last"`` requires one logits row per sequence, ``"all"`` one per
     packed token (the last of each sequence is checked), ``"auto"`` accepts either.
     """
-    atol = tol_for(dtype)[1] + extra_atol
+    ties = tie_bound(dtype, extra_atol)
     sess = PagedSession(
         converted,
         num_blocks=NUM_BLOCKS,
@@ -168,15 +169,18 @@ def run_parity(
             result.logits.append(got)
             result.max_abs_error = max(result.max_abs_error, err)
             token = int(got.argmax())
-            top2 = np.sort(ref)[-2:]
-            if allow_ties and top2[1] - top2[0] <= 2 * atol:
-                result.ties += 1
-            else:
-                assert token == int(ref.argmax()), f"step {step}, sequence {name}: greedy token differs"
+            verdict = ties.classify(ref, token)
+            where = f"step {step}, sequence {name}: greedy token {token}, reference {int(ref.argmax())}"
+            assert verdict != "mismatch", f"{where} (gap {float(ref.max() - ref[token]):.2e} is no tie)"
+            assert verdict == "exact" or allow_ties, f"{where} (a tie, but ties are not allowed here)"
+            result.tie_flips += verdict == "tie"
             result.tokens_checked += 1
             result.max_context = max(result.max_context, seq["dense"]["len"])
             seq["pending"] = [int(ref.argmax()) if follow_reference else token]
         result.steps += 1
+    bound = max_tie_flips(result.tokens_checked)
+    flips = f"{result.tie_flips} tie flips in {result.tokens_checked} tokens"
+    assert result.tie_flips <= bound, f"{flips} (at most {bound})"
     return result
 
 

@@ -8,9 +8,21 @@ import numpy as np
 import onnx
 import pytest
 
-from ortpa.demo import DEMO_CONFIG, DEMO_NEW_TOKENS, DEMO_PROMPT_LENGTHS, DemoSummary, _parity, run_demo
-from ortpa.errors import InvalidArgument
+from ortpa.demo import (
+    DEMO_CONFIG,
+    DEMO_NEW_TOKENS,
+    DEMO_PROMPT_LENGTHS,
+    PARITY_ATOL,
+    PARITY_RTOL,
+    DemoSummary,
+    _parity,
+    run_demo,
+)
+from ortpa.errors import InvalidParameter
 from ortpa.testing.greedy import GreedyRun
+from ortpa.tolerances import TOL, logit_tolerance
+
+PARITY_TOL = (PARITY_RTOL, PARITY_ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +59,6 @@ def test_demo_parity_and_figures(demo):
     assert summary.kv_bytes_per_token_mha == c.heads * (c.qk_nope + c.qk_rope + c.v_head) * 2
     assert summary.kv_bytes_per_token_paged_total == latent * 2 * c.layers
     assert summary.tokens_per_second > 0 and summary.dense_tokens_per_second > 0
-    assert summary.seconds["total"] < 60
 
 
 def test_demo_reports(demo):
@@ -73,7 +84,7 @@ def test_quiet_demo_leaves_the_summary_to_the_caller(tmp_path, capsys):
 
 
 def test_unknown_provider_is_a_typed_error(tmp_path):
-    with pytest.raises(InvalidArgument, match="not available"):
+    with pytest.raises(InvalidParameter, match="expected an available provider"):
         run_demo(tmp_path, provider="NoSuchExecutionProvider", quiet=True)
 
 
@@ -93,3 +104,15 @@ def test_parity_judge_fails_on_errors_and_allows_only_near_ties():
     far[0, 1] += 0.1
     _, _, _, _, failures = _parity(_run([[1, 1]], [far]), ref)
     assert failures and "above tolerance" in failures[0]
+
+
+def test_parity_judge_bounds_the_number_of_near_ties():
+    """One near tie in a short run is allowed (ortpa.tolerances.max_tie_flips), two are not."""
+    dense = np.array([[2.0, 2.001, 0.0], [2.0, 2.001, 0.0]], np.float32)  # both steps are near ties
+    ref = _run([[1, 1]], [dense])
+    _, mismatches, ties, _, failures = _parity(_run([[0, 0]], [dense]), ref)
+    assert (mismatches, ties) == (0, 2) and len(failures) == 1 and "2 near ties in 2 tokens" in failures[0]
+
+
+def test_demo_tolerance_is_the_package_table():
+    assert PARITY_TOL == logit_tolerance("float16") == TOL["float16"]

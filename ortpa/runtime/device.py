@@ -9,7 +9,10 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["best_providers", "cuda_device_count", "has_cuda"]
+__all__ = ["PROVIDER_NAMES", "best_providers", "cuda_device_count", "has_cuda", "providers_for"]
+
+# The short device names the CLI and the demo accept, and the execution provider each stands for.
+PROVIDER_NAMES: dict[str, str] = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,3 +45,9 @@ def has_cuda() -> bool:
 def best_providers() -> list[str]:
     """The provider list ortpa uses by default: CUDA first where it can run, then CPU."""
     return ["CUDAExecutionProvider", "CPUExecutionProvider"] if has_cuda() else ["CPUExecutionProvider"]
+
+
+def providers_for(name: str) -> list[str]:
+    """The provider list for a short name (``"cpu"``, ``"cuda"``) or a provider name: it, then CPU as fallback."""
+    provider = PROVIDER_NAMES.get(name.lower(), name)
+    return list(dict.fromkeys([provider, "CPUExecutionProvider"]))

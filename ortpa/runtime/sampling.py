@@ -13,23 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ortpa.errors import OrtpaError
+from ortpa.errors import InvalidSamplingParams
 
 __all__ = ["InvalidSamplingParams", "Sampler", "SamplingParams", "sample_token"]
-
-
-# Belongs in ortpa/errors.py; lives here until that shared file is next edited.
-class InvalidSamplingParams(OrtpaError, ValueError):
-    """A :class:`SamplingParams` field outside its range."""
-
-    def __init__(self, name: str, expected: str, found: object) -> None:
-        self.name = name
-        self.expected = expected
-        self.found = found
-        super().__init__(f"SamplingParams.{name}: expected {expected}, found {found!r}")
-
-    def __reduce__(self):
-        return (type(self), (self.name, self.expected, self.found))
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ model's greedy token): once on the CUDA execution provider, where every PagedAtt
 native kernel and the caches are device OrtValues bound as input and output, and once on CPU through the
 portable lowering. Both runs are checked against the dense export, and against each other logit by logit.
 
-Run on a GPU machine with ``scripts/gpu_check.sh``. ``test_harness_on_cpu`` runs the same comparison with CPU
-on both sides so the harness itself is exercised in every CI run.
+Run on a GPU machine with ``scripts/gpu_check.sh``. Without a CUDA device there is nothing to compare (CPU
+against CPU is the same computation), so every test here carries the ``cuda`` marker; the parity driver itself
+runs in every CI job through the rewriter tests.
 """
 
 from __future__ import annotations
@@ -51,10 +52,9 @@ def native_vs_portable(fixture: str, options: dict, providers: list[str]) -> flo
     dense = FIXTURES / f"{fixture}.onnx"
     converted = convert(str(dense), **options)
     extra = FAMILY_EXTRA_ATOL.get(fixture.split("_")[0], 0.0)
-    if providers != CPU:
-        sess = PagedSession(converted, num_blocks=4, block_size=16, providers=providers)
-        assert sess.device == "cuda", f"{fixture}: caches are not on the device"
-        assert not sess.session.portable_nodes, f"{fixture}: not native on CUDA: {sess.session.portable_nodes}"
+    sess = PagedSession(converted, num_blocks=4, block_size=16, providers=providers)
+    assert sess.device == "cuda", f"{fixture}: caches are not on the device"
+    assert not sess.session.portable_nodes, f"{fixture}: not native on CUDA: {sess.session.portable_nodes}"
     run = dict(extra_atol=extra, scatter_blocks=True, follow_reference=True, seed=3)
     native = run_parity(converted, dense, providers=providers, **run)
     portable = run_parity(converted, dense, providers=CPU, **run)
@@ -71,8 +71,3 @@ def native_vs_portable(fixture: str, options: dict, providers: list[str]) -> flo
 def test_converted_fixture_native_cuda_matches_portable_cpu(fixture, options):
     worst = native_vs_portable(fixture, options, CUDA)
     print(f"{fixture} {options}: max |native - portable| = {worst:.2e}")
-
-
-def test_harness_on_cpu():
-    """CPU on both sides: the two runs are the same computation, so their logits are bit-identical."""
-    assert native_vs_portable("llama_sdpa_op18", {}, CPU) == 0.0

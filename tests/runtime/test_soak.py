@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from tolerances import max_tie_flips, tie_bound
 
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.runtime.prefix_cache import CacheHolder
@@ -31,9 +32,9 @@ MODEL = build_toy_lm(CFG, WEIGHTS)
 BS = 4
 NUM_BLOCKS = 24  # ~16 running requests would need ~60 blocks: preemption and eviction are the normal case
 CI_REQUESTS = 1000
-# Two dense logits closer than this are a numerical tie for the fp16 paged model (its logits are within ~2e-3
-# of the dense ones on this toy model); batching may break such a tie either way.
-TIE = 2e-3
+# The fp16 paged model's logits are within the float16 tolerance of the dense ones, so it (and batching, which
+# changes the portable op's padded shapes) may break a dense near-tie either way: ortpa.tolerances' tie rule.
+TIES = tie_bound(np.float16)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ def _soak(engine: Engine, requests: list[SoakRequest]) -> SoakResult:
 
 
 def _assert_greedy_picks_of_dense_model(requests: list[SoakRequest], outputs: list[list[int]]) -> int:
-    """Every token is an argmax of the dense NumPy logits (teacher-forced), within fp16 error; exact argmaxes."""
+    """Every token is the argmax of the dense NumPy logits (teacher-forced) or a tie flip; returns the number of
+    exact argmaxes."""
     exact = 0
     for i, (r, out) in enumerate(zip(requests, outputs, strict=True)):
         if not out:
@@ -123,8 +125,9 @@ def _assert_greedy_picks_of_dense_model(requests: list[SoakRequest], outputs: li
         logits = toy_lm_reference(CFG, WEIGHTS, r.prompt + out[:-1])[len(r.prompt) - 1 :]
         for j, tok in enumerate(out):
             row = logits[j]
-            assert row[tok] >= row.max() - 0.05, f"request {i}, token {j}: {tok} is not a greedy pick"
-            exact += int(tok == int(row.argmax()))
+            verdict = TIES.classify(row, tok)
+            assert verdict != "mismatch", f"request {i}, token {j}: {tok} is not a greedy pick (no tie)"
+            exact += verdict == "exact"
     return exact
 
 
@@ -150,7 +153,7 @@ def _run_and_check(requests: list[SoakRequest], alone: list[list[int]], mixed_st
             k = next((j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), min(len(got), len(ref)))
             assert k < min(len(got), len(ref)), f"request {i}: batched {got} vs alone {ref} (lengths differ)"
             row = toy_lm_reference(CFG, WEIGHTS, r.prompt + got[:k])[-1]
-            assert abs(row[got[k]] - row[ref[k]]) < TIE, (
+            assert abs(row[got[k]] - row[ref[k]]) <= TIES.margin(row), (
                 f"request {i} (prompt {len(r.prompt)}, {r.params}): batched {got}, alone {ref}: token {k} differs "
                 f"and the dense logits {row[got[k]]:.5f} / {row[ref[k]]:.5f} are no tie"
             )
@@ -158,7 +161,8 @@ def _run_and_check(requests: list[SoakRequest], alone: list[list[int]], mixed_st
             tie_flips += 1
         if i not in result.aborted:
             assert len(got) == r.params.max_new_tokens or got[-1] in r.params.stop_token_ids
-    assert tie_flips <= len(requests) // 100, f"{tie_flips} requests differ from their run alone at a tie"
+    bound = max_tie_flips(len(requests))
+    assert tie_flips <= bound, f"{tie_flips} requests differ from their run alone at a tie (at most {bound})"
 
     stats = engine.stats
     evictions = engine.prefix_cache.num_evictions
@@ -193,7 +197,7 @@ def ci_soak() -> tuple[list[SoakRequest], list[list[int]]]:
     alone = _alone(requests)
     exact = _assert_greedy_picks_of_dense_model(requests, alone)
     tokens = sum(len(a) for a in alone)
-    assert exact >= 0.99 * tokens, f"only {exact} of {tokens} tokens are exact dense argmaxes"
+    assert tokens - exact <= max_tie_flips(tokens), f"only {exact} of {tokens} tokens are exact dense argmaxes"
     return requests, alone
 
 

@@ -1,9 +1,9 @@
 """``ortpa.convert`` wall time and peak memory against layer count (small MLA config), plus one DeepSeek-V3 layer.
 
-Each measurement runs in a fresh subprocess (``python benchmarks/convert.py --child LAYERS HIDDEN ...``) that
+Each measurement runs in a fresh subprocess (``python -m ortpa.bench.convert --child LAYERS ...``) that
 builds the dense model, then times ``convert`` and reports the peak resident memory during the call (VmHWM, reset
 just before it; ``ru_maxrss`` where that is unavailable) minus the resident memory before it.
-Rows (``run(quick)`` returns them; ``python benchmarks/convert.py [--quick]`` prints a table):
+Rows (``run(quick)`` returns them; ``python -m ortpa.bench.convert [--quick]`` prints a table):
 
 * ``convert/small/layersN``: wall time, time per layer, peak-RSS growth for N = 1, 2, 4, 8 (quick: 1, 2, 4).
 * ``convert/small/linearity``: time(max N) / time(1); linear in layers is N (plus a fixed cost, so below it).
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ortpa.bench import format_table
+from ortpa.bench.runner import format_table
 
 __all__ = ["run"]
 
@@ -65,7 +65,7 @@ def _child(layers: int, dims: dict) -> dict:
 
 
 def _measure(layers: int, dims: dict, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(layers), json.dumps(dims)]
+    cmd = [sys.executable, "-m", "ortpa.bench.convert", "--child", str(layers), json.dumps(dims)]
     # the ulimit keeps an oversized conversion from taking the machine down; it fails instead
     limit_kb = int(MEM_LIMIT_GB * 1024 * 1024)
     shell = f"ulimit -v {limit_kb * 2} && exec " + " ".join(f"'{c}'" for c in cmd)

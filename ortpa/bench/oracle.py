@@ -4,7 +4,7 @@
 offset 512, bf16 activations and cache, block size 64, 4 sequences decoding one token each. The oracle must stay
 fast enough to check whole-model decode steps; its cost should grow linearly with the context.
 
-``run()`` returns rows ``{name, metric, value, unit, notes}``; ``python -m benchmarks.oracle`` prints them.
+``run()`` returns rows ``{name, metric, value, unit, notes}``; ``python -m ortpa.bench.oracle`` prints them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from ortpa.bench import format_table
+from ortpa.bench.runner import format_table
 from ortpa.ops.oracle import paged_attention
 
 __all__ = ["run"]

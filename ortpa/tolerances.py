@@ -1,0 +1,114 @@
+"""Numerical tolerances and the greedy-tie rule, stated once for tests, ``ortpa parity`` and ``ortpa demo``.
+
+Logits of a paged model are compared with the dense original's in float32, element by element, within
+``atol + rtol * |dense|`` where ``(rtol, atol)`` follow the activation (cache) dtype: fp16 ~1e-3 relative
+(5e-3 absolute on unit-scale logits), bf16 ~1e-2 (8-bit mantissa). Model families whose attention sees larger
+activations, and int8 caches, add an absolute term measured on the fixtures (below).
+
+Greedy ties: if every logit of the paged row is within the bound ``b`` of the dense row, the paged argmax can
+differ from the dense argmax only where the dense gap between the two tokens is at most ``2 * b``
+(:data:`TIE_MARGIN_FACTOR`). Such a *tie flip* is a correct greedy choice within the precision of the op, but
+it must stay rare: at most :func:`max_tie_flips` of ``n`` checked tokens (one per :data:`TIE_FLIPS_PER`, at
+least one per run). Every other differing token is a mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "FAMILY_EXTRA_ATOL",
+    "KV_INT8_EXTRA_ATOL",
+    "TIE_FLIPS_PER",
+    "TIE_MARGIN_FACTOR",
+    "TOL",
+    "TieBound",
+    "logit_tolerance",
+    "max_tie_flips",
+    "tie_bound",
+    "tol_for",
+]
+
+# (rtol, atol) per activation dtype name.
+TOL: dict[str, tuple[float, float]] = {
+    "float32": (1e-5, 1e-5),
+    "float16": (2e-3, 5e-3),
+    "bfloat16": (2e-2, 2e-2),
+}
+
+# Extra absolute tolerance on logits for model families whose attention sees larger activations, so float16
+# rounding of q/k/v inside PagedAttention costs more: Gemma-2 ((1 + w) RMSNorm weights, sqrt(hidden) embedding
+# scale, softcapped scores) measured 9.1e-3 max over 24 tokens with errors flat across steps (no drift).
+FAMILY_EXTRA_ATOL: dict[str, float] = {"gemma2": 5e-3}
+
+# Extra absolute tolerance on logits for int8 KV caches (ortpa.rewriter.kv_quant, calibrated static scales).
+# One quantization step is s = amax * 1.25 / 127; the fixtures' cached K/V reach |x| ~ 3.3-3.9, so a stored
+# element is off by up to s/2 ~ 0.016-0.02. Measured max |dlogit| over the parity driver's 24 tokens:
+# per-channel 0.079 (dsv3 MLA) / 0.077 (llama GQA), per-tensor 0.108 / 0.095 (float16 caches: 2.4e-3 / 2.8e-3),
+# i.e. 4-6 half-steps; 0.15 leaves ~1.4x headroom over the worst, while scales 10x / 100x off give 0.86-1.06 /
+# 3.7-5.9 (tests/rewriter/test_kv_quant.py::test_scales_matter).
+KV_INT8_EXTRA_ATOL = 0.15
+
+# Two rows each within b of the truth rank two tokens differently only if the truth's gap is <= 2 b.
+TIE_MARGIN_FACTOR = 2.0
+# At most one tie flip per this many checked tokens (and at least one allowed per run).
+TIE_FLIPS_PER = 100
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        return "bfloat16" if dtype == "bfloat16" else np.dtype(dtype).name
+    return "bfloat16" if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype).name
+
+
+def tol_for(dtype) -> tuple[float, float]:
+    """``(rtol, atol)`` for activations of ``dtype`` (a NumPy dtype, ``ml_dtypes.bfloat16`` or its name)."""
+    name = _dtype_name(dtype)
+    if name not in TOL:
+        raise KeyError(f"no tolerance for dtype {name!r}; have {sorted(TOL)}")
+    return TOL[name]
+
+
+def logit_tolerance(cache_dtype: str = "float16", family: str | None = None) -> tuple[float, float]:
+    """``(rtol, atol)`` on logits for a paged model whose caches are ``cache_dtype`` (``"int8"``: fp16 compute
+    plus :data:`KV_INT8_EXTRA_ATOL`), plus :data:`FAMILY_EXTRA_ATOL` for ``family`` where measured."""
+    if cache_dtype == "int8":
+        rtol, atol = TOL["float16"]
+        atol += KV_INT8_EXTRA_ATOL
+    else:
+        rtol, atol = tol_for(cache_dtype)
+    return rtol, atol + FAMILY_EXTRA_ATOL.get(family or "", 0.0)
+
+
+def max_tie_flips(checked_tokens: int) -> int:
+    """How many of ``checked_tokens`` greedy picks may be tie flips."""
+    return max(1, checked_tokens // TIE_FLIPS_PER)
+
+
+@dataclass(frozen=True)
+class TieBound:
+    """The greedy-tie rule for one comparison: ``rtol``/``atol`` of the logits, from :func:`tie_bound`."""
+
+    rtol: float
+    atol: float
+
+    def margin(self, dense_row: np.ndarray) -> float:
+        """The largest dense gap (max logit - picked token's logit) that is still a tie for this row."""
+        top = float(np.max(np.asarray(dense_row, np.float32)))
+        return TIE_MARGIN_FACTOR * (self.atol + self.rtol * abs(top))
+
+    def classify(self, dense_row: np.ndarray, token: int) -> str:
+        """``"exact"`` (the dense argmax), ``"tie"`` (within :meth:`margin` of it) or ``"mismatch"``."""
+        row = np.asarray(dense_row, np.float32)
+        if token == int(row.argmax()):
+            return "exact"
+        return "tie" if float(row.max() - row[token]) <= self.margin(row) else "mismatch"
+
+
+def tie_bound(dtype="float16", extra_atol: float = 0.0) -> TieBound:
+    """The tie rule for logits of activation ``dtype`` compared within ``tol_for(dtype)`` plus ``extra_atol``."""
+    rtol, atol = tol_for(dtype)
+    return TieBound(rtol, atol + extra_atol)

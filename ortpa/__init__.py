@@ -28,8 +28,7 @@ from ortpa.errors import (
     RequestTooLarge,
     RequestTooLong,
 )
-from ortpa.ops.node_check import ValidationReport, validate
-from ortpa.ops.validate import check_inputs
+from ortpa.ops.validate import ValidationReport, check_inputs, validate
 from ortpa.rewriter.pipeline import convert, convert_file
 from ortpa.runtime.engine import Engine, EngineStats, RequestOutput
 from ortpa.runtime.kv import PagedKVCache, StepInputs

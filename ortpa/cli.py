@@ -1,6 +1,6 @@
 """The ``ortpa`` console script.
 
-Exit codes (DESIGN.md): 0 success, 1 the model or input is invalid (diagnostics printed), 2 usage errors.
+Exit codes: 0 success, 1 the model or input is invalid (diagnostics printed), 2 usage errors.
 Errors print without a traceback unless ``--verbose`` is given.
 """
 

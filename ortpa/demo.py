@@ -34,7 +34,7 @@ import onnx
 import onnxruntime as ort
 
 from ortpa.errors import InvalidParameter
-from ortpa.ops.node_check import validate_model
+from ortpa.ops.validate import validate_model
 from ortpa.rewriter.pipeline import convert_file
 from ortpa.runtime.device import best_providers, providers_for
 from ortpa.runtime.engine import Engine, SamplingParams

@@ -106,10 +106,8 @@ def _check_layers(results: list[MlaLayer | LayerFailure]) -> list[MlaLayer]:
 
 def _validate(proto: onnx.ModelProto) -> None:
     """Every PagedAttention node against ONNX Runtime's rules (ortpa.ops.validate), for the CUDA backend."""
-    try:
-        from ortpa.ops.validate import validate_model
-    except ImportError:  # the validator lands separately; ONNX checker + ORT load still run
-        return
+    from ortpa.ops.validate import validate_model
+
     report = validate_model(proto, backend="cuda")
     if not report.ok:
         raise ConversionError("the converted model has invalid PagedAttention nodes", _report_pairs(report))

@@ -5,7 +5,7 @@ chunks under a token budget; preemption and prefix-cache adoption happen there),
 and one :class:`~ortpa.runtime.session.PagedSession` step, samples a token for every request whose chunk
 reached its last token, and retires finished requests.
 
-The model is driven through the converted-model interface (DESIGN.md): ``input_ids``,
+The model is driven through the converted-model interface (docs/converted_model.md): ``input_ids``,
 ``cumulative_sequence_lengths``, ``past_sequence_lengths``, ``block_table``, and, when the graph declares
 them, ``attention_metadata`` and ``position_ids``. ``logits`` may have one row per sequence (ortpa's default)
 or one per packed token (onnxruntime-genai's); the engine tells them apart at run time by the row count.

@@ -1,4 +1,4 @@
-"""The converted-model interface as the engine reads it from a paged model (DESIGN.md).
+"""The converted-model interface as the engine reads it from a paged model (docs/converted_model.md).
 
 Inputs ``input_ids``, ``cumulative_sequence_lengths``, ``past_sequence_lengths``, ``block_table`` (required)
 and ``attention_metadata``, ``position_ids`` (optional) besides the KV caches, a ``logits`` output

@@ -1,7 +1,7 @@
 """A tiny paged language model with the converted-model interface, for tests, demos and benchmarks.
 
 The graph is what :func:`ortpa.convert` produces for a small MHA/GQA decoder, built directly with
-``onnx.helper`` so no download or export is needed (names as in DESIGN.md, "The converted model's interface")::
+``onnx.helper`` so no download or export is needed (names as in docs/converted_model.md)::
 
     input_ids [T] ──Gather(embedding)──► x [T, D]            (+ Gather(pos_embedding, position_ids) if asked)
     per layer i:  q, k, v = x @ Wq, x @ Wk, x @ Wv ──Cast fp16──► com.microsoft::PagedAttention (SEPARATE,

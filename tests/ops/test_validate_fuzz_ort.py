@@ -43,9 +43,8 @@ from validate_cases import ACCEPT, build, node_model, ort_verdict
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS, check_backend
-from ortpa.ops.node_check import SCHEMA_RULES, check_schema, validate_model
 from ortpa.ops.spec import PAGED_ATTENTION
-from ortpa.ops.validate import RULES, TensorInfo, check_inputs
+from ortpa.ops.validate import RULES, SCHEMA_RULES, TensorInfo, check_inputs, check_schema, validate_model
 
 __all__ = ["DISAGREEMENTS", "Judgement", "agreement_table", "judge", "node_specs"]
 

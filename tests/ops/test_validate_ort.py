@@ -21,8 +21,7 @@ from validate_cases import ACCEPT, BF16, REJECT, SCHEMA_REJECT, Case, build, nod
 
 from ortpa.cli import main
 from ortpa.errors import InvalidModel
-from ortpa.ops.node_check import validate_model
-from ortpa.ops.validate import TensorInfo, validate
+from ortpa.ops.validate import TensorInfo, validate, validate_model
 
 _OUT = ("output", "key_cache_out", "value_cache_out")
 

@@ -16,7 +16,7 @@ from parity import FIXTURES, attrs, check_near_miss, near_miss, paged_nodes, run
 from tolerances import FAMILY_EXTRA_ATOL
 
 from ortpa.errors import ConversionError
-from ortpa.ops.node_check import validate_model
+from ortpa.ops.validate import validate_model
 from ortpa.rewriter.attention import AttentionLayer, LayerFailure, match_attention_layers
 from ortpa.rewriter.pipeline import convert
 

@@ -30,36 +30,32 @@ The package is split by topic; this module re-exports its public API:
 * :mod:`.extras`     §1.7 head_sink, QK norm, rotary caches, rotary_offset;
 * :mod:`.quant`      §1.8.1–§1.8.8 and §1.9.1 quantization and cache dtypes;
 * :mod:`.compute`    §1.8.9 and §1.10 attention_metadata and the host-decidable ``ComputeInternal`` checks;
-* :mod:`.inputs`     :func:`check_inputs`, which runs them all in order.
+* :mod:`.inputs`     :func:`check_inputs`, which runs them all in order;
+* :mod:`.model`      :func:`validate_model`: every PagedAttention node of a model, from its declared types and
+  shapes (shape inference, ``schema.*`` rules, the checks above, the backend gate), as a
+  :class:`ValidationReport`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from ortpa.ops.validate.checks import TensorInfo
 from ortpa.ops.validate.dtypes import dtype_name
 from ortpa.ops.validate.inputs import check_inputs
+from ortpa.ops.validate.model import SCHEMA_RULES, NodeReport, ValidationReport, check_schema, validate, validate_model
 from ortpa.ops.validate.rules import RULES
 from ortpa.ops.validate.signature import check_signature, check_types
 
 __all__ = [
     "RULES",
+    "SCHEMA_RULES",
+    "NodeReport",
     "TensorInfo",
+    "ValidationReport",
     "check_inputs",
+    "check_schema",
     "check_signature",
     "check_types",
     "dtype_name",
     "validate",
     "validate_model",
 ]
-
-
-def validate_model(model: Any, backend: str | None = None):
-    """Validate every PagedAttention node of ``model``; see :func:`ortpa.ops.node_check.validate_model`."""
-    from ortpa.ops.node_check import validate_model as _validate_model  # node_check imports this package
-
-    return _validate_model(model, backend=backend)
-
-
-validate = validate_model

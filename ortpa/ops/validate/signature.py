@@ -67,7 +67,7 @@ def check_signature(
     ``attribute_types`` maps each attribute to its ``AttributeProto`` type name ("INT", "FLOAT", "INTS", ...).
     In ONNX Runtime's order: input and output counts, required inputs and output 0 present, each attribute
     known and of the schema's type, required attributes present. A Python attribute dict cannot express the
-    types (an int is accepted for a FLOAT attribute there), so :func:`ortpa.ops.node_check.validate_model`
+    types (an int is accepted for a FLOAT attribute there), so :func:`ortpa.ops.validate.validate_model`
     calls this on the node before :func:`check_types`.
     """
     r = Rules(node, None)

@@ -2,8 +2,9 @@
 
 ``onnx_ir.DataType`` already maps every ONNX element type to its NumPy dtype (``ml_dtypes`` for bfloat16, the
 float8 and the 4-bit types), its name and its size; this module only adds the spellings ortpa meets besides a
-``TensorProto`` int: ONNX Runtime's type strings (``"tensor(float16)"``) and NumPy-style names
-(``"float16"``, ``"bfloat16"``, ``"float32"``).
+``TensorProto`` int: ortpa's names (the ONNX name in lower case, ``float32`` / ``float64`` for FLOAT / DOUBLE:
+``"float16"``, ``"bfloat16"``, ``"float8e4m3fn"``, ``"int4"``), NumPy's (``"float8_e4m3fn"``) and ONNX
+Runtime's type strings (``"tensor(float16)"``).
 """
 
 from __future__ import annotations
@@ -13,33 +14,32 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["bits", "dtype_name", "numpy_dtype", "onnx_elem_type"]
+__all__ = ["bits", "dtype_name", "numpy_dtype", "onnx_elem_type", "ort_type"]
 
-_ORT_PREFIX, _ORT_SUFFIX = "tensor(", ")"
+_NAME_OF = {ir.DataType.FLOAT: "float32", ir.DataType.DOUBLE: "float64"}
+_BY_NAME = {**{dt.name.lower(): dt for dt in ir.DataType}, **{v: k for k, v in _NAME_OF.items()}}
+_BY_NAME.update({"float": ir.DataType.FLOAT, "double": ir.DataType.DOUBLE, "half": ir.DataType.FLOAT16})
+_ORT_SPELLING = {"float32": "float", "float64": "double"}
 
 
 def _data_type(x: Any) -> ir.DataType:
     if isinstance(x, ir.DataType):
         return x
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-        return ir.DataType(int(x))
-    if isinstance(x, str):
-        name = x[len(_ORT_PREFIX) : -len(_ORT_SUFFIX)] if x.startswith(_ORT_PREFIX) else x
-        name = name.upper()
-        if name == "FLOAT32":
-            name = "FLOAT"
-        elif name == "FLOAT64":
-            name = "DOUBLE"
-        elif name == "FLOAT8_E4M3FN":
-            name = "FLOAT8E4M3FN"
         try:
-            return ir.DataType[name]
-        except KeyError:
-            raise TypeError(f"unknown element type {x!r} (expected an ONNX or NumPy dtype name)") from None
+            return ir.DataType(int(x))
+        except ValueError:
+            raise TypeError(f"no ONNX element type {int(x)}") from None
+    if isinstance(x, str):
+        s = x.strip().lower()
+        if s.startswith("tensor(") and s.endswith(")"):
+            s = s[7:-1]
+        if s in _BY_NAME:
+            return _BY_NAME[s]
     try:
         return ir.DataType.from_numpy(np.dtype(x))
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"no ONNX element type for {x!r}: {exc}") from None
+        raise TypeError(f"no ONNX element type for {x!r} (expected a dtype, a dtype name or an ONNX type)") from exc
 
 
 def onnx_elem_type(x: Any) -> int:
@@ -57,8 +57,15 @@ def numpy_dtype(x: Any) -> np.dtype:
 
 
 def dtype_name(x: Any) -> str:
-    """NumPy-style name of an element type: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"``..."""
-    return numpy_dtype(x).name
+    """ortpa's name of an element type: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float8e4m3fn"``..."""
+    dt = _data_type(x)
+    return _NAME_OF.get(dt, dt.name.lower())
+
+
+def ort_type(x: Any) -> str:
+    """ONNX Runtime's spelling in its messages: ``tensor(float)``, ``tensor(float16)``..."""
+    name = dtype_name(x)
+    return f"tensor({_ORT_SPELLING.get(name, name)})"
 
 
 def bits(x: Any) -> int:

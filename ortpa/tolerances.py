@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
+
+from ortpa.dtypes import dtype_name
 
 __all__ = [
     "FAMILY_EXTRA_ATOL",
@@ -58,15 +59,9 @@ TIE_MARGIN_FACTOR = 2.0
 TIE_FLIPS_PER = 100
 
 
-def _dtype_name(dtype) -> str:
-    if isinstance(dtype, str):
-        return "bfloat16" if dtype == "bfloat16" else np.dtype(dtype).name
-    return "bfloat16" if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype).name
-
-
 def tol_for(dtype) -> tuple[float, float]:
     """``(rtol, atol)`` for activations of ``dtype`` (a NumPy dtype, ``ml_dtypes.bfloat16`` or its name)."""
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if name not in TOL:
         raise KeyError(f"no tolerance for dtype {name!r}; have {sorted(TOL)}")
     return TOL[name]

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ortpa.dtypes import bits
+
 __all__ = [
     "BlockCopier",
     "blocks_for_budget",
@@ -25,25 +27,18 @@ __all__ = [
 # copier(cache, src_block, dst_block): make block dst of one cache tensor a copy of block src.
 BlockCopier = Callable[[Any, int, int], None]
 
-# Bytes per element of the cache dtypes the op accepts, by name; packed 4-bit formats are handled apart.
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "uint8": 1, "float8e4m3fn": 1}
-_PACKED_4BIT = frozenset({"int4", "float4e2m1"})
-
 
 def _row_bytes(head_size: int, dtype: Any) -> int:
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if name in _PACKED_4BIT:
+    try:
+        width = bits(dtype)
+    except TypeError:
+        raise ValueError(
+            f"bytes_per_block: unknown cache dtype {dtype!r} (expected a cache dtype name such as 'float16', "
+            "'bfloat16', 'int8', 'float8e4m3fn', 'int4', or a numpy dtype)"
+        ) from None
+    if width == 4:
         return (head_size + 1) // 2  # two values per uint8, last dim (head_size + 1) // 2 as the op expects
-    itemsize = _ITEMSIZE.get(name)
-    if itemsize is None:
-        try:
-            itemsize = np.dtype(dtype).itemsize
-        except TypeError:
-            raise ValueError(
-                f"bytes_per_block: unknown cache dtype {dtype!r} (expected one of "
-                f"{sorted({*_ITEMSIZE, *_PACKED_4BIT})} or a numpy dtype)"
-            ) from None
-    return head_size * itemsize
+    return head_size * width // 8
 
 
 def bytes_per_block(

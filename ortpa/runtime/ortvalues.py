@@ -12,67 +12,31 @@ import ctypes
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto
+
+from ortpa.dtypes import numpy_dtype, onnx_elem_type
 
 __all__ = [
-    "NUMPY_TO_ONNX",
     "numpy_dtype_for_onnx",
     "onnx_type_of",
     "ortvalue_to_numpy",
     "to_ortvalue",
 ]
 
-NUMPY_TO_ONNX: dict[np.dtype, int] = {
-    np.dtype(np.float32): TensorProto.FLOAT,
-    np.dtype(np.float16): TensorProto.FLOAT16,
-    np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,
-    np.dtype(ml_dtypes.float8_e4m3fn): TensorProto.FLOAT8E4M3FN,
-    np.dtype(np.float64): TensorProto.DOUBLE,
-    np.dtype(np.int8): TensorProto.INT8,
-    np.dtype(np.uint8): TensorProto.UINT8,
-    np.dtype(np.int16): TensorProto.INT16,
-    np.dtype(np.uint16): TensorProto.UINT16,
-    np.dtype(np.int32): TensorProto.INT32,
-    np.dtype(np.int64): TensorProto.INT64,
-    np.dtype(np.bool_): TensorProto.BOOL,
-}
-_ONNX_TO_NUMPY = {v: k for k, v in NUMPY_TO_ONNX.items()}
 # dtypes numpy-side onnxruntime does not understand: pass the bytes through a same-width integer view
 _RAW_VIEW = {
     np.dtype(ml_dtypes.bfloat16): np.uint16,
     np.dtype(ml_dtypes.float8_e4m3fn): np.uint8,
 }
-_ORT_TYPE_STR = {
-    "tensor(float)": TensorProto.FLOAT,
-    "tensor(float16)": TensorProto.FLOAT16,
-    "tensor(bfloat16)": TensorProto.BFLOAT16,
-    "tensor(float8e4m3fn)": TensorProto.FLOAT8E4M3FN,
-    "tensor(double)": TensorProto.DOUBLE,
-    "tensor(int8)": TensorProto.INT8,
-    "tensor(uint8)": TensorProto.UINT8,
-    "tensor(int16)": TensorProto.INT16,
-    "tensor(uint16)": TensorProto.UINT16,
-    "tensor(int32)": TensorProto.INT32,
-    "tensor(int64)": TensorProto.INT64,
-    "tensor(bool)": TensorProto.BOOL,
-}
 
 
 def onnx_type_of(array: np.ndarray) -> int:
-    try:
-        return NUMPY_TO_ONNX[array.dtype]
-    except KeyError:
-        raise TypeError(f"no ONNX element type for numpy dtype {array.dtype}") from None
+    """The ONNX element type of ``array`` (:func:`ortpa.dtypes.onnx_elem_type`)."""
+    return onnx_elem_type(array.dtype)
 
 
 def numpy_dtype_for_onnx(elem_type: int | str) -> np.dtype:
     """numpy dtype of an ONNX element type given as a TensorProto int or an ORT type string."""
-    if isinstance(elem_type, str):
-        elem_type = _ORT_TYPE_STR[elem_type]
-    try:
-        return _ONNX_TO_NUMPY[elem_type]
-    except KeyError:
-        raise TypeError(f"no numpy dtype for ONNX element type {elem_type}") from None
+    return numpy_dtype(elem_type)
 
 
 def to_ortvalue(array: np.ndarray, device: str = "cpu", device_id: int = 0) -> ort.OrtValue:

@@ -1,7 +1,8 @@
-"""Element-type names: one spelling for numpy / ml_dtypes dtypes, ONNX elem types and type strings.
+"""Element-type names for the type rules: :mod:`ortpa.dtypes`' names, made total for untrusted input.
 
-:func:`dtype_name` is what every type rule compares; :func:`ort_type` spells a name the way ONNX Runtime's
-messages do (``tensor(float)``, ``tensor(float16)``, ...).
+:func:`dtype_name` is what every type rule compares; it never raises (a validator reads whatever a model
+declares): ``None`` for an undeclared type, ``"unknown(<repr>)"`` for something that is not a type.
+:func:`ort_type` spells a name the way ONNX Runtime's messages do (``tensor(float)``, ``tensor(float16)``, ...).
 """
 
 from __future__ import annotations
@@ -9,24 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import onnx
+
+from ortpa import dtypes
 
 __all__ = ["dtype_name", "ort_type"]
 
-_ONNX_ELEM: dict[int, str] = {
-    num: {"FLOAT": "float32", "DOUBLE": "float64", "UNDEFINED": ""}.get(name, name.lower())
-    for name, num in onnx.TensorProto.DataType.items()
-}
-_NP_ALIASES = {
-    "float8_e4m3fn": "float8e4m3fn",
-    "float8_e5m2": "float8e5m2",
-    "float8_e4m3fnuz": "float8e4m3fnuz",
-    "float8_e5m2fnuz": "float8e5m2fnuz",
-    "float4_e2m1fn": "float4e2m1",
-    "float": "float32",
-    "double": "float64",
-    "half": "float16",
-}
+_UNDEFINED = 0
 
 
 def dtype_name(dtype: Any) -> str | None:
@@ -35,21 +24,17 @@ def dtype_name(dtype: Any) -> str | None:
     Returns names like ``"float16"``, ``"bfloat16"``, ``"float8e4m3fn"``, ``"int32"``, ``"float32"``; ``None``
     when the type is unknown (not declared); ``"unknown(<repr>)"`` for something that is not a type at all.
     """
-    if dtype is None:
+    if dtype is None or (isinstance(dtype, str) and not dtype.strip()):
         return None
-    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
-        name = _ONNX_ELEM.get(int(dtype))
-        return (name or None) if name is not None else f"unknown({int(dtype)})"
-    if isinstance(dtype, str):
-        s = dtype.strip().lower()
-        if s.startswith("tensor(") and s.endswith(")"):
-            s = s[7:-1]
-        return _NP_ALIASES.get(s, s) if s else None
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool) and int(dtype) == _UNDEFINED:
+        return None
     try:
-        name = np.dtype(dtype).name
-    except Exception:  # not a dtype at all: report it, never crash
-        return f"unknown({dtype!r})"
-    return _NP_ALIASES.get(name, name)
+        return dtypes.dtype_name(dtype)
+    except (TypeError, ValueError):  # not a dtype at all: report it, never crash
+        if isinstance(dtype, str):
+            s = dtype.strip().lower()
+            return s[7:-1] if s.startswith("tensor(") and s.endswith(")") else s
+        return f"unknown({int(dtype) if isinstance(dtype, (int, np.integer)) else dtype!r})"
 
 
 def ort_type(name: str) -> str:

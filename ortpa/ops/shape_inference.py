@@ -5,6 +5,10 @@ first PagedAttention node (the next layer's query included) would have no shape,
 static head size (the portable lowering, the validator) could work on layers after the first. Registering
 the op's schema, built from :mod:`ortpa.ops.spec`, with ONNX Runtime's inference rule (reference §2.3: output
 ``[tokens, num_heads * v_head_size]``, cache outputs shaped like the cache inputs) fixes that in one pass.
+
+Global state: onnx keeps schemas in one process-wide registry. ortpa changes it in exactly one place,
+:func:`register_paged_attention_schema`, called by :func:`infer_shapes` (never at import): once per process,
+and not at all when onnx already knows the op (a newer onnx, or another library that registered it).
 """
 
 from __future__ import annotations

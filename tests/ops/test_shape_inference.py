@@ -62,3 +62,19 @@ def test_latent_output_is_num_heads_times_v_head_size():
 def test_packed_qkv_output_is_the_query_part():
     m = infer_shapes(_model({"num_heads": 4, "kv_num_heads": 2}, query_width=(4 + 2 * 2) * 16, key=False))
     assert _shape(m, "attn") == ["T", 64]
+
+
+def test_schema_is_registered_on_first_use_not_at_import():
+    """Importing ortpa leaves onnx's global schema registry alone; the first inference registers the op once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import onnx.defs, ortpa, ortpa.ops.portable, ortpa.cli\n"
+        "from ortpa.ops.shape_inference import register_paged_attention_schema as reg\n"
+        "known = onnx.defs.has('PagedAttention', 'com.microsoft')\n"
+        "print(known, reg(), reg(), onnx.defs.has('PagedAttention', 'com.microsoft'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    known_at_import, first, _again, known_after = out
+    assert (known_at_import, first, known_after) == ("False", "True", "True")  # a second call is harmless

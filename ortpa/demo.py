@@ -85,8 +85,8 @@ class DemoSummary:
     tolerance: tuple[float, float]  # (rtol, atol)
     tokens_identical: bool  # paged greedy tokens == dense greedy tokens, every prompt and step
     engine_tokens_identical: bool  # Engine.generate's tokens == the step-by-step paged loop's
-    token_mismatches: int  # steps whose tokens differ where the dense top-2 gap exceeds the tolerance
-    near_ties: int  # steps whose tokens differ where the dense top-2 gap is within the tolerance
+    token_mismatches: int  # steps whose tokens differ where the dense model has no tie
+    near_ties: int  # steps whose tokens differ at a tie of the dense model (ortpa.tolerances.TieBound)
     min_top2_gap: float
     tokens_per_second: float  # Engine.generate: new tokens / its wall time (prefill included)
     dense_tokens_per_second: float

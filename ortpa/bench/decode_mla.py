@@ -29,6 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortpa import convert
+from ortpa.bench._timing import row
 from ortpa.bench.runner import format_table
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
@@ -105,10 +106,6 @@ class _PagedStep:
         self.sess.run(feed, ["logits"])
 
 
-def _row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
-    return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}
-
-
 def run(quick: bool = False) -> list[dict]:
     c = CONFIG
     rng = np.random.default_rng(0)
@@ -133,11 +130,11 @@ def run(quick: bool = False) -> list[dict]:
         d_ms = _best_ms(_dense_step(dense, ctx, rng), repeats)
         step = _PagedStep(paged, ctx, rng)
         p_ms = _best_ms(step, repeats, setup=step.setup)
-        rows.append(_row(f"decode_ms/dense/ctx{ctx}", "step_time", d_ms, "ms", f"{dims}, fp32 past/present; {env}"))
-        rows.append(_row(f"decode_ms/paged/ctx{ctx}", "step_time", p_ms, "ms", f"{dims}, block {BS}; {env}"))
+        rows.append(row(f"decode_ms/dense/ctx{ctx}", "step_time", d_ms, "ms", f"{dims}, fp32 past/present; {env}"))
+        rows.append(row(f"decode_ms/paged/ctx{ctx}", "step_time", p_ms, "ms", f"{dims}, block {BS}; {env}"))
         target = "; target >= 10" if ctx == 4096 else ""
         rows.append(
-            _row(f"absorption_ratio/ctx{ctx}", "dense_export_over_absorbed_paged", d_ms / p_ms, "x",
+            row(f"absorption_ratio/ctx{ctx}", "dense_export_over_absorbed_paged", d_ms / p_ms, "x",
                  f"absorption saving (not paging); batch 1, one new token{target}")
         )  # fmt: skip
 
@@ -145,15 +142,15 @@ def run(quick: bool = False) -> list[dict]:
     paged_bytes = cache.dtype.itemsize * int(np.prod(cache.shape[2:]))
     per = "bytes per token per layer"
     rows.append(
-        _row("kv_bytes_per_token_layer/dense_export", "bytes", (c.kv_lora_rank + c.qk_rope) * 4, "B",
+        row("kv_bytes_per_token_layer/dense_export", "bytes", (c.kv_lora_rank + c.qk_rope) * 4, "B",
              f"{per}: latent {c.kv_lora_rank} + k_pe {c.qk_rope}, float32, as exported")
     )  # fmt: skip
     rows.append(
-        _row("kv_bytes_per_token_layer/mha_fp16", "bytes", c.heads * (c.qk_nope + c.qk_rope + c.v_head) * 2, "B",
+        row("kv_bytes_per_token_layer/mha_fp16", "bytes", c.heads * (c.qk_nope + c.qk_rope + c.v_head) * 2, "B",
              f"{per}: un-absorbed MHA K ({c.qk_nope + c.qk_rope}) + V ({c.v_head}) x {c.heads} heads, fp16")
     )  # fmt: skip
     rows.append(
-        _row("kv_bytes_per_token_layer/paged", "bytes", paged_bytes, "B",
+        row("kv_bytes_per_token_layer/paged", "bytes", paged_bytes, "B",
              f"{per}: LATENT cache row {tuple(cache.shape[2:])} {cache.dtype}")
     )  # fmt: skip
     return rows

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 import onnxruntime as ort
 
+from ortpa.bench._timing import aliased_step, median_ms, row
 from ortpa.bench.runner import format_table
 from ortpa.ops.portable import portable_single_node_model
 
@@ -93,37 +93,6 @@ def _session(x: dict, attrs: dict) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _step(sess: ort.InferenceSession, x: dict):
-    """A callable running one step with the caches bound in place (input and output share one OrtValue)."""
-    io = sess.io_binding()
-    caches = {}
-    for name, a in x.items():
-        if name in ("key_cache", "value_cache"):
-            caches[name] = ort.OrtValue.ortvalue_from_numpy(a)
-            io.bind_ortvalue_input(name, caches[name])
-        else:
-            io.bind_cpu_input(name, a)
-    io.bind_output("output")
-    for out, src in (("key_cache_out", "key_cache"), ("value_cache_out", "value_cache")):
-        if src in caches:
-            io.bind_ortvalue_output(out, caches[src])
-    return lambda: sess.run_with_iobinding(io)
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: first-run allocations and kernel selection are not part of a step
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
-
-
-def _row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
-    return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}
-
-
 def run(quick: bool = False) -> list[dict]:
     rng = np.random.default_rng(0)
     contexts = (256, 1024) if quick else (256, 1024, 2048, 4096, 8192)
@@ -133,12 +102,12 @@ def run(quick: bool = False) -> list[dict]:
     dims = f"{HEADS} heads, L {LORA}, rope {ROPE}, nope {NOPE}, v {V_HEAD}, fp16, block {BS}"
     lat, sep = _latent_bytes(), _separate_bytes(HEADS)
     rows = [
-        _row("kv_bytes_per_token/latent", "bytes", lat, "B", f"one layer: latent {LORA} + rope {ROPE}, fp16"),
-        _row("kv_bytes_per_token/separate", "bytes", sep, "B",
+        row("kv_bytes_per_token/latent", "bytes", lat, "B", f"one layer: latent {LORA} + rope {ROPE}, fp16"),
+        row("kv_bytes_per_token/separate", "bytes", sep, "B",
              f"one layer: {HEADS} heads x (K {NOPE + ROPE} + V {V_HEAD} padded to {NOPE + ROPE}), fp16"),
-        _row("kv_bytes_ratio/separate_over_latent", "ratio", sep / lat, "x",
+        row("kv_bytes_ratio/separate_over_latent", "ratio", sep / lat, "x",
              f"{_separate_bytes(HEADS, padded=False) / lat:.1f}x without V padding"),
-        _row(f"kv_bytes_ratio/separate_over_latent/{V3_HEADS}_heads", "ratio",
+        row(f"kv_bytes_ratio/separate_over_latent/{V3_HEADS}_heads", "ratio",
              _separate_bytes(V3_HEADS, padded=False) / lat, "x", "DeepSeek-V3 (128 heads), V unpadded; computed"),
     ]  # fmt: skip
     for phase, q in (("decode", 1), ("prefill", PREFILL_CHUNK)):
@@ -150,11 +119,11 @@ def run(quick: bool = False) -> list[dict]:
             for layout in ("LATENT", "SEPARATE"):
                 x, attrs = _inputs(layout, q, ctx - q, rng)
                 sess = sessions.get(layout) or sessions.setdefault(layout, _session(x, attrs))
-                ms[layout] = _median_ms(_step(sess, x), repeats if phase == "decode" else max(2, repeats // 2))
+                ms[layout] = median_ms(aliased_step(sess, x), repeats if phase == "decode" else max(2, repeats // 2))
                 what = f"{q} new token{'s' * (q > 1)} at context {ctx}"
-                rows.append(_row(f"{phase}_ms/{layout.lower()}/ctx{ctx}", "step_time", ms[layout], "ms",
+                rows.append(row(f"{phase}_ms/{layout.lower()}/ctx{ctx}", "step_time", ms[layout], "ms",
                                  f"{what}; {dims}; {env}"))  # fmt: skip
-            rows.append(_row(f"{phase}_ratio/ctx{ctx}", "separate_over_latent", ms["SEPARATE"] / ms["LATENT"], "x",
+            rows.append(row(f"{phase}_ratio/ctx{ctx}", "separate_over_latent", ms["SEPARATE"] / ms["LATENT"], "x",
                              "> 1: LATENT is faster"))  # fmt: skip
     return rows
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-import ml_dtypes
 import numpy as np
+
+from ortpa.dtypes import numpy_dtype
 
 __all__ = [
     "CACHE_KINDS",
@@ -30,12 +31,9 @@ __all__ = [
 
 CacheKind = Literal["float16", "bfloat16", "int8", "float8e4m3fn", "int4"]
 
-# Storage element type of each logical cache kind (int4 travels packed in uint8).
+# Storage element type of each logical cache kind (ortpa.dtypes' names); int4 travels packed in uint8.
 CACHE_KINDS: dict[str, np.dtype] = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int8": np.dtype(np.int8),
-    "float8e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    **{kind: numpy_dtype(kind) for kind in ("float16", "bfloat16", "int8", "float8e4m3fn")},
     "int4": np.dtype(np.uint8),
 }
 

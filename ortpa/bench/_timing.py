@@ -1,0 +1,50 @@
+"""Helpers the benchmark modules share: a median step time, and a PagedAttention step with aliased caches."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnxruntime as ort
+
+__all__ = ["aliased_step", "median_ms", "row"]
+
+_CACHES = (("key_cache", "key_cache_out"), ("value_cache", "value_cache_out"))
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` in ms over ``repeats`` runs, after one untimed warm-up run."""
+    fn()  # warm-up: first-run allocations and kernel selection are not part of a step
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def aliased_step(sess: ort.InferenceSession, x: Mapping[str, np.ndarray], *, alias: bool = True):
+    """A callable running one step of a one-node PagedAttention session on ``x``; with ``alias`` each cache
+    input and its ``*_out`` output are bound to one OrtValue (updated in place), else the outputs are fresh."""
+    io = sess.io_binding()
+    caches = {}
+    for name, a in x.items():
+        if name in ("key_cache", "value_cache"):
+            caches[name] = ort.OrtValue.ortvalue_from_numpy(a)
+            io.bind_ortvalue_input(name, caches[name])
+        else:
+            io.bind_cpu_input(name, a)
+    io.bind_output("output")
+    for src, out in _CACHES:
+        if src in caches:
+            if alias:
+                io.bind_ortvalue_output(out, caches[src])
+            else:
+                io.bind_output(out)
+    return lambda: sess.run_with_iobinding(io)
+
+
+def row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
+    """One benchmark row, as ``ortpa bench`` prints it."""
+    return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}

@@ -57,9 +57,10 @@ class DenseModel:
             return int(heads), int(width)
 
         self.shapes = [dims(f"past_key_values.{i}.{kind}") for i in range(self.layers) for kind in ("key", "value")]
+        self.cache_dtype = np.float16 if inputs["past_key_values.0.key"].type == "tensor(float16)" else np.float32
 
     def new(self) -> dict:
-        kv = [np.zeros((1, h, 0, w), np.float32) for h, w in self.shapes]
+        kv = [np.zeros((1, h, 0, w), self.cache_dtype) for h, w in self.shapes]
         return {"len": 0, "kv": kv}
 
     def step(self, state: dict, ids: list[int]) -> np.ndarray:
@@ -76,7 +77,7 @@ class DenseModel:
         out = dict(zip(self.names, self.sess.run(None, feed), strict=True))
         state["kv"] = [out[f"present.{j // 2}.{('key', 'value')[j % 2]}"] for j in range(2 * self.layers)]
         state["len"] = past + n
-        return out["logits"][0, -1]
+        return np.asarray(out["logits"][0, -1], np.float32)
 
 
 @dataclass

@@ -111,7 +111,15 @@ def static_width(value: ir.Value | None, depth: int = 8) -> int | None:
             if target is not None and target.ndim == 1 and target.size and int(target[-1]) > 0:
                 return int(target[-1])
             return None
-        if node.op_type in ("Cast", "Mul", "Div", "SimplifiedLayerNormalization", "LayerNormalization", "Identity"):
+        if node.op_type in (
+            "Cast",
+            "Mul",
+            "Div",
+            "SimplifiedLayerNormalization",
+            "LayerNormalization",
+            "Identity",
+            "RotaryEmbedding",
+        ):
             value = node.inputs[0]
             continue
         return None

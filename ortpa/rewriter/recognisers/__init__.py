@@ -40,7 +40,8 @@ def source_op(graph: ir.Graph, layer: int) -> str | None:
     for node in past_k.consumers():
         if node.domain == "com.microsoft" and any(node.op_type == op for op, _ in RECOGNISERS if op):
             return node.op_type
-    return None
+    # the builder's fp16 form appends to the cache first and reaches MultiHeadAttention through repeat_kv
+    return mha.OP_TYPE if mha.forward_op(past_k, mha.OP_TYPE) is not None else None
 
 
 def recognise_separate_layers(graph: ir.Graph) -> list[AttentionLayer | LayerFailure]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from ortpa.rewriter._graph import static_dim
+from ortpa.rewriter._graph import static_dim, static_width
 from ortpa.rewriter._match import LayerFailure, cache_concat, cache_inputs, cache_layers, match_or_failure, need
 from ortpa.rewriter.attention_core import attention_core, sliding_window
 from ortpa.rewriter.attention_qk import QkNorm, before_transpose_norm, rope_input
@@ -96,6 +96,28 @@ def _reaches(start: ir.Value, target: ir.Value, max_nodes: int = 60) -> bool:
     return False
 
 
+def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40) -> int | None:
+    """Query heads = width of the projection the query was reshaped from / head size.
+
+    Walks back from the attention's query (through RoPE's element-wise ops and the head transpose) to the first
+    ``Reshape`` whose input has a known last dimension (a MatMul weight's width when shapes are symbolic).
+    """
+    seen: set[int] = set()
+    queue = deque([query])
+    while queue and len(seen) < max_nodes:
+        node = queue.popleft().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "Reshape":
+            width = static_width(node.inputs[0])
+            if width is not None and width % head_size == 0:
+                return width // head_size
+            continue
+        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
+    return None
+
+
 def match_attention_layer(graph: ir.Graph, layer: int) -> AttentionLayer | LayerFailure:
     """Match the dense MHA / GQA attention of ``layer``; never mutates the graph."""
     return match_or_failure(_match, graph, layer)
@@ -121,7 +143,9 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     core = attention_core(present_v)
     need(_reaches(core.key, present_k), f"attention key does not come from the key cache {present_k.name}", core.key)
     h = static_dim(core.query, 1)
-    need(h is not None, f"query heads are not static: {core.query.shape}", core.query)
+    if h is None:  # TorchScript-era exports reshape with Concat(batch, seq, -1, head): heads from the projection
+        h = _heads_from_projection(core.query, d)
+    need(h is not None, f"query heads are not static and no projection states them: {core.query.shape}", core.query)
     assert h is not None
     need(
         static_dim(core.query, -1) in (None, d),

@@ -26,6 +26,7 @@ from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, ro
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
 from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
+from ortpa.rewriter.recognisers.caches import canonicalise_cache_io
 from ortpa.rewriter.rope import rope_caches
 
 __all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file"]
@@ -285,6 +286,7 @@ def convert(
     irm = _to_ir(model)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
         kv_plan.dense = ir.serde.serialize_model(irm)
+    canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     graph = irm.graph

@@ -248,6 +248,11 @@ def _evil(cache: Path, tmp_path: Path, dense_files: dict[str, bytes], how: str) 
         _link(snapshot, "model.onnx_data", _blob(cache / "models--other--m", data))
     elif how == "etc":
         _link(snapshot, "model.onnx_data", "/etc/passwd")
+    elif how == "in-the-repo-not-in-blobs":  # a real file the cache never writes there
+        stash = repo / "stash" / "weights.bin"
+        stash.parent.mkdir()
+        stash.write_bytes(data)
+        _link(snapshot, "model.onnx_data", stash)
     elif how == "out-and-back":  # lands in this repo's blobs, but through a link outside it
         hop = tmp_path / "hop"
         hop.mkdir()
@@ -258,7 +263,7 @@ def _evil(cache: Path, tmp_path: Path, dense_files: dict[str, bytes], how: str) 
     return snapshot
 
 
-ESCAPES = ["outside-the-repo", "another-repos-blobs", "etc", "out-and-back"]
+ESCAPES = ["outside-the-repo", "another-repos-blobs", "etc", "in-the-repo-not-in-blobs", "out-and-back"]
 
 
 @pytest.mark.parametrize("how", ESCAPES)

@@ -129,7 +129,7 @@ def locate_model(ref: str | os.PathLike | ModelRef, revision: str | None = None)
     if revision is not None:
         raise InvalidModel(os.fspath(ref), f"revision {revision!r} applies to a Hugging Face repo id, not a path")
     path = Path(ref)
-    if path.is_dir():
+    if path.is_dir() and path.suffix != ".onnx":  # a folder named *.onnx was meant as the file: the loader says so
         return ModelRef(find_onnx_file(path), path)
     # a missing or odd file is the loader's to report, with its usual message
     return ModelRef(path, _snapshot_root(path))

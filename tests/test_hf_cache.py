@@ -297,6 +297,25 @@ def test_escapes_are_refused_by_the_cli(cache, tmp_path, dense_files, how, capsy
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize(
+    "how, reason",
+    [("fifo", "is not a regular file"), ("truncated", "run past the end of 'model.onnx_data'")],
+)
+def test_a_blob_is_still_checked_like_any_external_file(cache, tmp_path, dense_files, how, reason):
+    repo = cache / "models--odd--m"
+    snapshot = repo / "snapshots" / MAIN
+    _link(snapshot, "model.onnx", _blob(repo, dense_files["model.onnx"]))
+    blob = repo / "blobs" / "weights"
+    if how == "fifo":  # reading would block forever
+        os.mkfifo(blob)
+    else:
+        blob.write_bytes(dense_files["model.onnx_data"][:-100])
+    _link(snapshot, "model.onnx_data", blob)
+    with pytest.raises(InvalidModel, match=reason):
+        convert_file(snapshot, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
 def test_a_model_outside_any_cache_keeps_the_folder_rule(tmp_path, dense_files):
     # the same links outside a models--*/snapshots/ layout: refused as before, by the model-folder rule
     folder = tmp_path / "plain"

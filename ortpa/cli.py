@@ -131,7 +131,7 @@ def _register_convert(sub) -> None:
         "The input is never modified; a model or layer that does not match is reported and nothing is written.",
         epilog="examples:\n  ortpa convert dense.onnx paged.onnx\n"
         "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op\n"
-        "  ortpa convert onnx-community/SmolLM2-135M-ONNX out/model.onnx   # from the local HF cache",
+        "  ortpa convert ORG/NAME out/model.onnx --revision main   # a repo in the local Hugging Face cache",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("input", help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)" + _MODEL_HELP)

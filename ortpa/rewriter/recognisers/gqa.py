@@ -42,6 +42,11 @@ def _node(past_k: ir.Value) -> ir.Node:
     raise MatchFail(f"the key cache is not read by com.microsoft::{OP_TYPE} (read by {consumer_ops(past_k)})", past_k)
 
 
+def _table_choice(value: ir.Value) -> str:
+    node = value.producer()
+    return f"{node.op_type} {node.name}" if node is not None else "a graph input"
+
+
 def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
     """Describe layer ``layer``'s GroupQueryAttention; a :class:`MatchFail` with the reason when it cannot."""
     past_k, past_v = cache_inputs(graph, layer)
@@ -85,7 +90,13 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
         need(cos is not None and sin is not None, "do_rotary=1 without cos_cache / sin_cache", node)
         assert cos is not None and sin is not None
         cos_a, sin_a = const_array(cos), const_array(sin)
-        need(cos_a is not None and sin_a is not None, "cos_cache / sin_cache are not constants", cos)
+        need(
+            cos_a is not None and sin_a is not None,
+            f"cos_cache / sin_cache are computed at run time ({_table_choice(cos)}): one table for the whole "
+            "batch, chosen from the batch's total length (LongRoPE's long/short switch); PagedAttention takes one "
+            "table for every sequence, so batched sequences would not see what they see alone",
+            cos,
+        )
         assert cos_a is not None and sin_a is not None
         half = cos_a.shape[1] if cos_a.ndim == 2 else -1
         need(

@@ -27,15 +27,33 @@ __all__ = [
     "AttentionLayer",
     "LayerFailure",
     "QkNorm",
+    "SourceRotary",
     "match_attention_layer",
     "match_attention_layers",
+    "recognise_decomposed",
     "rope_in_op_problems",
 ]
 
 
+@dataclass(frozen=True)
+class SourceRotary:
+    """RoPE the source op applies itself (``GroupQueryAttention`` ``do_rotary=1``, ``RotaryEmbedding``): its
+    ``[max_positions, rotary_dim / 2]`` cos / sin tables become the PagedAttention node's own rotary inputs."""
+
+    cos: ir.Value
+    sin: ir.Value
+    interleaved: int
+
+
 @dataclass
 class AttentionLayer:
-    """One matched dense MHA / GQA attention; values refer to the graph it was matched in."""
+    """One dense MHA / GQA attention layer, as every recogniser describes it (the emitter's one input).
+
+    ``layout`` says how ``query`` / ``key`` / ``value`` / ``attn_out`` are laid out: ``"bhsd"`` ``[B,H,S,D]`` (the
+    decomposed and SDPA forms) or ``"bsd"`` ``[B,S,H*D]`` (the ``com.microsoft`` attention ops). ``packed_qkv``:
+    ``query`` holds q, k and v side by side (``[B,S,(H+2*KVH)*D]``) and ``key`` / ``value`` are None.
+    ``rotary``: RoPE applied inside the source op to ``query`` / ``key`` (None: they are already rotated).
+    """
 
     layer: int
     num_heads: int  # H
@@ -45,14 +63,18 @@ class AttentionLayer:
     softcap: float  # 0 = none
     local_window_size: int  # -1 = none; else the window including the current token
     query: ir.Value  # [B,H,S,D] as the attention reads it (rotated, scale factors stripped)
-    key: ir.Value  # [B,KVH,S,D] new keys as cached (rotated)
-    value: ir.Value  # [B,KVH,S,D] new values
+    key: ir.Value | None  # [B,KVH,S,D] new keys as cached (rotated); None when packed_qkv
+    value: ir.Value | None  # [B,KVH,S,D] new values; None when packed_qkv
     attn_out: ir.Value  # [B,H,S,D]
     query_raw: ir.Value | None = None  # [B,H,S,D] before RoPE (and after q_norm), when RoPE was recognised
     key_raw: ir.Value | None = None
     q_norm: QkNorm | None = None
     k_norm: QkNorm | None = None
     notes: list[str] = field(default_factory=list)
+    layout: str = "bhsd"
+    packed_qkv: bool = False
+    rotary: SourceRotary | None = None
+    source: str = "decomposed"  # the recogniser that described the layer
 
     @property
     def rope_recognised(self) -> bool:
@@ -136,6 +158,9 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
         m.query_raw, m.key_raw = q_raw, k_raw
         m.q_norm, m.k_norm = before_transpose_norm(q_raw), before_transpose_norm(k_raw)
     return m
+
+
+recognise_decomposed = _match  # the recogniser of the decomposed / SDPA / ONNX Attention forms (raises MatchFail)
 
 
 def match_attention_layers(graph: ir.Graph) -> list[AttentionLayer | LayerFailure]:

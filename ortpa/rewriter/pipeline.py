@@ -22,14 +22,10 @@ import onnxscript.optimizer
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model_file import read_model
 from ortpa.rewriter import kv_quant, paged_io
-from ortpa.rewriter.attention import (
-    AttentionLayer,
-    match_attention_layers,
-    rewrite_attention_layer,
-    rope_in_op_problems,
-)
+from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
+from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
 from ortpa.rewriter.rope import rope_caches
 
 __all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file"]
@@ -160,8 +156,8 @@ def _attention_family(
     """
     if not mla_results or any(isinstance(r, MlaLayer) for r in mla_results):
         return None
-    results = match_attention_layers(graph)
-    if any(isinstance(r, AttentionLayer) for r in results):
+    results = recognise_separate_layers(graph)
+    if any(isinstance(r, AttentionLayer) for r in results) or any(source_op(graph, r.layer) for r in mla_results):
         return results
     key = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.key"), None)
     value = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.value"), None)
@@ -195,10 +191,12 @@ def _convert_separate(
         )
     layers = [r for r in results if isinstance(r, AttentionLayer)]
     graph = irm.graph
-    op_dtype = _op_dtype(layers[0].value.dtype or ir.DataType.FLOAT, dtype, kv_cache_dtype)
+    op_dtype = _op_dtype(layers[0].query.dtype or ir.DataType.FLOAT, dtype, kv_cache_dtype)
     cos = sin = None
     if rope_in_op:
-        problems = [(f"layer {m.layer}", "; ".join(p)) for m in layers if (p := rope_in_op_problems(m))]
+        problems = [
+            (f"layer {m.layer}", "; ".join(p)) for m in layers if m.rotary is None and (p := rope_in_op_problems(m))
+        ]
         if problems:
             raise ConversionError("RoPE cannot move into PagedAttention (rope_in_op=True)", problems)
         _progress(progress, "computing cos/sin caches from the model's RoPE")

@@ -15,6 +15,7 @@ still what it reports as its tokens.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,11 +24,12 @@ import numpy as np
 import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument
-from ortpa.formats import DenseInterface, session_interface
+from ortpa.formats import DenseInterface, dense_interface, session_interface
+from ortpa.model_file import read_model
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
 
-__all__ = ["GreedyRun", "dense_forward", "dense_greedy", "paged_greedy"]
+__all__ = ["DenseModel", "GreedyRun", "dense_forward", "dense_greedy", "open_dense", "paged_greedy"]
 
 
 @dataclass
@@ -49,6 +51,33 @@ def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Non
         raise InvalidArgument("greedy.prompts", "prompts", "expected at least one prompt, each of length >= 1")
     if max_new_tokens < 1:
         raise InvalidArgument("greedy.max_new_tokens", "max_new_tokens", f"expected >= 1, got {max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class DenseModel:
+    """A dense original opened for reference runs: its onnxruntime CPU session and how to feed it."""
+
+    session: ort.InferenceSession
+    interface: DenseInterface
+
+
+def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> DenseModel:
+    """Open the dense model at ``model`` (a path: the session reads its external data) on ONNX Runtime CPU.
+
+    The graph is read through :func:`ortpa.model_file.read_model` (without weights) to find its format and
+    interface. Memory reuse is off: onnxruntime-genai's fp16 builder declares the repeated K/V after the cache
+    ``Concat`` with ``sequence_length`` where it holds ``total_sequence_length``, so ONNX Runtime's planner
+    reuses a buffer of the wrong size on the first decode step ("Shape mismatch attempting to re-use buffer";
+    onnxruntime-genai itself fails the same way on these files); without reuse the file runs as written.
+    """
+    proto = read_model(model, load_external_data=False).proto
+    options = ort.SessionOptions()
+    options.enable_mem_reuse = False
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(os.fspath(model), options, providers=["CPUExecutionProvider"])
+    return DenseModel(session, dense_interface(proto))
 
 
 def _interface(session: ort.InferenceSession, interface: DenseInterface | None) -> DenseInterface:

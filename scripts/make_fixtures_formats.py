@@ -284,7 +284,11 @@ def _numbers(cfg: dict) -> dict:
     }
 
 
-_SOURCE_FORMAT = {"genai": "genai", "optimum": "optimum", "onnx_exporter": "onnx_exporter", "ortpa": "ortpa_dynamo"}
+def _source_format(tool: str, opts: dict) -> str:
+    """The format a reader should detect (``ortpa.formats.SourceFormat``), from how the file was made."""
+    if tool == "genai":  # on CPU the builder writes GroupQueryAttention, except at fp16: RotaryEmbedding + MHA
+        return "genai_mha" if opts["precision"] == "fp16" else "genai_gqa"
+    return {"optimum": "optimum", "onnx_exporter": "onnx_exporter", "ortpa": "ortpa_dynamo"}[tool]
 
 
 def _versions(packages: list[str]) -> dict[str, str]:
@@ -316,7 +320,7 @@ def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
             shutil.copytree(work, keep / name, dirs_exist_ok=True)
     info = {
         "name": name,
-        "source_format": _SOURCE_FORMAT[tool],
+        "source_format": _source_format(tool, opts),
         "tool": tool,
         "command": cmd,
         "options": opts,

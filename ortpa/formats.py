@@ -266,9 +266,13 @@ def dense_interface(model: onnx.ModelProto) -> DenseInterface:
 class _Value:
     """An ``onnx.ValueInfoProto`` stand-in built from an onnxruntime ``NodeArg``."""
 
-    _TYPES = {"tensor(float)": onnx.TensorProto.FLOAT, "tensor(float16)": onnx.TensorProto.FLOAT16,
-              "tensor(bfloat16)": onnx.TensorProto.BFLOAT16, "tensor(int64)": onnx.TensorProto.INT64,
-              "tensor(int32)": onnx.TensorProto.INT32}
+    _TYPES = {
+        "tensor(float)": onnx.TensorProto.FLOAT,
+        "tensor(float16)": onnx.TensorProto.FLOAT16,
+        "tensor(bfloat16)": onnx.TensorProto.BFLOAT16,
+        "tensor(int64)": onnx.TensorProto.INT64,
+        "tensor(int32)": onnx.TensorProto.INT32,
+    }
 
     @staticmethod
     def make(arg) -> onnx.ValueInfoProto:
@@ -285,4 +289,3 @@ def session_interface(session) -> DenseInterface:
     inputs = [_Value.make(a) for a in session.get_inputs()]
     outputs = [_Value.make(a) for a in session.get_outputs()]
     return _interface(None, inputs, outputs, None)
-

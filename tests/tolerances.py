@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ortpa.tolerances import (
+    ACT_INT8_EXTRA_ATOL,
     FAMILY_EXTRA_ATOL,
     KV_INT8_EXTRA_ATOL,
     TOL,
@@ -17,6 +18,7 @@ from ortpa.tolerances import (
 )
 
 __all__ = [
+    "ACT_INT8_EXTRA_ATOL",
     "FAMILY_EXTRA_ATOL",
     "KV_INT8_EXTRA_ATOL",
     "TOL",

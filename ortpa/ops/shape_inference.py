@@ -7,8 +7,10 @@ the op's schema, built from :mod:`ortpa.ops.spec`, with ONNX Runtime's inference
 ``[tokens, num_heads * v_head_size]``, cache outputs shaped like the cache inputs) fixes that in one pass.
 
 Global state: onnx keeps schemas in one process-wide registry. ortpa changes it in exactly one place,
-:func:`register_paged_attention_schema`, called by :func:`infer_shapes` (never at import): once per process,
-and not at all when onnx already knows the op (a newer onnx, or another library that registered it).
+:func:`register_schemas`, called by :func:`infer_shapes` and by the model loader's domain check, never at
+import. It registers this op's schema and the default-domain ops only ONNX Runtime knows
+(:func:`ortpa.ort_schemas.register_ort_default_domain_schemas`); both are idempotent (once per process, and
+nothing when onnx already knows the op: a newer onnx, or another library that registered it).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import onnx.defs
 from onnx import helper
 
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
+from ortpa.ort_schemas import register_ort_default_domain_schemas
 
-__all__ = ["infer_shapes", "register_paged_attention_schema"]
+__all__ = ["infer_shapes", "register_paged_attention_schema", "register_schemas"]
 
 _ATTR_TYPES = {
     "INT": onnx.defs.OpSchema.AttrType.INT,
@@ -106,13 +109,19 @@ def register_paged_attention_schema() -> bool:
     return True
 
 
+def register_schemas() -> None:
+    """Teach onnx's global schema registry what ortpa's models use (see the module docstring); idempotent."""
+    register_paged_attention_schema()
+    register_ort_default_domain_schemas()
+
+
 def infer_shapes(model: onnx.ModelProto, *, strict: bool = False) -> onnx.ModelProto:
     """``onnx.shape_inference.infer_shapes`` that also propagates through PagedAttention nodes.
 
     When inference fails (a model > 2 GB, an op onnx rejects) the input model is returned unchanged, since
     the declared types are then all there is, unless ``strict`` asks for the exception.
     """
-    register_paged_attention_schema()
+    register_schemas()
     try:
         return onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:

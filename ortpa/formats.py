@@ -263,18 +263,19 @@ def dense_interface(model: onnx.ModelProto) -> DenseInterface:
     return _interface(model, list(model.graph.input), list(model.graph.output), fmt)
 
 
-class _Value:
-    """An ``onnx.ValueInfoProto`` stand-in built from an onnxruntime ``NodeArg``."""
+_ORT_TYPES = {
+    "tensor(float)": onnx.TensorProto.FLOAT,
+    "tensor(float16)": onnx.TensorProto.FLOAT16,
+    "tensor(bfloat16)": onnx.TensorProto.BFLOAT16,
+    "tensor(int64)": onnx.TensorProto.INT64,
+    "tensor(int32)": onnx.TensorProto.INT32,
+}
 
-    _TYPES = {"tensor(float)": onnx.TensorProto.FLOAT, "tensor(float16)": onnx.TensorProto.FLOAT16,
-              "tensor(bfloat16)": onnx.TensorProto.BFLOAT16, "tensor(int64)": onnx.TensorProto.INT64,
-              "tensor(int32)": onnx.TensorProto.INT32}
 
-    @staticmethod
-    def make(arg) -> onnx.ValueInfoProto:
-        shape = [d if isinstance(d, int) else (str(d) if d is not None else None) for d in (arg.shape or [])]
-        elem = _Value._TYPES.get(arg.type, onnx.TensorProto.UNDEFINED)
-        return onnx.helper.make_tensor_value_info(arg.name, elem, shape)
+def _value_info(arg) -> onnx.ValueInfoProto:
+    """An ``onnx.ValueInfoProto`` built from an onnxruntime ``NodeArg`` (name, type, shape)."""
+    shape = [d if isinstance(d, int) else (str(d) if d is not None else None) for d in (arg.shape or [])]
+    return onnx.helper.make_tensor_value_info(arg.name, _ORT_TYPES.get(arg.type, onnx.TensorProto.UNDEFINED), shape)
 
 
 def session_interface(session) -> DenseInterface:
@@ -282,7 +283,6 @@ def session_interface(session) -> DenseInterface:
 
     Works when every cache's head size is a fixed dim; otherwise pass :func:`dense_interface` of the model.
     """
-    inputs = [_Value.make(a) for a in session.get_inputs()]
-    outputs = [_Value.make(a) for a in session.get_outputs()]
+    inputs = [_value_info(a) for a in session.get_inputs()]
+    outputs = [_value_info(a) for a in session.get_outputs()]
     return _interface(None, inputs, outputs, None)
-

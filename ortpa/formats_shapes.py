@@ -77,13 +77,14 @@ class _Walker:
         if name in self.init:
             return [int(d) for d in self.init[name].dims]
         if name in self.inputs:
-            return [d.dim_value if d.HasField("dim_value") else None for d in self.inputs[name].type.tensor_type.shape.dim]
+            dims = self.inputs[name].type.tensor_type.shape.dim
+            return [d.dim_value if d.HasField("dim_value") else None for d in dims]
         node = self.producer.get(name)
         if node is None:
             return None
         op = node.op_type
         # Skip*Normalization's output 3 is the residual sum (input + skip), the same shape as output 0.
-        if op in _SAME_SHAPE and (name == node.output[0] or op.startswith("Skip") and name == node.output[-1]):
+        if op in _SAME_SHAPE and (name == node.output[0] or (op.startswith("Skip") and name == node.output[-1])):
             return self.shape(node.input[0])
         if op == "MatMul":
             a, b = self.shape(node.input[0]), self.shape(node.input[1])
@@ -133,7 +134,7 @@ class _Walker:
             copied = {i for i, t in enumerate(target) if t == 0}
             rest_in = [d for i, d in enumerate(a) if i not in copied]
             rest_out = [t for i, t in enumerate(target) if i not in copied and t != -1]
-            if any(d is None for d in rest_in) or not rest_out and not rest_in:
+            if any(d is None for d in rest_in):
                 return out
             out[target.index(-1)] = math.prod(rest_in) // max(math.prod(rest_out), 1)
         return out

@@ -254,10 +254,12 @@ def describe(path: Path) -> dict:
         "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
         "ir_version": model.ir_version,
         "producer": f"{model.producer_name} {model.producer_version}".strip(),
-        "inputs": [{"name": v.name, "dtype": elem(v.type.tensor_type.elem_type), "shape": _dims(v)} for v in
-                   model.graph.input],
-        "outputs": [{"name": v.name, "dtype": elem(v.type.tensor_type.elem_type), "shape": _dims(v)} for v in
-                    model.graph.output],
+        "inputs": [
+            {"name": v.name, "dtype": elem(v.type.tensor_type.elem_type), "shape": _dims(v)} for v in model.graph.input
+        ],
+        "outputs": [
+            {"name": v.name, "dtype": elem(v.type.tensor_type.elem_type), "shape": _dims(v)} for v in model.graph.output
+        ],
         "op_counts": dict(sorted(ops.items())),
         "attention_ops_per_layer": {k: dict(sorted(v.items())) for k, v in sorted(per_layer.items())},
         "attention_nodes": attention_nodes[:8],

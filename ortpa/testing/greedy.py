@@ -126,7 +126,8 @@ def dense_greedy(
             mine.append(int(row.argmax()))
             past = io.next_past(out)
             length += len(feed_ids)
-            feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
+            if step + 1 < max_new_tokens:  # ``follow`` needs no token past the last step
+                feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
         tokens.append(mine)
         logits.append(np.stack(rows))
     return GreedyRun(tokens, logits, time.perf_counter() - start, runs)

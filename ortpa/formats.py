@@ -32,9 +32,17 @@ import numpy as np
 import onnx
 
 from ortpa.errors import InvalidModel
-from ortpa.formats_shapes import cache_head_size
+from ortpa.formats_shapes import cache_head_size, constant_ints
 
-__all__ = ["CacheIO", "DenseInterface", "SourceFormat", "dense_interface", "detect_format", "session_interface"]
+__all__ = [
+    "CacheIO",
+    "DenseInterface",
+    "SourceFormat",
+    "dense_interface",
+    "detect_format",
+    "length_thresholds",
+    "session_interface",
+]
 
 
 class SourceFormat(str, Enum):
@@ -286,3 +294,29 @@ def session_interface(session) -> DenseInterface:
     inputs = [_value_info(a) for a in session.get_inputs()]
     outputs = [_value_info(a) for a in session.get_outputs()]
     return _interface(None, inputs, outputs, None)
+
+
+def length_thresholds(model: onnx.ModelProto) -> list[int]:
+    """Sequence lengths past which the model computes differently, found in the graph (sorted, unique).
+
+    * LongRoPE: a ``Greater(length, C)`` whose result picks the RoPE tables or frequencies (``If`` between
+      two caches: onnxruntime-genai; ``Where`` between two inverse-frequency tensors: dynamo exports);
+    * ``GroupQueryAttention``'s ``local_window_size`` (a sliding window).
+
+    A parity run needs a prompt longer than each, or it never exercises the other branch.
+    """
+    found: set[int] = set()
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    for n in model.graph.node:
+        if n.op_type == "GroupQueryAttention":
+            window = next((a.i for a in n.attribute if a.name == "local_window_size"), -1)
+            if window > 0:
+                found.add(int(window))
+        if n.op_type == "Greater" and any(c.op_type in ("If", "Where") for c in consumers.get(n.output[0], [])):
+            value = constant_ints(model, n.input[1])
+            if value is not None and len(value) == 1 and value[0] > 0:
+                found.add(value[0])
+    return sorted(found)

@@ -22,7 +22,7 @@ from onnx import numpy_helper
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["cache_head_size"]
+__all__ = ["cache_head_size", "constant_ints"]
 
 Shape = list[int | None]
 
@@ -179,3 +179,8 @@ def cache_head_size(model: onnx.ModelProto, past_input: str) -> int:
         f"expected the cache's head size to follow from what reads it (GroupQueryAttention or a Concat of new "
         f"keys/values with static widths), found readers {readers} and no static width",
     )
+
+
+def constant_ints(model: onnx.ModelProto, name: str) -> list[int] | None:
+    """The values of an initializer or ``Constant`` output ``name`` as ints (flattened), else ``None``."""
+    return _Walker(model).const(name)

@@ -17,8 +17,9 @@ import onnx
 import pytest
 from tolerances import ACT_INT8_EXTRA_ATOL, FP16_WEIGHTS_EXTRA_ATOL, assert_close
 
+from ortpa.cli import _default_prompts
 from ortpa.errors import InvalidModel
-from ortpa.formats import SourceFormat, dense_interface, detect_format
+from ortpa.formats import SourceFormat, dense_interface, detect_format, length_thresholds
 from ortpa.testing.greedy import dense_forward, dense_greedy, open_dense
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -178,6 +179,28 @@ def test_llama_formats_agree_with_the_dynamo_export(dense) -> None:
     b = dense_greedy(genai.session, [SHORT], NEW_TOKENS, interface=genai.interface)
     assert a.tokens == b.tokens
     assert_close(b.logits[0], a.logits[0], "float32", what="genai fp32 vs dynamo")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_length_thresholds_are_the_configs(name: str) -> None:
+    """LongRoPE's switch is found in the graph (genai's If between two RoPE caches, dynamo's Where between two
+    frequency tensors) at the config's original_max_position_embeddings; models without one have none."""
+    model = onnx.load(str(FORMATS / f"{name}.onnx"), load_external_data=False)
+    assert length_thresholds(model) == sorted(_info(name)["thresholds"].values())
+
+
+def test_gqa_window_is_a_threshold() -> None:
+    model = onnx.load(str(FORMATS / "genai_llama_fp32.onnx"), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            next(a for a in node.attribute if a.name == "local_window_size").i = 12
+    assert length_thresholds(model) == [12]
+
+
+def test_default_parity_prompts_pass_every_threshold() -> None:
+    assert [len(p) for p in _default_prompts([])] == [5, 2, 3]
+    long = _default_prompts([12, 32])[-1]
+    assert len(long) > 32 and len(_default_prompts([12, 32])) == 4
 
 
 def test_paged_model_is_not_a_source() -> None:

@@ -10,8 +10,9 @@ The tools cannot share one environment, so each runs in its own venv (no network
 tokenizer is built offline with ``tokenizers``); pass the tool as the first argument:
 
 * ``genai``: onnxruntime-genai 0.18.0 model builder (``python -m onnxruntime_genai.models.builder``), in a venv
-  with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), torch 2.13.0 CPU, transformers
-  5.x, onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
+  with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), onnx-ir (the builder imports it
+  but does not declare it), torch 2.13.0 CPU, transformers 5.24 (the 0.18 builder does not import with 4.x),
+  onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
   MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32.
 * ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
@@ -87,6 +88,26 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "optimum_qwen3": ("optimum", QWEN3, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
+}
+
+# What a test or a reader must know about a fixture beyond its config (measured when the fixture was made).
+NOTES: dict[str, str] = {
+    "genai_llama_fp16": "the builder declares the repeated K/V after the cache Concat with sequence_length where it "
+    "holds total_sequence_length: ONNX Runtime 1.31/1.32 CPU (and onnxruntime-genai itself) fail the first decode "
+    "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.testing.greedy."
+    "open_dense turns it off)",
+    "genai_qwen3_fp16": "same value_info defect as genai_llama_fp16 (memory reuse must be off to decode)",
+    "genai_llama_int4": "MatMulNBits accuracy_level 4 quantizes activations to int8: incremental and one-shot runs "
+    "differ by up to ~0.06 in logits where a rounding flips",
+    "genai_qwen3_int4": "as genai_llama_int4",
+    "genai_phi3_longrope_fp32": "the builder's Phi-3 graph does not reproduce transformers 5.24's Phi3ForCausalLM on "
+    "the same weights (max |dlogit| ~3.3 even with rope_scaling removed or kv heads = heads); Llama and Qwen3 "
+    "builds match torch to 1e-6. LongRoPE: If(Greater(attention_mask width, 32), long caches, short caches) "
+    "-> cos_cache/sin_cache of every GroupQueryAttention",
+    "ortpa_phi3_longrope": "LongRoPE: Where(Greater(ReduceMax(position_ids) + 1, 32), long_inv_freq, "
+    "original_inv_freq): a max over the whole batch",
+    "onnxexporter_llama": "batch is fixed at 1 (the sample had one prompt); caches input.cache.layers.{i}.keys/"
+    ".values -> output.cache.layers.{i}.*, dims as digit strings, no attention_mask",
 }
 
 # Ops that carry attention, per source form (counted per layer into the fixture's JSON).
@@ -332,6 +353,7 @@ def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
         **_numbers(cfg),
         "dtype": "float16" if opts.get("precision") == "fp16" else "float32",
         "weights": {"fp16": "float16", "int4": "int4 (MatMulNBits)"}.get(opts.get("precision", ""), "float32"),
+        "notes": NOTES.get(name, ""),
         "graph": describe(dst),
     }
     (out_dir / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -105,23 +105,6 @@ NOTES: dict[str, str] = {
     "final norm are dead code (present.1.* are still computed) and the logits differ from Phi3ForCausalLM on the "
     "same weights (~3.3); layer 0 itself matches torch to 1e-6. LongRoPE: If(Greater(attention_mask width, 32), "
     "long caches, short caches) -> cos_cache/sin_cache of every GroupQueryAttention",
-    "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
-}
-
-# What a test or a reader must know about a fixture beyond its config (measured when the fixture was made).
-NOTES: dict[str, str] = {
-    "genai_llama_fp16": "the builder declares the repeated K/V after the cache Concat with sequence_length where it "
-    "holds total_sequence_length: ONNX Runtime 1.31/1.32 CPU (and onnxruntime-genai itself) fail the first decode "
-    "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.testing.greedy."
-    "open_dense turns it off)",
-    "genai_qwen3_fp16": "same value_info defect as genai_llama_fp16 (memory reuse must be off to decode)",
-    "genai_llama_int4": "MatMulNBits accuracy_level 4 quantizes activations to int8: incremental and one-shot runs "
-    "differ by up to ~0.06 in logits where a rounding flips",
-    "genai_qwen3_int4": "as genai_llama_int4",
-    "genai_phi3_longrope_fp32": "the builder's Phi-3 graph does not reproduce transformers 5.24's Phi3ForCausalLM on "
-    "the same weights (max |dlogit| ~3.3 even with rope_scaling removed or kv heads = heads); Llama and Qwen3 "
-    "builds match torch to 1e-6. LongRoPE: If(Greater(attention_mask width, 32), long caches, short caches) "
-    "-> cos_cache/sin_cache of every GroupQueryAttention",
     "ortpa_phi3_longrope": "LongRoPE: Where(Greater(ReduceMax(position_ids) + 1, 32), long_inv_freq, "
     "original_inv_freq): a max over the whole batch",
     "onnxexporter_llama": "batch is fixed at 1 (the sample had one prompt); caches input.cache.layers.{i}.keys/"

@@ -7,7 +7,8 @@ The dense models people have come from a handful of tools, each with its own gra
                         ``position_ids``, ``past_key_values.{i}.key/.value`` -> ``logits``, ``present.*``.
 ``genai_gqa``           onnxruntime-genai builder, fp32 / int4 on CPU: one ``com.microsoft::GroupQueryAttention``
                         per layer; ``attention_mask`` only (no ``position_ids``); past ``[batch, kv_heads, past,
-                        kv_cache_dim]`` with the head size a symbol.
+                        kv_cache_dim]`` with the head size a symbol; a sliding-window layer (Gemma-2) has a
+                        ring-buffer cache of ``local_window_size`` rows (``sliding_window_cache=1``).
 ``genai_mha``           onnxruntime-genai builder, fp16: ``RotaryEmbedding`` + ``MultiHeadAttention``;
                         ``attention_mask`` and ``position_ids``; float16 caches and logits.
 ``optimum``             optimum's TorchScript-era export (``text-generation-with-past``): decomposed attention,
@@ -32,7 +33,7 @@ import numpy as np
 import onnx
 
 from ortpa.errors import InvalidModel
-from ortpa.formats_shapes import cache_head_size, constant_ints
+from ortpa.formats_shapes import cache_capacity, cache_head_size, constant_ints
 
 __all__ = [
     "CacheIO",
@@ -74,12 +75,14 @@ class CacheIO:
     key_head_size: int
     value_head_size: int
     dtype: np.dtype
+    capacity: int | None = None  # a ring buffer of this many rows (genai sliding-window layers), else grows
 
     def empty(self, batch: int = 1) -> dict[str, np.ndarray]:
-        """Zero-length past tensors ``[batch, kv_heads, 0, head]`` for a first (prefill) step."""
+        """Past tensors for a first (prefill) step: ``[batch, kv_heads, 0, head]``, or the zeroed ring buffer."""
+        rows = self.capacity or 0
         return {
-            self.key_input: np.zeros((batch, self.kv_heads, 0, self.key_head_size), self.dtype),
-            self.value_input: np.zeros((batch, self.kv_heads, 0, self.value_head_size), self.dtype),
+            self.key_input: np.zeros((batch, self.kv_heads, rows, self.key_head_size), self.dtype),
+            self.value_input: np.zeros((batch, self.kv_heads, rows, self.value_head_size), self.dtype),
         }
 
 
@@ -249,6 +252,7 @@ def _interface(model: onnx.ModelProto | None, inputs, outputs, fmt: SourceFormat
                 heads[0],
                 heads[1],
                 np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)),
+                cache_capacity(model, pair["key"][0]) if model is not None else None,
             )
         )
     if "input_ids" not in input_names:

@@ -22,7 +22,7 @@ from onnx import numpy_helper
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["cache_head_size", "constant_ints"]
+__all__ = ["cache_capacity", "cache_head_size", "constant_ints"]
 
 Shape = list[int | None]
 
@@ -184,3 +184,19 @@ def cache_head_size(model: onnx.ModelProto, past_input: str) -> int:
 def constant_ints(model: onnx.ModelProto, name: str) -> list[int] | None:
     """The values of an initializer or ``Constant`` output ``name`` as ints (flattened), else ``None``."""
     return _Walker(model).const(name)
+
+
+def cache_capacity(model: onnx.ModelProto, past_input: str) -> int | None:
+    """The fixed length of a ring-buffer cache, or ``None`` for a cache that grows by concatenation.
+
+    onnxruntime-genai gives a sliding-window layer a ``GroupQueryAttention`` with ``sliding_window_cache=1``: its
+    past/present is a buffer of ``local_window_size`` rows (``past_sliding_length``) that the op writes in place,
+    fed from the first step on (zeros), and returned at the same size.
+    """
+    for node in _Walker(model).consumers.get(past_input, []):
+        if node.op_type != "GroupQueryAttention":
+            continue
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        if attrs.get("sliding_window_cache", 0) and attrs.get("local_window_size", -1) > 0:
+            return attrs["local_window_size"]
+    return None

@@ -150,6 +150,28 @@ def test_longrope_threshold_is_live(name: str, dense) -> None:
     assert step_vs_full(t + 1) > 1e-2
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if "new_tokens" in _info(n).get("genai_runtime_greedy", {})])
+def test_genai_runtime_tokens(name: str, dense) -> None:
+    """onnxruntime-genai's own greedy run of the fixture (recorded when it was built) gives the runner's tokens."""
+    recorded, model = _info(name)["genai_runtime_greedy"], dense(name)
+    run = dense_greedy(model.session, recorded["prompts"], len(recorded["new_tokens"][0]), interface=model.interface)
+    assert run.tokens == recorded["new_tokens"]
+
+
+def test_genai_fp16_builds_do_not_decode_in_genai_itself() -> None:
+    """Why open_dense turns memory reuse off: onnxruntime-genai fails these files at the first decode step."""
+    for name in ("genai_llama_fp16", "genai_qwen3_fp16"):
+        assert "re-use buffer" in _info(name)["genai_runtime_greedy"]["error"], name
+
+
+def test_sliding_window_layers_have_ring_caches() -> None:
+    """Gemma-2 alternates sliding (layer 0) and full layers: only the sliding one has a fixed-size cache."""
+    model = onnx.load(str(FORMATS / "genai_gemma2_fp32.onnx"), load_external_data=False)
+    window = _info("genai_gemma2_fp32")["thresholds"]["sliding_window"]
+    assert [c.capacity for c in dense_interface(model).caches] == [window, None]
+    assert length_thresholds(model) == [window]
+
+
 LLAMA_SAME_WEIGHTS = ["genai_llama_fp32", "genai_llama_fp16", "optimum_llama", "onnxexporter_llama"]
 QWEN3_SAME_WEIGHTS = ["genai_qwen3_fp32", "genai_qwen3_fp16", "optimum_qwen3"]
 

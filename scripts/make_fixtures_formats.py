@@ -120,6 +120,10 @@ NOTES: dict[str, str] = {
     "final norm are dead code (present.1.* are still computed) and the logits differ from Phi3ForCausalLM on the "
     "same weights (~3.3); layer 0 itself matches torch to 1e-6. LongRoPE: If(Greater(attention_mask width, 32), "
     "long caches, short caches) -> cos_cache/sin_cache of every GroupQueryAttention",
+    "genai_gemma2_fp32": "layer 0 is sliding: GroupQueryAttention local_window_size 8 with sliding_window_cache=1, "
+    "its past/present a ring buffer of 8 rows (past_sliding_length / total_sliding_length) fed as zeros from the "
+    "first step and returned at the same size; softcap 50 on both layers; final logit softcap as Div, Tanh, Mul; "
+    "matches Gemma2ForCausalLM on the same weights to 2e-5",
     "ortpa_phi3_longrope": "LongRoPE: Where(Greater(ReduceMax(position_ids) + 1, 32), long_inv_freq, "
     "original_inv_freq): a max over the whole batch",
     "onnxexporter_llama": "batch is fixed at 1 (the sample had one prompt); caches input.cache.layers.{i}.keys/"

@@ -143,3 +143,29 @@ def test_symbolic_heads_come_from_the_projection():
     assert m0.query.shape is None or not isinstance(m0.query.shape[1], int)  # symbolic in the graph itself
     assert m0.num_heads * m0.head_size == np.asarray(q_proj.inputs[1].const_value.numpy()).shape[-1] == 64
     assert (m0.num_heads, m0.kv_num_heads) == (4, 2)
+
+
+def test_genai_fp16_mask_that_is_not_attention_mask_is_refused():
+    """MultiHeadAttention whose attention_bias is a constant (a bias, not padding/causality from
+    attention_mask): dropping it would change the result, so layer 1 is refused with the reason."""
+    model = onnx.load(str(FORMATS / "genai_llama_fp16.onnx"))
+    node = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"][1]
+    bias = onnx.numpy_helper.from_array(np.zeros((1, 4, 1, 1), np.float16), "constant_bias")
+    model.graph.initializer.append(bias)
+    node.input[5] = "constant_bias"
+    with pytest.raises(ConversionError) as info:
+        convert(model, check_session=False)
+    (where, why), *rest = info.value.failures
+    assert not rest and where.startswith("layer 1") and "more than attention_mask" in why
+
+
+def test_onnx_exporter_near_miss_reported_by_layer():
+    model = onnx.load(str(FORMATS / "onnxexporter_llama.onnx"))
+    softmaxes = [n for n in model.graph.node if n.op_type == "Softmax"]
+    assert len(softmaxes) == 2
+    softmaxes[1].op_type = "Sigmoid"
+    del softmaxes[1].attribute[:]
+    with pytest.raises(ConversionError) as info:
+        convert(model, check_session=False)
+    (where, why), *rest = info.value.failures
+    assert not rest and where.startswith("layer 1") and "not a Softmax" in why

@@ -13,6 +13,7 @@ emitter serve every exporter; a model that already uses those names is left as i
 
 from __future__ import annotations
 
+import re
 from collections import deque
 
 import onnx_ir as ir
@@ -70,8 +71,19 @@ def _role(present: ir.Value, max_nodes: int = 120) -> tuple[str, ir.Node] | None
     return None
 
 
+def _name_hint(name: str) -> tuple[int, str] | None:
+    """(layer, 'key' | 'value') from an exporter's cache name, e.g. ``input.cache.layers.3.keys``."""
+    m = re.search(r"(\d+)\D*?(key|value)s?$", name)
+    return (int(m[1]), m[2]) if m else None
+
+
 def canonicalise_cache_io(graph: ir.Graph) -> list[str]:
-    """Rename structurally found caches to ``past_key_values.{i}.*`` / ``present.{i}.*``; notes on what changed."""
+    """Rename structurally found caches to ``past_key_values.{i}.*`` / ``present.{i}.*``; notes on what changed.
+
+    Caches whose role the structure does not show (an attention the recognisers will then refuse, say one
+    without a Softmax) fall back to the layer number and key / value word in their names, so the layer is
+    still reported by its recogniser with the reason instead of disappearing from the model's layers.
+    """
     notes = []
     if numeric_dims(graph):
         notes.append("digit-string dims read as numbers")
@@ -79,25 +91,29 @@ def canonicalise_cache_io(graph: ir.Graph) -> list[str]:
         return notes
     outputs = set(graph.outputs)
     order = {id(node): i for i, node in enumerate(graph)}
-    layers: dict[int, dict[str, tuple[ir.Value, ir.Value]]] = {}
-    softmaxes: dict[int, ir.Node] = {}
+    found: list[tuple[ir.Value, ir.Value, str | None, int | None]] = []  # past, present, kind, softmax order
     for past in graph.inputs:
         if past.shape is None or len(past.shape) != 4:
             continue
         present = _extending_concat(past, outputs)
-        role = None if present is None else _role(present)
-        if role is None:
+        if present is None:
             continue
-        assert present is not None
-        kind, softmax = role
-        layers.setdefault(id(softmax), {})[kind] = (past, present)
-        softmaxes[id(softmax)] = softmax
-    complete = sorted(
-        (key for key, pair in layers.items() if set(pair) == {"key", "value"}), key=lambda k: order.get(k, 0)
-    )
-    for i, key in enumerate(complete):
-        for kind, (past, present) in layers[key].items():
-            old = past.name
-            past.name, present.name = f"past_key_values.{i}.{kind}", f"present.{i}.{kind}"
-            notes.append(f"cache {old} -> {past.name}")
+        role = _role(present)
+        found.append((past, present, role[0] if role else None, order.get(id(role[1])) if role else None))
+    if not found:
+        return notes
+    hints = [_name_hint(past.name or "") for past, *_ in found]
+    if all(h is not None for h in hints):  # the exporter numbers its layers: keep its numbers
+        layer_of = [h[0] for h in hints if h is not None]
+        kinds = [kind or h[1] for (_, _, kind, _), h in zip(found, hints, strict=True) if h is not None]
+    else:  # number layers by where their attention sits in the graph
+        softmax_orders = sorted({o for *_, o in found if o is not None})
+        layer_of = [softmax_orders.index(o) if o is not None else -1 for *_, o in found]
+        kinds = [kind or "" for _, _, kind, _ in found]
+    for (past, present, _, _), layer, kind in zip(found, layer_of, kinds, strict=True):
+        if layer < 0 or kind not in ("key", "value"):
+            continue
+        old = past.name
+        past.name, present.name = f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}"
+        notes.append(f"cache {old} -> {past.name}")
     return notes

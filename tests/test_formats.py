@@ -245,3 +245,19 @@ def test_symbolic_head_size_needs_the_graph(dense) -> None:
     session = dense("genai_llama_fp32").session
     with pytest.raises(InvalidModel, match="kv_cache_dim"):
         dense_greedy(session, [SHORT], 1)
+
+
+@pytest.mark.parametrize("name", ["genai_llama_fp16", "genai_qwen3_int4", "onnxexporter_llama"])
+def test_cli_parity_drives_the_original_in_its_own_format(name: str, tmp_path, capsys) -> None:
+    """``ortpa parity ORIGINAL CONVERTED`` on originals that the old driver could not feed (genai fp16: symbolic
+    head size, memory-reuse defect; int4: no position_ids; OnnxExporter: no mask, its own cache names)."""
+    from ortpa.cli import main
+    from ortpa.rewriter.pipeline import convert
+
+    converted = tmp_path / "paged.onnx"
+    onnx.save(convert(str(FORMATS / f"{name}.onnx")), str(converted))
+    atol = ["--atol", str(0.05 + ACT_INT8_EXTRA_ATOL)] if _info(name)["weights"].startswith("int4") else []
+    code = main(["parity", str(FORMATS / f"{name}.onnx"), str(converted), "--max-new-tokens", "4", "--json", *atol])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["ok"] and result["tokens_identical"], result
+    assert result["prompts"] == 3  # no length threshold in these originals

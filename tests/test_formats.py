@@ -261,3 +261,23 @@ def test_cli_parity_drives_the_original_in_its_own_format(name: str, tmp_path, c
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["ok"] and result["tokens_identical"], result
     assert result["prompts"] == 3  # no length threshold in these originals
+
+
+@pytest.mark.parametrize(("name", "depends"), [("ortpa_phi3_longrope", True), ("optimum_llama", False)])
+def test_original_batch_dependence(name: str, depends: bool, dense) -> None:
+    """The bug the converter must not copy: run batched (right-padded, masked), the dynamo LongRoPE original picks
+    long factors for a short sequence because another one is long (ReduceMax over the whole batch's positions);
+    a model without such a reduction gives the short sequence its logits alone."""
+    model = dense(name)
+    io, session = model.interface, model.session
+    short, long = SHORT, _long_prompt(_info("ortpa_phi3_longrope"))
+    alone = dense_forward(session, short, interface=io)[-1]
+    width = len(long)
+    ids = np.array([short + [0] * (width - len(short)), long], np.int64)
+    mask = np.array([[1] * len(short) + [0] * (width - len(short)), [1] * width], np.int64)
+    feed = {io.input_ids: ids, io.attention_mask: mask, io.position_ids: np.array([list(range(width))] * 2)}
+    for c in io.caches:
+        feed.update(c.empty(batch=2))
+    batched = session.run([io.logits], feed)[0][0, len(short) - 1]
+    diff = float(np.abs(batched - alone).max())
+    assert (diff > 1e-2) if depends else (diff < 1e-4), diff

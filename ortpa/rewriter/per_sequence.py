@@ -377,7 +377,7 @@ def _token_counts(live: _Live, axes: _Axes) -> list[tuple[str, str]]:
             slots = {i for i, x in enumerate(node.inputs) if x is value}
             if slots <= _SHAPE_ARGUMENTS.get(node.op_type, set()):
                 continue
-            if node.op_type in _COUNT_ARITHMETIC and not (node.op_type == "Gather" and 1 in slots):
+            if node.op_type in _COUNT_ARITHMETIC and _shape_like(node, slots, axes):
                 stack.extend(node.outputs)
             elif node not in reported:
                 reported.add(node)
@@ -389,6 +389,16 @@ def _token_counts(live: _Live, axes: _Axes) -> list[tuple[str, str]]:
                     )
                 )
     return failures
+
+
+def _shape_like(node: ir.Node, slots: set[int], axes: _Axes) -> bool:
+    """Integer arithmetic on shapes (``seq * heads``, a Concat of dims): the count stays a size, not a value."""
+    if node.op_type == "Gather" and 1 in slots:  # indexing with the count
+        return False
+    out = node.outputs[0]
+    dims = axes.dims(out)
+    dtype = axes.dtype(out)
+    return dtype in (ir.DataType.INT64, ir.DataType.INT32) and dims is not None and len(dims) <= 1
 
 
 # -- positions = past_len + Range(0, seq) ------------------------------------------------------------------------

@@ -404,33 +404,28 @@ def _shape_like(node: ir.Node, slots: set[int], axes: _Axes) -> bool:
 # -- positions = past_len + Range(0, seq) ------------------------------------------------------------------------
 
 
-def _shape_of_dense(value: ir.Value | None, io: paged_io.PagedIO, axis_pred) -> bool:
-    """``value`` is a dim of a dense input read with Shape (through Squeeze/Gather/Cast/Reshape), picked by pred."""
-    while value is not None:
-        node = value.producer()
-        if node is None:
-            return False
+def _dim_read(value: ir.Value | None, axes: _Axes) -> tuple[ir.Value, int] | None:
+    """``(tensor, axis)`` when ``value`` is one dim of ``tensor`` read with Shape (through Squeeze/Gather/Cast)."""
+    while value is not None and (node := value.producer()) is not None:
         if node.op_type in ("Squeeze", "Cast", "Reshape", "Unsqueeze", "Identity"):
             value = node.inputs[0]
             continue
+        offset = 0
         if node.op_type == "Gather":
             idx = const_array(node.inputs[1])
-            inner = node.inputs[0].producer()
-            if idx is None or idx.size != 1 or inner is None or inner.op_type != "Shape":
-                return False
-            start = int_attr(inner, "start", 0)
-            return _dense_dim(inner.inputs[0], io, start + int(idx.reshape(-1)[0]), axis_pred)
-        if node.op_type == "Shape":
-            start, end = int_attr(node, "start", 0), int_attr(node, "end", None)
-            if end is None or end - start != 1:
-                return False
-            return _dense_dim(node.inputs[0], io, start, axis_pred)
-        return False
-    return False
-
-
-def _dense_dim(value: ir.Value, io: paged_io.PagedIO, axis: int, axis_pred) -> bool:
-    return any(value is v for v in io.dense_inputs.values()) and axis_pred(value, axis)
+            if idx is None or idx.size != 1 or node.inputs[0].producer() is None:
+                return None
+            offset, node = int(idx.reshape(-1)[0]), node.inputs[0].producer()
+        if node.op_type != "Shape":
+            return None
+        rank = axes.rank(node.inputs[0])
+        if rank is None:
+            return None
+        picked = list(range(rank))[slice(int_attr(node, "start", 0), int_attr(node, "end", rank))]
+        if node is not value.producer() and -len(picked) <= offset < len(picked):  # Gather(Shape(x), i)
+            return node.inputs[0], picked[offset]
+        return (node.inputs[0], picked[0]) if len(picked) == 1 else None
+    return None
 
 
 def _replace_past_length_positions(
@@ -442,18 +437,15 @@ def _replace_past_length_positions(
     token axis of a dense input: what a decode model without a ``position_ids`` input uses as positions.
     """
 
-    def past_axis(v: ir.Value, axis: int) -> bool:  # [batch, heads, past, head] caches
-        return axes.rank(v) == 4 and axis % 4 == 2 and not axes.token_axes(v)
+    dense = set(io.dense_inputs.values())
 
-    def token_axis(v: ir.Value, axis: int) -> bool:
-        token = axes.token_axes(v)
-        return bool(token) and axis % len(axes.dims(v)) in token
+    def is_past(value: ir.Value) -> bool:  # dim 2 of a dense [batch, heads, past, head] cache input
+        read = _dim_read(value, axes)
+        return read is not None and read[0] in dense and axes.rank(read[0]) == 4 and read[1] == 2
 
-    def is_past(value: ir.Value) -> bool:
-        return _shape_of_dense(value, io, past_axis)
-
-    def is_seq(value: ir.Value) -> bool:
-        return _shape_of_dense(value, io, token_axis)
+    def is_seq(value: ir.Value) -> bool:  # the token axis of any per-token tensor
+        read = _dim_read(value, axes)
+        return read is not None and read[1] in (axes.token_axes(read[0]) or [])
 
     def zero_one(value: ir.Value | None, want: int) -> bool:
         arr = const_array(value)

@@ -183,3 +183,56 @@ def _toposorted(model: onnx.ModelProto) -> onnx.ModelProto:
     irm = ir.serde.deserialize_model(model)
     irm.graph.sort()
     return ir.serde.serialize_model(irm)
+
+
+# -- positions read from the cache length: past_len + Range(seq) -------------------------------------------------
+
+
+def _positions_from_cache_length(form: str) -> onnx.ModelProto:
+    """The Llama fixture without a ``position_ids`` input: positions = Shape(past)[2] + Range(0, seq), as decode
+    models that take no positions compute them (transformers' ``cache_position``), in one of the two forms
+    exporters write: ``Add(Range(0, seq, 1), past)`` or ``Range(past, past + seq, 1)``."""
+    model = onnx.load(str(FIXTURES / "llama_sdpa_op18.onnx"))
+    g = model.graph
+    for name, value in (("pos/zero", 0), ("pos/one", 1)):
+        g.initializer.append(helper.make_tensor(name, onnx.TensorProto.INT64, [], [value]))
+    g.initializer.append(helper.make_tensor("pos/axis0", onnx.TensorProto.INT64, [1], [0]))
+    nodes = [
+        helper.make_node("Shape", ["past_key_values.0.key"], ["pos/past1"], start=2, end=3),
+        helper.make_node("Squeeze", ["pos/past1"], ["pos/past"]),
+        helper.make_node("Shape", ["input_ids"], ["pos/seq1"], start=1, end=2),
+        helper.make_node("Squeeze", ["pos/seq1"], ["pos/seq"]),
+    ]
+    if form == "add":
+        nodes += [
+            helper.make_node("Range", ["pos/zero", "pos/seq", "pos/one"], ["pos/arange"]),
+            helper.make_node("Add", ["pos/arange", "pos/past"], ["pos/cache_position"]),
+        ]
+    else:
+        nodes += [
+            helper.make_node("Add", ["pos/past", "pos/seq"], ["pos/total"]),
+            helper.make_node("Range", ["pos/past", "pos/total", "pos/one"], ["pos/cache_position"]),
+        ]
+    nodes.append(helper.make_node("Unsqueeze", ["pos/cache_position", "pos/axis0"], ["pos/position_ids"]))
+    for n in g.node:
+        n.input[:] = ["pos/position_ids" if x == "position_ids" else x for x in n.input]
+    g.node.extend(nodes)
+    g.input.remove(next(i for i in g.input if i.name == "position_ids"))
+    return _toposorted(model)
+
+
+@pytest.mark.parametrize("form", ["add", "range"])
+def test_positions_from_the_cache_length_become_packed_positions(form):
+    model = _positions_from_cache_length(form)
+    onnx.checker.check_model(model)
+    converted = convert(model)
+    assert "position_ids" not in {i.name for i in converted.graph.input}
+    # the dense fixture (same weights, positions as an input) run alone is the reference
+    _assert_batched_equals_alone(converted, FIXTURES / "llama_sdpa_op18.onnx", prompts=_prompts((5, 11, 3)))
+
+
+def test_positions_from_the_cache_length_need_the_pass(monkeypatch):
+    """Unrewritten, the positions read the dense cache's length, which the paged graph no longer has."""
+    monkeypatch.setattr(per_sequence, "per_sequence_reductions", lambda graph, io: [])
+    with pytest.raises(ConversionError, match="dense inputs are still needed"):
+        convert(_positions_from_cache_length("add"))

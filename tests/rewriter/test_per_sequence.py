@@ -87,9 +87,12 @@ def test_longrope_rewrite_reports_the_node():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(per_sequence, "per_sequence_reductions", spy)
-        convert(model)
+        first = convert(model)
     ((line,),) = seen
     assert reduce_max.name in line and "per sequence" in line
+    # the rewrite is deterministic: converting again gives the same bytes
+    digests = {hashlib.sha256(m.SerializeToString(deterministic=True)).hexdigest() for m in (first, convert(model))}
+    assert len(digests) == 1
 
 
 @pytest.mark.parametrize("fixture", ["llama_sdpa_op18", "qwen2_sliding_sdpa_op18", "dsv3_sdpa_op18"])
@@ -188,11 +191,11 @@ def _toposorted(model: onnx.ModelProto) -> onnx.ModelProto:
 # -- positions read from the cache length: past_len + Range(seq) -------------------------------------------------
 
 
-def _positions_from_cache_length(form: str) -> onnx.ModelProto:
-    """The Llama fixture without a ``position_ids`` input: positions = Shape(past)[2] + Range(0, seq), as decode
-    models that take no positions compute them (transformers' ``cache_position``), in one of the two forms
-    exporters write: ``Add(Range(0, seq, 1), past)`` or ``Range(past, past + seq, 1)``."""
-    model = onnx.load(str(FIXTURES / "llama_sdpa_op18.onnx"))
+def _positions_from_cache_length(form: str, fixture: str = "llama_sdpa_op18") -> onnx.ModelProto:
+    """The fixture without a ``position_ids`` input: positions = Shape(past)[2] + Range(0, seq), as decode models
+    that take no positions compute them (transformers' ``cache_position``), in one of the two forms exporters
+    write: ``Add(Range(0, seq, 1), past)`` or ``Range(past, past + seq, 1)``."""
+    model = onnx.load(str(FIXTURES / f"{fixture}.onnx"))
     g = model.graph
     for name, value in (("pos/zero", 0), ("pos/one", 1)):
         g.initializer.append(helper.make_tensor(name, onnx.TensorProto.INT64, [], [value]))
@@ -221,14 +224,22 @@ def _positions_from_cache_length(form: str) -> onnx.ModelProto:
     return _toposorted(model)
 
 
-@pytest.mark.parametrize("form", ["add", "range"])
-def test_positions_from_the_cache_length_become_packed_positions(form):
-    model = _positions_from_cache_length(form)
+@pytest.mark.parametrize(
+    ("form", "fixture", "lengths"),
+    [
+        ("add", "llama_sdpa_op18", (5, 11, 3)),
+        ("range", "llama_sdpa_op18", (5, 11, 3)),
+        # LongRoPE's max then reads the positions derived from the cache length: both rewrites together
+        ("add", "phi3_longrope_sdpa_op18", PROMPT_LENGTHS),
+    ],
+)
+def test_positions_from_the_cache_length_become_packed_positions(form, fixture, lengths):
+    model = _positions_from_cache_length(form, fixture)
     onnx.checker.check_model(model)
     converted = convert(model)
     assert "position_ids" not in {i.name for i in converted.graph.input}
     # the dense fixture (same weights, positions as an input) run alone is the reference
-    _assert_batched_equals_alone(converted, FIXTURES / "llama_sdpa_op18.onnx", prompts=_prompts((5, 11, 3)))
+    _assert_batched_equals_alone(converted, FIXTURES / f"{fixture}.onnx", prompts=_prompts(lengths))
 
 
 def test_positions_from_the_cache_length_need_the_pass(monkeypatch):

@@ -24,7 +24,6 @@ Graphs without such values are left untouched (no node is added, none is reorder
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError
@@ -231,9 +230,7 @@ def _dim_read(value: ir.Value | None, axes: TokenAxes) -> tuple[ir.Value, int] |
     return None
 
 
-def _replace_past_length_positions(
-    io: paged_io.PagedIO, live: Live, axes: TokenAxes, b: Builder
-) -> list[str]:
+def _replace_past_length_positions(io: paged_io.PagedIO, live: Live, axes: TokenAxes, b: Builder) -> list[str]:
     """``Add(Range(0, seq, 1), past_len)`` or ``Range(past_len, past_len + seq, 1)`` -> the packed positions.
 
     ``past_len`` is dim 2 of a dense ``[batch, heads, past, head]`` cache input read with Shape, ``seq`` the
@@ -279,4 +276,3 @@ def _replace_past_length_positions(
         out.replace_all_uses_with(pos)
         done.append(f"{describe(node)}: past length (Shape of a dense cache) + Range(seq) -> packed positions")
     return done
-

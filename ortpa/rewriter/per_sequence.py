@@ -81,13 +81,15 @@ def _token_reductions(live: Live, axes: TokenAxes) -> list[tuple[ir.Node, str | 
             if _from_tokens(data, axes):
                 found.append((node, "its input's shape is unknown, so whether it reduces across tokens is not known"))
             continue
-        if not token:
-            continue
-        reduced = reduced_axes(node, len(axes.dims(data)))
+        dims = axes.dims(data)
+        reduced = reduced_axes(node, len(dims))
         if reduced is None:
-            found.append((node, "its axes are not constant"))
+            if token or _from_tokens(data, axes):
+                found.append((node, "its axes are not constant"))
         elif set(reduced) & set(token):
             found.append((node, None))
+        elif any(dims[a] is None for a in reduced) and _from_tokens(data, axes):
+            found.append((node, "it reduces axes of unknown size over values computed from the tokens"))
     return found
 
 

@@ -30,12 +30,20 @@ class TokenAxes:
     known: dict[ir.Value, list[Dim]] = field(default_factory=dict)
 
     def dims(self, value: ir.Value | None, depth: int = 0) -> list[Dim] | None:
+        """The value's dims; unknown ones filled in from its producer's input where the op says how."""
         if value is None:
             return None
-        if value.shape is not None:
-            return [d if isinstance(d, int) else sym(d) for d in value.shape]
         if value in self.known:
             return self.known[value]
+        stored = None if value.shape is None else [d if isinstance(d, int) else sym(d) for d in value.shape]
+        if stored is not None and None not in stored:
+            return stored
+        inferred = self._inferred(value, depth)
+        if stored is None or inferred is None or len(inferred) != len(stored):
+            return stored if inferred is None else inferred
+        return [s if s is not None else i for s, i in zip(stored, inferred, strict=True)]
+
+    def _inferred(self, value: ir.Value, depth: int) -> list[Dim] | None:
         node = value.producer()
         if node is None or depth > 8 or node.domain not in ("", "ai.onnx"):
             return None

@@ -21,6 +21,7 @@ from parity import FIXTURES
 from tolerances import assert_close
 
 from ortpa.errors import ConversionError
+from ortpa.ops.node_check import validate_model
 from ortpa.rewriter import per_sequence
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import PagedSession
@@ -65,7 +66,10 @@ def test_longrope_batched_equals_alone():
     # and the 28-token one crosses it during decode
     assert [len(p) + NEW_TOKENS > ORIGINAL_MAX for p in prompts] == [False, True, True]
     assert len(prompts[2]) < ORIGINAL_MAX
-    _assert_batched_equals_alone(convert(str(LONGROPE)), prompts=prompts)
+    converted = convert(str(LONGROPE))
+    report = validate_model(converted, backend="cuda")
+    assert report.ok, report.format()
+    _assert_batched_equals_alone(converted, prompts=prompts)
 
 
 def test_longrope_needs_the_pass(monkeypatch):

@@ -35,6 +35,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+_MODEL_HELP = "; or a model folder, or a Hugging Face repo id ORG/NAME in the local cache (never downloaded)"
+
+
+def _add_revision(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a Hugging Face repo id given as a model (default: main); offline",
+    )
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show tracebacks and debug detail")
     p.add_argument("--quiet", action="store_true", help="print only errors and the final result")
@@ -44,7 +55,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from ortpa.ops.validate import validate_model
 
-    report = validate_model(args.model, backend=args.backend)
+    report = validate_model(args.model, backend=args.backend, revision=args.revision)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     elif not args.quiet or not report.ok:
@@ -61,7 +72,8 @@ def _register_validate(sub) -> None:
         epilog="example:\n  ortpa validate paged.onnx --backend cuda --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="path to an .onnx file")
+    p.add_argument("model", help="path to an .onnx file" + _MODEL_HELP)
+    _add_revision(p)
     p.add_argument(
         "--backend",
         choices=["cuda", "webgpu", "portable"],
@@ -81,10 +93,12 @@ def _progress_printer(args: argparse.Namespace) -> Callable[[str], None] | None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from ortpa.model_ref import companion_files, locate_model
     from ortpa.rewriter.pipeline import convert_file
 
+    ref = locate_model(args.input, args.revision)
     proto = convert_file(
-        args.input,
+        ref,
         args.output,
         dtype=args.dtype,
         rope_in_op=args.rope_in_op,
@@ -98,11 +112,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         kv_scale=args.kv_scale,
     )
     nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
-    result = {"output": args.output, "paged_attention_nodes": nodes}
+    copied = [name for name, _ in companion_files(ref.folder)] if ref.folder is not None else []
+    result = {"input": str(ref.path), "output": args.output, "paged_attention_nodes": nodes, "copied": copied}
     if args.json:
         print(json.dumps(result))
     elif not args.quiet:
-        print(f"wrote {args.output}: {nodes} PagedAttention node(s)")
+        also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
+        print(f"wrote {args.output}: {nodes} PagedAttention node(s){also}")
     return EXIT_OK
 
 
@@ -114,11 +130,17 @@ def _register_convert(sub) -> None:
         "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
         "The input is never modified; a model or layer that does not match is reported and nothing is written.",
         epilog="examples:\n  ortpa convert dense.onnx paged.onnx\n"
-        "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op",
+        "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op\n"
+        "  ortpa convert ORG/NAME out/model.onnx --revision main   # a repo in the local Hugging Face cache",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("input", help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)")
-    p.add_argument("output", help="where to write the paged model")
+    p.add_argument("input", help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)" + _MODEL_HELP)
+    p.add_argument(
+        "output",
+        help="where to write the paged model (a regular file; a folder or repo input's tokenizer and config "
+        "files are copied beside it)",
+    )
+    _add_revision(p)
     p.add_argument(
         "--dtype",
         choices=["float16", "bfloat16"],
@@ -262,11 +284,12 @@ _PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider",
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from ortpa.model_ref import resolve_any
     from ortpa.runtime.engine import Engine
     from ortpa.runtime.sampling import SamplingParams
 
     engine = Engine(
-        args.model,
+        resolve_any(args.model, args.revision),
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=_PROVIDERS[args.provider] if args.provider else None,
@@ -290,7 +313,8 @@ def _register_generate(sub) -> None:
         "  ortpa generate paged.onnx --prompt-ids 5,6 --max-new-tokens 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a converted (paged) ONNX model")
+    p.add_argument("model", help="a converted (paged) ONNX model" + _MODEL_HELP)
+    _add_revision(p)
     p.add_argument(
         "--prompt-ids",
         type=_prompt_ids,
@@ -338,15 +362,23 @@ def _register_demo(sub) -> None:
 def _cmd_parity(args: argparse.Namespace) -> int:
     import onnxruntime as ort
 
+    from ortpa.model_ref import is_repo_id, resolve_any
     from ortpa.runtime.session import PagedSession, load_model
     from ortpa.testing.greedy import dense_greedy, paged_greedy
 
     if not args.prompt_ids:
         args.prompt_ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-    dense_proto = load_model(args.original)
+    if args.revision is not None and not (is_repo_id(args.original) or is_repo_id(args.converted)):
+        print("ortpa parity: error: --revision needs a Hugging Face repo id as a model", file=sys.stderr)
+        return EXIT_USAGE
+    # --revision applies to whichever model is a repo id
+    original, converted = (
+        resolve_any(m, args.revision if is_repo_id(m) else None) for m in (args.original, args.converted)
+    )
+    dense_proto = load_model(original)
     dense = ort.InferenceSession(dense_proto.SerializeToString(), providers=["CPUExecutionProvider"])
     paged = PagedSession(
-        args.converted,
+        converted,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=_PROVIDERS[args.provider] if args.provider else None,
@@ -408,8 +440,9 @@ def _register_parity(sub) -> None:
         epilog="example:\n  ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("original", help="the dense model (past_key_values.* / present.*)")
-    p.add_argument("converted", help="the converted paged model")
+    p.add_argument("original", help="the dense model (past_key_values.* / present.*)" + _MODEL_HELP)
+    p.add_argument("converted", help="the converted paged model" + _MODEL_HELP)
+    _add_revision(p)
     p.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument(

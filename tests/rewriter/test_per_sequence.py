@@ -4,20 +4,24 @@ Fixture ``phi3_longrope_sdpa_op18`` (``scripts/make_fixtures_mha.py``): a Phi-3.
 export picks long or short RoPE factors with ``Where(ReduceMax(position_ids) + 1 > 32, long, short)``. Packed,
 that max would cover every sequence of the step; converted, each sequence must get its own choice: a 5-token
 prompt batched with a 45-token one (past 32 from its prefill) and a 28-token one (crossing 32 while decoding)
-generates what each generates alone on the dense model. Near misses (a reduction across tokens that the pass
-cannot make per sequence) are refused with the node named.
+generates what each generates alone on the dense model. Positions computed from the cache length
+(``Shape(past)[2] + Range(seq)``, transformers' ``cache_position``; the Llama fixture and the OnnxExporter decode
+model with their ``position_ids`` input removed) become the packed positions. Near misses (a reduction across
+tokens that the pass cannot make per sequence, the step's token count used as a number) are refused with the
+node named.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper
-from parity import FIXTURES
+from parity import FIXTURES, run_parity
 from tolerances import assert_close
 
 from ortpa.errors import ConversionError
@@ -251,3 +255,55 @@ def test_positions_from_the_cache_length_need_the_pass(monkeypatch):
     monkeypatch.setattr(per_sequence, "per_sequence_reductions", lambda graph, io: [])
     with pytest.raises(ConversionError, match="dense inputs are still needed"):
         convert(_positions_from_cache_length("add"))
+
+
+# -- transformers 5.x OnnxExporter decode model, positions from its own cache_position ---------------------------
+
+ONNXEXPORTER = FIXTURES / "formats" / "onnxexporter_llama.onnx"
+
+
+def _renamed_caches(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``input.cache.layers.{i}.keys`` -> ``past_key_values.{i}.key`` (outputs -> ``present.*``): the parity
+    driver's names; the converter finds the caches by structure whatever their names."""
+    rename = {}
+    for v in [*model.graph.input, *model.graph.output]:
+        m = re.fullmatch(r"(input|output)\.cache\.layers\.(\d+)\.(key|value)s", v.name)
+        if m:
+            rename[v.name] = f"{'past_key_values' if m[1] == 'input' else 'present'}.{m[2]}.{m[3]}"
+            v.name = rename[v.name]
+    for node in model.graph.node:
+        node.input[:] = [rename.get(x, x) for x in node.input]
+        node.output[:] = [rename.get(x, x) for x in node.output]
+    return model
+
+
+def _onnxexporter_positions_from_cache_position() -> onnx.ModelProto:
+    """The OnnxExporter decode model with RoPE reading the exporter's own ``cache_position`` =
+    ``Add(Range(0, Shape(input_ids)[1]), Shape(cache)[2])`` (what transformers uses when no ``position_ids`` is
+    given) instead of its ``position_ids`` input, which is removed."""
+    model = onnx.load(str(ONNXEXPORTER))
+    g = model.graph
+    consts = {i.name: onnx.numpy_helper.to_array(i) for i in g.initializer}
+    ranges = {n.output[0] for n in g.node if n.op_type == "Range" and consts.get(n.input[0], -1) == 0}
+    cache_position = next(n.output[0] for n in g.node if n.op_type == "Add" and set(n.input) & ranges)
+    g.initializer.append(helper.make_tensor("pos/axis0", onnx.TensorProto.INT64, [1], [0]))
+    for n in g.node:
+        n.input[:] = ["pos/position_ids" if x == "position_ids" else x for x in n.input]
+    g.node.append(helper.make_node("Unsqueeze", [cache_position, "pos/axis0"], ["pos/position_ids"]))
+    g.input.remove(next(i for i in g.input if i.name == "position_ids"))
+    return _toposorted(model)
+
+
+def test_onnxexporter_cache_position_becomes_packed_positions(tmp_path):
+    converted = convert(_onnxexporter_positions_from_cache_position())
+    assert "position_ids" not in {i.name for i in converted.graph.input}
+    reference = tmp_path / "onnxexporter_llama.reference.onnx"
+    onnx.save(_renamed_caches(onnx.load(str(ONNXEXPORTER))), str(reference))  # takes position_ids: run alone
+    result = run_parity(converted, reference, steps=8)
+    assert result.tokens_checked == 24 and result.max_context >= 18
+
+
+def test_onnxexporter_cache_position_needs_the_pass(monkeypatch):
+    monkeypatch.setattr(per_sequence, "per_sequence_reductions", lambda graph, io: [])
+    with pytest.raises(ConversionError, match="dense inputs are still needed"):
+        convert(_onnxexporter_positions_from_cache_position())

@@ -65,7 +65,22 @@ _SHAPE_ARGUMENTS = {
     "Resize": {3},
 }
 _COUNT_ARITHMETIC = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Cast", "Concat", "Gather", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity"}
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Cast",
+        "Concat",
+        "Gather",
+        "Slice",
+        "Squeeze",
+        "Unsqueeze",
+        "Reshape",
+        "Identity",
+        "Equal",
+        "Where",
+    }
 )
 
 
@@ -144,25 +159,29 @@ def per_sequence_reductions(graph: ir.Graph, io: paged_io.PagedIO) -> list[str]:
 # -- token counts read with Shape ---------------------------------------------------------------------------------
 
 
-def _count_sources(live: Live, axes: TokenAxes) -> list[ir.Value]:
-    """Outputs of live ``Shape``/``Size`` nodes of the dense graph that read the token count.
+Elements = frozenset[int] | None  # which elements of a shape vector hold the token count (None: all of them)
+
+
+def _count_sources(live: Live, axes: TokenAxes) -> list[tuple[ir.Value, Elements]]:
+    """Outputs of live ``Shape``/``Size`` nodes of the dense graph that read the token count, and where it is.
 
     Shapes of the paged inputs themselves are the rewriter's own packed-aware index arithmetic.
     """
-    out = []
+    out: list[tuple[ir.Value, Elements]] = []
     for node in live.order:
         if node.inputs and node.inputs[0] in axes.known:
             continue
         if node.op_type == "Size" and axes.token_axes(node.inputs[0]):
-            out.append(node.outputs[0])
+            out.append((node.outputs[0], None))
         elif node.op_type == "Shape":
             token = axes.token_axes(node.inputs[0])
             if not token:
                 continue
             rank = axes.rank(node.inputs[0])
-            start, end = int_attr(node, "start", 0), int_attr(node, "end", rank)
-            if set(range(rank)[slice(start, end)]) & set(token):
-                out.append(node.outputs[0])
+            picked = list(range(rank))[slice(int_attr(node, "start", 0), int_attr(node, "end", rank))]
+            where = frozenset(i for i, axis in enumerate(picked) if axis in token)
+            if where:
+                out.append((node.outputs[0], where))
     return out
 
 
@@ -171,18 +190,20 @@ def _token_counts(live: Live, axes: TokenAxes) -> list[tuple[str, str]]:
     failures = []
     reported: set[ir.Node] = set()
     stack = _count_sources(live, axes)
-    seen: set[ir.Value] = set()
+    seen: set[tuple[ir.Value, Elements]] = set()
     while stack:
-        value = stack.pop()
-        if value in seen:
+        value, where = stack.pop()
+        if (value, where) in seen:
             continue
-        seen.add(value)
+        seen.add((value, where))
         for node in live.consumers(value):
             slots = {i for i, x in enumerate(node.inputs) if x is value}
             if slots <= _SHAPE_ARGUMENTS.get(node.op_type, set()):
                 continue
             if node.op_type in _COUNT_ARITHMETIC and _shape_like(node, slots, axes):
-                stack.extend(node.outputs)
+                picked = _elements_after(node, value, where, axes)
+                if picked is None or picked:  # an empty set: the count is not among the elements passed on
+                    stack.append((node.outputs[0], picked or None))
             elif node not in reported:
                 reported.add(node)
                 failures.append(
@@ -196,13 +217,54 @@ def _token_counts(live: Live, axes: TokenAxes) -> list[tuple[str, str]]:
 
 
 def _shape_like(node: ir.Node, slots: set[int], axes: TokenAxes) -> bool:
-    """Integer arithmetic on shapes (``seq * heads``, a Concat of dims): the count stays a size, not a value."""
+    """Integer arithmetic on shapes (``seq * heads``, a Concat of dims, a -1 test for Expand): a size, not a value.
+
+    A comparison or a Where stays a size only on a vector of several dims; on one number it is a decision.
+    """
     if node.op_type == "Gather" and 1 in slots:  # indexing with the count
         return False
     out = node.outputs[0]
-    dims = axes.dims(out)
-    dtype = axes.dtype(out)
-    return dtype in (ir.DataType.INT64, ir.DataType.INT32) and dims is not None and len(dims) <= 1
+    dims, dtype = axes.dims(out), axes.dtype(out)
+    if dims is None or len(dims) > 1:
+        return False
+    if node.op_type in ("Equal", "Where"):
+        return len(dims) == 1 and isinstance(dims[0], int) and dims[0] > 1
+    return dtype in (ir.DataType.INT64, ir.DataType.INT32)
+
+
+def _elements_after(node: ir.Node, value: ir.Value, where: Elements, axes: TokenAxes) -> Elements:
+    """Which elements of ``node``'s output hold the count (a Gather or Slice of a shape vector may drop it)."""
+    if where is None:
+        return None
+    if node.op_type == "Gather" and node.inputs[0] is value:
+        idx = const_array(node.inputs[1])
+        if idx is None:
+            return None
+        size = axes.dims(value)
+        n = size[0] if size and isinstance(size[0], int) else None
+        picks = [int(i) % n if n else int(i) for i in idx.reshape(-1)]
+        hit = frozenset(j for j, i in enumerate(picks) if i in where)
+        return None if hit and idx.ndim == 0 else hit
+    if node.op_type == "Slice" and node.inputs[0] is value:
+        bounds = [const_array(x) if x is not None else None for x in node.inputs[1:3]]
+        if any(b is None or b.size != 1 for b in bounds) or len(node.inputs) > 4:
+            return None
+        start, end = (int(b.reshape(-1)[0]) for b in bounds)
+        if start < 0 or end < 0:
+            return None
+        return frozenset(i - start for i in where if start <= i < end)
+    if node.op_type == "Concat":
+        offset = 0
+        for x in node.inputs:
+            if x is value:
+                return frozenset(offset + i for i in where)
+            dims = axes.dims(x)
+            if not dims or not isinstance(dims[0], int):
+                return None
+            offset += dims[0]
+    if node.op_type in ("Identity", "Cast", "Reshape") and node.inputs[0] is value:
+        return where
+    return None
 
 
 # -- positions = past_len + Range(0, seq) ------------------------------------------------------------------------

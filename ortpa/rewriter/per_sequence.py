@@ -85,27 +85,42 @@ _COUNT_ARITHMETIC = frozenset(
 
 
 def _token_reductions(live: Live, axes: TokenAxes) -> list[tuple[ir.Node, str | None]]:
-    """Reductions across the token axis: ``(node, None)`` when understood, ``(node, why)`` when it cannot tell."""
+    """Reductions across the token axis: ``(node, None)`` when understood, ``(node, why)`` when not rewritable.
+
+    Where shapes are partly unknown (exporters leave some dims unnamed), only a reduction over every axis of a
+    value computed from the tokens is sure to cross them; a reduction over some axes of unknown size (a q/k norm
+    over an unnamed head dim) is taken to be per token.
+    """
     found: list[tuple[ir.Node, str | None]] = []
     for node in live.order:
         if node.domain not in ("", "ai.onnx") or node.op_type not in TOKEN_REDUCTIONS:
             continue
         data = node.inputs[0]
-        token = axes.token_axes(data)
-        if token is None:  # e.g. values built by the rewriter carry no shape
-            if _from_tokens(data, axes):
-                found.append((node, "its input's shape is unknown, so whether it reduces across tokens is not known"))
-            continue
         dims = axes.dims(data)
+        if dims is None:  # unknown rank (values built by the rewriter carry no shape)
+            if _reduces_everything(node) and _from_tokens(data, axes):
+                found.append((node, "it reduces every axis of values computed from the tokens, of unknown shape"))
+            continue
+        token = axes.token_axes(data) or []
         reduced = reduced_axes(node, len(dims))
         if reduced is None:
-            if token or _from_tokens(data, axes):
+            if token:
                 found.append((node, "its axes are not constant"))
         elif set(reduced) & set(token):
             found.append((node, None))
-        elif any(dims[a] is None for a in reduced) and _from_tokens(data, axes):
-            found.append((node, "it reduces axes of unknown size over values computed from the tokens"))
+        elif len(reduced) == len(dims) and None in dims and _from_tokens(data, axes):
+            found.append((node, "it reduces every axis of values computed from the tokens; which is theirs is unknown"))
     return found
+
+
+def _reduces_everything(node: ir.Node) -> bool:
+    """A Reduce* with no axes (input or attribute) that does reduce: every axis, whatever the rank."""
+    if not node.op_type.startswith("Reduce") or int_attr(node, "noop_with_empty_axes", 0):
+        return False
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        arr = const_array(node.inputs[1])
+        return arr is not None and arr.size == 0
+    return not node.attributes.get("axes")
 
 
 def _from_tokens(value: ir.Value, axes: TokenAxes, limit: int = 64) -> bool:

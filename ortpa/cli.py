@@ -360,14 +360,10 @@ def _register_demo(sub) -> None:
 
 # ----------------------------------------------------------------------------------------------- parity
 def _cmd_parity(args: argparse.Namespace) -> int:
-    import onnxruntime as ort
-
     from ortpa.model_ref import is_repo_id, resolve_any
-    from ortpa.runtime.session import PagedSession, load_model
-    from ortpa.testing.greedy import dense_greedy, paged_greedy
+    from ortpa.runtime.session import PagedSession
+    from ortpa.testing.greedy import dense_greedy, open_dense, paged_greedy
 
-    if not args.prompt_ids:
-        args.prompt_ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
     if args.revision is not None and not (is_repo_id(args.original) or is_repo_id(args.converted)):
         print("ortpa parity: error: --revision needs a Hugging Face repo id as a model", file=sys.stderr)
         return EXIT_USAGE
@@ -375,8 +371,10 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     original, converted = (
         resolve_any(m, args.revision if is_repo_id(m) else None) for m in (args.original, args.converted)
     )
-    dense_proto = load_model(original)
-    dense = ort.InferenceSession(dense_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    # the original runs alone, in its own format (genai, optimum, OnnxExporter, dynamo: ortpa.formats)
+    dense = open_dense(original)
+    if not args.prompt_ids:
+        args.prompt_ids = _default_prompts(dense.thresholds)
     paged = PagedSession(
         converted,
         num_blocks=args.num_blocks,
@@ -386,7 +384,7 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if args.atol is None:
         meta = {m.key: m.value for m in paged.session.model.metadata_props}
         args.atol = _PARITY_ATOL_INT8 if meta.get("ortpa.kv_cache_dtype") == "int8" else _PARITY_ATOL
-    ref = dense_greedy(dense, args.prompt_ids, args.max_new_tokens)
+    ref = dense_greedy(dense.session, args.prompt_ids, args.max_new_tokens, interface=dense.interface)
     got = paged_greedy(paged, args.prompt_ids, args.max_new_tokens)
     steps = []
     for step in range(args.max_new_tokens):
@@ -425,6 +423,15 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_INVALID
 
 
+def _default_prompts(thresholds: Sequence[int]) -> list[list[int]]:
+    """Three short prompts, and one longer than every length threshold of the original (LongRoPE's original
+    length, a sliding window), so that parity also covers the branch a short prompt never reaches."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    if thresholds:
+        prompts.append([11 + i % 64 for i in range(max(thresholds) + 8)])
+    return prompts
+
+
 # Default logit tolerances: float16/bfloat16 caches measure 2e-3 - 9e-3 on the fixtures; int8 caches (calibrated
 # static scales) 0.08 - 0.12, from the quantization step itself (tests/tolerances.py: KV_INT8_EXTRA_ATOL).
 _PARITY_ATOL = 5e-2
@@ -435,12 +442,15 @@ def _register_parity(sub) -> None:
     p = sub.add_parser(
         "parity",
         help="run the same prompts through the dense original and the converted model; compare",
-        description="Greedy decoding of each prompt on the dense model (ONNX Runtime CPU, past/present KV) and of "
-        "all prompts batched on the converted model; prints per-step max logit error and token agreement.",
+        description="Greedy decoding of each prompt alone on the dense model (ONNX Runtime CPU, past/present KV, "
+        "fed in its own format: dynamo export, onnxruntime-genai builder, optimum, transformers' OnnxExporter) and "
+        "of all prompts batched on the converted model; prints per-step max logit error and token agreement. "
+        "Default prompts: three short ones and one longer than every length threshold of the original "
+        "(LongRoPE's original length, a GroupQueryAttention window).",
         epilog="example:\n  ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("original", help="the dense model (past_key_values.* / present.*)" + _MODEL_HELP)
+    p.add_argument("original", help="the dense model (past/present KV caches)" + _MODEL_HELP)
     p.add_argument("converted", help="the converted paged model" + _MODEL_HELP)
     _add_revision(p)
     p.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None)

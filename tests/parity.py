@@ -34,6 +34,9 @@ def _options() -> ort.SessionOptions:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     opts.log_severity_level = 3
+    # genai fp16 builds declare total-length tensors as sequence_length: with memory reuse on, the first decode
+    # after a prefill can fail with "Shape mismatch attempting to re-use buffer" (ortpa.testing.greedy.open_dense)
+    opts.enable_mem_reuse = False
     return opts
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["ACT_INT8_EXTRA_ATOL", "FAMILY_EXTRA_ATOL", "KV_INT8_EXTRA_ATOL", "TOL", "assert_close", "tol_for"]
+__all__ = [
+    "ACT_INT8_EXTRA_ATOL",
+    "FAMILY_EXTRA_ATOL",
+    "FP16_WEIGHTS_EXTRA_ATOL",
+    "KV_INT8_EXTRA_ATOL",
+    "TOL",
+    "assert_close",
+    "tol_for",
+]
 
 # (rtol, atol) per activation dtype name.
 TOL: dict[str, tuple[float, float]] = {
@@ -39,6 +47,12 @@ KV_INT8_EXTRA_ATOL = 0.15
 # batching (same rows, same result), so this is the cost of the float16 attention, not of batching. Measured
 # max |dlogit| over parity.run_parity's 24 tokens: 0.059 (Llama) / 0.086 (Qwen3); 0.12 leaves ~1.4x headroom.
 ACT_INT8_EXTRA_ATOL = 0.12
+
+# Extra absolute tolerance on logits when a whole model built with float16 weights and activations (the
+# onnxruntime-genai fp16 builds) is compared with its float32 build of the same weights: weight rounding adds to
+# the float16 activation error at every layer. Measured max |dlogit| over test_formats' 12 greedy steps: 7.7e-3
+# (Llama) / 5.8e-3 (Qwen3); 1e-2 on top of TOL["float16"] leaves ~1.5x headroom.
+FP16_WEIGHTS_EXTRA_ATOL = 1e-2
 
 
 def tol_for(dtype) -> tuple[float, float]:

@@ -307,3 +307,14 @@ def test_onnxexporter_cache_position_needs_the_pass(monkeypatch):
     monkeypatch.setattr(per_sequence, "per_sequence_reductions", lambda graph, io: [])
     with pytest.raises(ConversionError, match="dense inputs are still needed"):
         convert(_onnxexporter_positions_from_cache_position())
+
+
+def test_rope_in_op_refuses_longrope():
+    """A cos/sin table evaluated for positions 0..rows-1 in one run would give every sequence the long
+    factors (the short prompt is then off by ~4 in its logits): moving LongRoPE into the op is refused."""
+    from ortpa.errors import ConversionError
+    from ortpa.rewriter.pipeline import convert
+
+    with pytest.raises(ConversionError) as info:
+        convert(FIXTURES / "phi3_longrope_sdpa_op18.onnx", rope_in_op=True)
+    assert "reduction over positions (ReduceMax)" in str(info.value)

@@ -164,7 +164,7 @@ def export_hf(
     opset: int = 18,
     attn_implementation: str = "sdpa",
     seed: int = 0,
-    optimize: bool = True,
+    optimize: bool | None = None,
     experts: str | None = "grouped_mm",
     dtype: str | None = None,
     external_data: bool | None = None,
@@ -176,7 +176,10 @@ def export_hf(
     ``config_or_model_dir``: a ``PretrainedConfig``, a dict with ``model_type``, a ``config.json`` path or a
     local model directory. The graph has symbolic ``batch``, ``seq`` and ``past`` dimensions.
     ``experts``: the MoE experts implementation to trace (:data:`ortpa.export_patches.EXPERTS_IMPLEMENTATIONS`).
-    ``dtype``: see :func:`build_model`. ``external_data``: weights in ``<out>.data`` (default: past
+    ``dtype``: see :func:`build_model`. ``optimize``: run torch.onnx's graph optimisation; default only for
+    random weights: its constant folding stores a transposed copy of every Linear weight next to the model's own
+    (two copies in memory), while unoptimised the initializers are the parameters themselves, under their names
+    (``ortpa.convert`` optimises the graph on load anyway). ``external_data``: weights in ``<out>.data`` (default: past
     :data:`EXTERNAL_DATA_THRESHOLD`). Raises :class:`ortpa.export_errors.ExportError` when torch.onnx fails.
     ``progress`` receives one line per stage; torch's and transformers' warnings and bars show only with
     ``verbose``.
@@ -192,7 +195,7 @@ def export_hf(
             opset=opset,
             attn_implementation=attn_implementation,
             seed=seed,
-            optimize=optimize,
+            optimize=random_weights if optimize is None else optimize,
             experts=experts,
             dtype=dtype,
             external_data=external_data,

@@ -38,6 +38,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+_MODEL_HELP = "; or a model folder, or a Hugging Face repo id ORG/NAME in the local cache (never downloaded)"
+
+
+def _add_revision(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a Hugging Face repo id given as a model (default: main); offline",
+    )
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show tracebacks and debug detail")
     p.add_argument("--quiet", action="store_true", help="print only errors and the final result")
@@ -47,7 +58,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from ortpa.ops.validate import validate_model
 
-    report = validate_model(args.model, backend=args.backend)
+    report = validate_model(args.model, backend=args.backend, revision=args.revision)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     elif not args.quiet or not report.ok:
@@ -64,7 +75,8 @@ def _register_validate(sub) -> None:
         epilog="example:\n  ortpa validate paged.onnx --backend cuda --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="path to an .onnx file")
+    p.add_argument("model", help="path to an .onnx file" + _MODEL_HELP)
+    _add_revision(p)
     p.add_argument(
         "--backend",
         choices=["cuda", "webgpu", "portable"],
@@ -83,23 +95,21 @@ def _progress_printer(args: argparse.Namespace) -> Callable[[str], None] | None:
     return lambda message: print(f"  {message}", file=sys.stderr, flush=True)
 
 
-def _export_first(args: argparse.Namespace) -> str:
-    """``convert HF_DIR OUT``: export the checkpoint to ``OUT.dense.onnx`` first; copy its tokenizer next to OUT."""
-    from ortpa.hf_folder import copy_assets
-
+def _export_first(args: argparse.Namespace, folder: Path) -> str:
+    """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``OUT.dense.onnx`` first; that file's path."""
     try:
         from ortpa.export import export_hf
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConversionError(
-            f"{args.input} is a Hugging Face folder: exporting it needs the export extra "
+            f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
             f"(pip install 'ortpa[export]'): {exc}"
         ) from None
     progress = _progress_printer(args)
     dense = args.output + ".dense.onnx"
     if progress:
-        progress(f"[1/2] export {args.input} -> {dense}")
+        progress(f"[1/2] export {folder} -> {dense}")
     export_hf(
-        args.input,
+        folder,
         dense,
         random_weights=False,
         opset=args.opset,
@@ -110,20 +120,23 @@ def _export_first(args: argparse.Namespace) -> str:
         progress=progress,
         verbose=args.verbose,
     )
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    copy_assets(args.input, args.output)
     if progress:
         progress(f"[2/2] convert {dense} -> {args.output}")
     return dense
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from ortpa.hf_folder import is_hf_folder
+    from ortpa.model_ref import ModelRef, NoOnnxFile, companion_files, locate_model
     from ortpa.rewriter.pipeline import convert_file
 
-    source = _export_first(args) if is_hf_folder(args.input) else args.input
+    try:
+        ref = locate_model(args.input, args.revision)
+    except NoOnnxFile as exc:  # a Hugging Face checkpoint (config.json, no ONNX file): export it first
+        if not (exc.folder / "config.json").is_file():
+            raise
+        ref = ModelRef(Path(_export_first(args, exc.folder)), exc.folder)
     proto = convert_file(
-        source,
+        ref,
         args.output,
         dtype=args.dtype,
         rope_in_op=args.rope_in_op,
@@ -137,11 +150,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         kv_scale=args.kv_scale,
     )
     nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
-    result = {"output": args.output, "paged_attention_nodes": nodes}
+    copied = [name for name, _ in companion_files(ref.folder)] if ref.folder is not None else []
+    result = {"input": str(ref.path), "output": args.output, "paged_attention_nodes": nodes, "copied": copied}
     if args.json:
         print(json.dumps(result))
     elif not args.quiet:
-        print(f"wrote {args.output}: {nodes} PagedAttention node(s)")
+        also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
+        print(f"wrote {args.output}: {nodes} PagedAttention node(s){also}")
     return EXIT_OK
 
 
@@ -153,15 +168,23 @@ def _register_convert(sub) -> None:
         "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
         "The input is never modified; a model or layer that does not match is reported and nothing is written.",
         epilog="examples:\n  ortpa convert dense.onnx paged.onnx\n"
-        "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op",
+        "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op\n"
+        "  ortpa convert ORG/NAME out/model.onnx --revision main   # a repo in the local Hugging Face cache",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "input",
-        help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export), or a Hugging Face folder "
-        "(config.json and weights, no .onnx file): exported to OUTPUT.dense.onnx first (needs the export extra)",
+        help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)"
+        + _MODEL_HELP
+        + "; a Hugging Face checkpoint folder (config.json and weights, no .onnx file) is exported to "
+        "OUTPUT.dense.onnx first (needs the export extra)",
     )
-    p.add_argument("output", help="where to write the paged model")
+    p.add_argument(
+        "output",
+        help="where to write the paged model (a regular file; a folder or repo input's tokenizer and config "
+        "files are copied beside it)",
+    )
+    _add_revision(p)
     p.add_argument(
         "--dtype",
         choices=["float16", "bfloat16"],
@@ -342,6 +365,7 @@ _PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider",
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from ortpa.model_ref import resolve_any
     from ortpa.runtime.engine import Engine
     from ortpa.runtime.sampling import SamplingParams
 
@@ -350,14 +374,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     stop: list[int] = []
     if args.prompt is not None:
         from ortpa.hf_folder import eos_token_ids, load_tokenizer
+        from ortpa.model_ref import locate_model
 
-        tokenizer = load_tokenizer(args.model, args.tokenizer)
+        ref = locate_model(args.model, args.revision)
+        where = args.tokenizer if args.tokenizer is not None else ref.folder  # None: next to the model file
+        tokenizer = load_tokenizer(ref.path, where)
         prompts = [tokenizer.encode(text).ids for text in args.prompt]
         if any(not ids for ids in prompts):
             raise InvalidRequest(f"--prompt: expected text the tokenizer encodes to tokens, got {args.prompt!r}")
-        stop = eos_token_ids(args.model, args.tokenizer)
+        stop = eos_token_ids(ref.path, where)
     engine = Engine(
-        args.model,
+        resolve_any(args.model, args.revision),
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=_PROVIDERS[args.provider] if args.provider else None,
@@ -390,7 +417,8 @@ def _register_generate(sub) -> None:
         '  ortpa generate paged.onnx --prompt "The capital of France is" --max-new-tokens 16',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a converted (paged) ONNX model")
+    p.add_argument("model", help="a converted (paged) ONNX model" + _MODEL_HELP)
+    _add_revision(p)
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument(
         "--prompt-ids",
@@ -448,15 +476,23 @@ def _register_demo(sub) -> None:
 def _cmd_parity(args: argparse.Namespace) -> int:
     import onnxruntime as ort
 
+    from ortpa.model_ref import is_repo_id, resolve_any
     from ortpa.runtime.session import PagedSession, load_model
     from ortpa.testing.greedy import dense_greedy, paged_greedy
 
     if not args.prompt_ids:
         args.prompt_ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-    dense_proto = load_model(args.original)
+    if args.revision is not None and not (is_repo_id(args.original) or is_repo_id(args.converted)):
+        print("ortpa parity: error: --revision needs a Hugging Face repo id as a model", file=sys.stderr)
+        return EXIT_USAGE
+    # --revision applies to whichever model is a repo id
+    original, converted = (
+        resolve_any(m, args.revision if is_repo_id(m) else None) for m in (args.original, args.converted)
+    )
+    dense_proto = load_model(original)
     dense = ort.InferenceSession(dense_proto.SerializeToString(), providers=["CPUExecutionProvider"])
     paged = PagedSession(
-        args.converted,
+        converted,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=_PROVIDERS[args.provider] if args.provider else None,
@@ -518,8 +554,9 @@ def _register_parity(sub) -> None:
         epilog="example:\n  ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("original", help="the dense model (past_key_values.* / present.*)")
-    p.add_argument("converted", help="the converted paged model")
+    p.add_argument("original", help="the dense model (past_key_values.* / present.*)" + _MODEL_HELP)
+    p.add_argument("converted", help="the converted paged model" + _MODEL_HELP)
+    _add_revision(p)
     p.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument(

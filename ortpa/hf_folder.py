@@ -1,40 +1,17 @@
-"""Hugging Face model folders: recognising one, and the files a paged model keeps from it (tokenizer, EOS ids).
+"""The text side of a model folder: its ``tokenizer.json`` (the `tokenizers` library) and EOS ids.
 
-``ortpa convert HF_DIR OUT`` exports a folder with a ``config.json`` and no ONNX file first; the tokenizer and
-generation config are copied next to ``OUT`` so that ``ortpa generate OUT --prompt ...`` finds them.
-No torch here: :mod:`ortpa.export` is imported only when an export really runs.
+``ortpa convert`` copies a source folder's ``tokenizer.json`` and ``generation_config.json`` beside the paged
+model (:mod:`ortpa.model_ref`), so ``ortpa generate OUT --prompt ...`` finds them next to it.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["ASSETS", "copy_assets", "eos_token_ids", "find_asset", "is_hf_folder", "load_tokenizer"]
-
-# Files a paged model carries over from its Hugging Face folder (what `generate` reads).
-ASSETS = ("tokenizer.json", "generation_config.json")
-
-
-def is_hf_folder(path: str | Path) -> bool:
-    """A folder holding ``config.json`` and no ``.onnx`` file: a checkpoint to export before converting."""
-    path = Path(path)
-    return path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.onnx"))
-
-
-def copy_assets(hf_dir: str | Path, model_path: str | Path) -> list[Path]:
-    """Copy :data:`ASSETS` found in ``hf_dir`` into the folder of ``model_path`` (never over an existing file)."""
-    dest = Path(model_path).parent
-    copied = []
-    for name in ASSETS:
-        src, dst = Path(hf_dir) / name, dest / name
-        if src.is_file() and not dst.exists():
-            shutil.copyfile(src, dst)
-            copied.append(dst)
-    return copied
+__all__ = ["eos_token_ids", "find_asset", "load_tokenizer"]
 
 
 def find_asset(model_path: str | Path, name: str, folder: str | Path | None = None) -> Path | None:

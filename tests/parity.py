@@ -40,20 +40,27 @@ def _options() -> ort.SessionOptions:
 class DenseModel:
     """The dense export, one sequence at a time, feeding present KV back as past KV."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, like: onnx.ModelProto | None = None) -> None:
         self.sess = ort.InferenceSession(str(path), _options(), providers=["CPUExecutionProvider"])
         inputs = {i.name: i for i in self.sess.get_inputs()}
+        self.declared = set(inputs)
         self.names = [o.name for o in self.sess.get_outputs()]
         self.layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
-        # [batch, heads, past, width] for both families (MLA: one latent "head")
-        self.shapes = [
-            tuple((inputs[f"past_key_values.{i}.{kind}"].shape[1], inputs[f"past_key_values.{i}.{kind}"].shape[3]))
-            for i in range(self.layers)
-            for kind in ("key", "value")
-        ]
+        # [batch, heads, past, width] for both families (MLA: one latent "head"); a symbolic head size (the genai
+        # builder's "kv_cache_dim") is read from the converted model's paged cache [blocks, block, heads, width]
+        paged = {} if like is None else {v.name: v for v in like.graph.input}
+
+        def dims(name: str) -> tuple[int, int]:
+            heads, width = inputs[name].shape[1], inputs[name].shape[3]
+            if not isinstance(width, int) and name in paged:
+                width = paged[name].type.tensor_type.shape.dim[3].dim_value
+            return int(heads), int(width)
+
+        self.shapes = [dims(f"past_key_values.{i}.{kind}") for i in range(self.layers) for kind in ("key", "value")]
+        self.cache_dtype = np.float16 if inputs["past_key_values.0.key"].type == "tensor(float16)" else np.float32
 
     def new(self) -> dict:
-        kv = [np.zeros((1, h, 0, w), np.float32) for h, w in self.shapes]
+        kv = [np.zeros((1, h, 0, w), self.cache_dtype) for h, w in self.shapes]
         return {"len": 0, "kv": kv}
 
     def step(self, state: dict, ids: list[int]) -> np.ndarray:
@@ -64,12 +71,13 @@ class DenseModel:
             "attention_mask": np.ones((1, past + n), np.int64),
             "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
         }
+        feed = {k: v for k, v in feed.items() if k in self.declared}
         for j, value in enumerate(state["kv"]):
             feed[f"past_key_values.{j // 2}.{('key', 'value')[j % 2]}"] = value
         out = dict(zip(self.names, self.sess.run(None, feed), strict=True))
         state["kv"] = [out[f"present.{j // 2}.{('key', 'value')[j % 2]}"] for j in range(2 * self.layers)]
         state["len"] = past + n
-        return out["logits"][0, -1]
+        return np.asarray(out["logits"][0, -1], np.float32)
 
 
 @dataclass
@@ -122,7 +130,7 @@ def run_parity(
         sess_options=_options(),
     )
     wanted = {i.name for i in sess.session.get_inputs()}
-    dense = reference if reference is not None else DenseModel(dense_path)
+    dense = reference if reference is not None else DenseModel(dense_path, like=converted)
     kv = PagedKVCache(NUM_BLOCKS, BLOCK_SIZE)
     rng = np.random.default_rng(seed)
     if scatter_blocks:

@@ -10,7 +10,7 @@ import torch
 from ortpa.export import build_model
 from ortpa.export_errors import ExportError, summarize
 from ortpa.export_patches import real_rope, translation_table, use_experts
-from ortpa.hf_folder import eos_token_ids, is_hf_folder
+from ortpa.hf_folder import eos_token_ids
 
 pytestmark = pytest.mark.export
 
@@ -124,12 +124,7 @@ def test_cli_traceback_only_with_verbose(tmp_path, capsys, monkeypatch):
     assert "Traceback" in err and "grouped_mm_fallback" in err and err.strip().splitlines()[-1].startswith("ortpa")
 
 
-def test_hf_folder_and_eos_ids(tmp_path):
-    assert not is_hf_folder(tmp_path)
-    (tmp_path / "config.json").write_text("{}")
-    assert is_hf_folder(tmp_path)
-    (tmp_path / "m.onnx").write_bytes(b"")
-    assert not is_hf_folder(tmp_path)  # an ONNX folder: converted as it is
+def test_eos_ids(tmp_path):
     model = tmp_path / "m.onnx"
     assert eos_token_ids(model) == []
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))

@@ -9,7 +9,15 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["EXPORT_ATOL", "FAMILY_EXTRA_ATOL", "KV_INT8_EXTRA_ATOL", "TOL", "assert_close", "tol_for"]
+__all__ = [
+    "ACT_INT8_EXTRA_ATOL",
+    "EXPORT_ATOL",
+    "FAMILY_EXTRA_ATOL",
+    "KV_INT8_EXTRA_ATOL",
+    "TOL",
+    "assert_close",
+    "tol_for",
+]
 
 # (rtol, atol) per activation dtype name.
 TOL: dict[str, tuple[float, float]] = {
@@ -31,6 +39,14 @@ FAMILY_EXTRA_ATOL: dict[str, float] = {"gemma2": 5e-3}
 # i.e. 4-6 half-steps; 0.15 leaves ~1.4x headroom over the worst, while scales 10x / 100x off give 0.86-1.06 /
 # 3.7-5.9 (test_kv_quant::test_scales_matter).
 KV_INT8_EXTRA_ATOL = 0.15
+
+# Extra absolute tolerance on logits for models whose projections quantize their *activations* to int8
+# (onnxruntime-genai int4: MatMulNBits accuracy_level=4). The converted model runs attention in float16, so the
+# input of o_proj moves by ~1e-3 relative; where an element sits near an int8 rounding boundary it moves by a
+# whole step (amax/127), which the following layers carry to the logits. The original itself is exact across
+# batching (same rows, same result), so this is the cost of the float16 attention, not of batching. Measured
+# max |dlogit| over parity.run_parity's 24 tokens: 0.059 (Llama) / 0.086 (Qwen3); 0.12 leaves ~1.4x headroom.
+ACT_INT8_EXTRA_ATOL = 0.12
 
 # A float32 ONNX export against the PyTorch model it came from, logits, absolute: the bar (measured on the
 # MLA fixtures: 2e-6 to 6e-6, i.e. reordered float32 sums; a wrong RoPE or routing is off by O(1)).

@@ -21,15 +21,13 @@ import onnxscript.optimizer
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model_file import read_model
+from ortpa.model_ref import ModelRef, companion_files, copy_companion_files, locate_model, resolve_any
 from ortpa.rewriter import kv_quant, paged_io
-from ortpa.rewriter.attention import (
-    AttentionLayer,
-    match_attention_layers,
-    rewrite_attention_layer,
-    rope_in_op_problems,
-)
+from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
+from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
+from ortpa.rewriter.recognisers.caches import canonicalise_cache_io
 from ortpa.rewriter.rope import rope_caches
 
 __all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file"]
@@ -160,8 +158,8 @@ def _attention_family(
     """
     if not mla_results or any(isinstance(r, MlaLayer) for r in mla_results):
         return None
-    results = match_attention_layers(graph)
-    if any(isinstance(r, AttentionLayer) for r in results):
+    results = recognise_separate_layers(graph)
+    if any(isinstance(r, AttentionLayer) for r in results) or any(source_op(graph, r.layer) for r in mla_results):
         return results
     key = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.key"), None)
     value = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.value"), None)
@@ -195,10 +193,12 @@ def _convert_separate(
         )
     layers = [r for r in results if isinstance(r, AttentionLayer)]
     graph = irm.graph
-    op_dtype = _op_dtype(layers[0].value.dtype or ir.DataType.FLOAT, dtype, kv_cache_dtype)
+    op_dtype = _op_dtype(layers[0].query.dtype or ir.DataType.FLOAT, dtype, kv_cache_dtype)
     cos = sin = None
     if rope_in_op:
-        problems = [(f"layer {m.layer}", "; ".join(p)) for m in layers if (p := rope_in_op_problems(m))]
+        problems = [
+            (f"layer {m.layer}", "; ".join(p)) for m in layers if m.rotary is None and (p := rope_in_op_problems(m))
+        ]
         if problems:
             raise ConversionError("RoPE cannot move into PagedAttention (rope_in_op=True)", problems)
         _progress(progress, "computing cos/sin caches from the model's RoPE")
@@ -264,6 +264,7 @@ def convert(
     kv_scale: kv_quant.KVScaleMode = "per-channel",
     kv_scale_margin: float = kv_quant.DEFAULT_MARGIN,
     calibration_prompts: Sequence[Sequence[int]] | None = None,
+    revision: str | None = None,
 ) -> onnx.ModelProto:
     """Convert a dense MLA model (DeepSeek-V2/V3 style export with past/present KV) to PagedAttention LATENT.
 
@@ -277,7 +278,10 @@ def convert(
     * ``kv_cache_dtype="int8"``: int8 caches with static scales (``kv_scale`` per-channel or per-tensor, times
       ``kv_scale_margin``) calibrated by running the dense model on ``calibration_prompts`` (token-id lists;
       default: seeded random prompts); see :mod:`ortpa.rewriter.kv_quant`. float8e4m3fn is rejected.
+    * ``model`` may also be a folder or a Hugging Face repo id in the local cache (``revision``: branch, tag or
+      commit), found offline by :mod:`ortpa.model_ref`.
     """
+    model = resolve_any(model, revision)
     kv_plan = kv_quant.plan(
         kv_cache_dtype, kv_scale=kv_scale, margin=kv_scale_margin, calibration_prompts=calibration_prompts
     )
@@ -287,6 +291,7 @@ def convert(
     irm = _to_ir(model)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
         kv_plan.dense = ir.serde.serialize_model(irm)
+    canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     graph = irm.graph
@@ -418,8 +423,18 @@ def _external_tensors(proto: onnx.ModelProto):
             yield init
 
 
-def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **options) -> onnx.ModelProto:
-    """:func:`convert` a model file; the input is never modified; the output is written atomically."""
+def convert_file(
+    in_path: str | os.PathLike | ModelRef, out_path: str | os.PathLike, revision: str | None = None, **options
+) -> onnx.ModelProto:
+    """:func:`convert` a model file; the input is never modified; the output is written atomically.
+
+    ``in_path`` may be a folder or a Hugging Face repo id in the local cache (:mod:`ortpa.model_ref`); the
+    tokenizer and config files of such a model's folder are then copied beside ``out_path``, as regular files.
+    """
+    ref = locate_model(in_path, revision)
+    # a plain file keeps the caller's spelling, which the loader's messages name
+    in_path = in_path if isinstance(in_path, (str, os.PathLike)) and ref.path == Path(in_path) else ref.path
+    companions = companion_files(ref.folder) if ref.folder is not None else []  # refused before the work
     if Path(in_path).resolve() == Path(out_path).resolve():
         raise ConversionError("refusing to overwrite the input model", [("out_path", str(out_path))])
     if Path(out_path).is_dir():  # found before the work, not after it
@@ -429,4 +444,5 @@ def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **opti
         save_model(proto, out_path)  # removes its temp files on failure
     except OSError as exc:
         raise ConversionError(f"cannot write {os.fspath(out_path)}: {exc.strerror or exc}") from exc
+    copy_companion_files(companions, Path(out_path).parent)
     return proto

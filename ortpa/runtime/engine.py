@@ -33,6 +33,7 @@ import onnxruntime as ort
 
 from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
 from ortpa.model_file import LoadedModel, read_model
+from ortpa.model_ref import resolve_any
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
@@ -124,7 +125,7 @@ class Engine:
         sess_options: ort.SessionOptions | None = None,
         mixed_steps: bool | None = None,
     ) -> None:
-        loaded = read_model(model)  # once: the session takes it as is, keeping the file's name for errors
+        loaded = read_model(resolve_any(model))  # once: the session takes it as is, keeping the file's name for errors
         proto = loaded.proto
         caches = {a.input_name for a in find_cache_aliases(proto)}
         self.io = model_io(proto, caches)

@@ -24,6 +24,7 @@ import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument, InvalidModel, KVPoolTooLarge, NotImplementedByBackend
 from ortpa.model_file import LoadedModel, ort_message_line, read_model
+from ortpa.model_ref import resolve_any
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
@@ -149,7 +150,7 @@ class InferenceSession:
         provider_options: Sequence[dict] | None = None,
         **kwargs: Any,
     ) -> None:
-        loaded = read_model(model)
+        loaded = read_model(resolve_any(model))  # a folder or a cached Hugging Face repo id: its ONNX file
         proto, self.label = loaded.proto, loaded.label
         _name_nodes(proto)
         self._providers_requested = list(providers) if providers else _provider_names(None)

@@ -134,7 +134,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     except NoOnnxFile as exc:  # a Hugging Face checkpoint (config.json, no ONNX file): export it first
         if not (exc.folder / "config.json").is_file():
             raise
-        ref = ModelRef(Path(_export_first(args, exc.folder)), exc.folder)
+        try:
+            ref = ModelRef(Path(_export_first(args, exc.folder)), exc.folder)
+        except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
+            raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
     proto = convert_file(
         ref,
         args.output,

@@ -245,17 +245,25 @@ def _export(
     import torch
     from transformers import DynamicCache
 
+    from ortpa.errors import InvalidModel
     from ortpa.export_errors import ExportError, summarize
     from ortpa.export_patches import export_patches, translation_table
 
     say(f"loading {'config' if random_weights else 'weights'} from {config_or_model_dir}")
-    model = build_model(
-        config_or_model_dir,
-        random_weights=random_weights,
-        seed=seed,
-        attn_implementation=attn_implementation,
-        dtype=dtype,
-    )
+    try:
+        model = build_model(
+            config_or_model_dir,
+            random_weights=random_weights,
+            seed=seed,
+            attn_implementation=attn_implementation,
+            dtype=dtype,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' loaders: missing/bad files, configs
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        what = "config" if random_weights else "Hugging Face checkpoint"
+        raise InvalidModel(
+            str(config_or_model_dir), f"could not load it as a {what}: {type(exc).__name__}: {first}"
+        ) from exc
     model_dtype = next(model.parameters()).dtype
     n_layers = model.config.num_hidden_layers
     batch, seq, past = 2, 3, 4  # distinct sizes, all > 1, so that no dimension is specialised away

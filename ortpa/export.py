@@ -205,25 +205,26 @@ def export_hf(
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence the libraries' warnings, info logs and progress bars for the length of an export."""
+    """Silence the libraries' warnings, info logs and progress bars for the length of an export.
+
+    ``logging.disable`` rather than logger levels: torch.onnx's submodules log through loggers with levels of
+    their own (e.g. "torchvision is not installed"), which a parent's level does not reach.
+    """
     import logging
     import warnings
 
-    loggers = [logging.getLogger(name) for name in ("torch", "onnxscript", "onnx_ir", "transformers")]
-    levels = [lg.level for lg in loggers]
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
         try:
             yield
         finally:
-            for lg, level in zip(loggers, levels, strict=True):
-                lg.setLevel(level)
+            logging.disable(previous)
             if bars:
                 hf_logging.enable_progress_bar()
 

@@ -73,13 +73,51 @@ def _hint(op: str | None, text: str) -> str:
     return "--verbose shows the traceback; try --attn-implementation eager or --opset 23"
 
 
+def _failing_node(exc: BaseException):
+    """The ``torch.fx.Node`` torch.onnx was translating when it raised (a local of its frames), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            node = tb.tb_frame.f_locals.get("node")
+            if hasattr(node, "meta") and hasattr(node, "target"):
+                return node
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _node_module(node) -> str | None:
+    """``model.layers.1.mlp.experts (DeepseekV3NaiveMoe)``, and the modeling line, from the node's metadata."""
+    parts = []
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path, cls = list(stack.values())[-1]
+        path = re.sub(r"^L\['self'\]\.?", "", str(path)).removeprefix("inner.")
+        path = re.sub(r"\[(\d+)\]", r".\1", path)
+        name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
+        parts.append(f"{path} ({name})")
+    frames = _FRAME.findall(str(node.meta.get("stack_trace") or ""))
+    if frames:
+        parts.append(f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}")
+    return ", ".join(parts) or None
+
+
 def summarize(exc: BaseException) -> ExportFailure:
     """The op and modeling frame an export failure names, and a hint; never raises."""
     text = _chain_text(exc)
     match = _OP.search(text)
     op = match.group(1) if match else None
-    frames = _FRAME.findall(text)
-    module = f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}" if frames else None
+    module = None
+    try:
+        node = _failing_node(exc)
+        module = _node_module(node) if node is not None else None
+    except Exception:  # metadata is best effort: the op and the hint still stand
+        module = None
+    if module is None:
+        frames = _FRAME.findall(text)
+        module = f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}" if frames else None
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     first = re.sub(r"\x1b\[[0-9;]*m", "", first)[:200]
     return ExportFailure(op=op, module=module, detail=f"{type(exc).__name__}: {first}", hint=_hint(op, text))

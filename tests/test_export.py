@@ -129,3 +129,4 @@ def test_failed_export_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("ortpa export: error:") and "grouped_mm" in err[0] and "--experts batched_mm" in err[0]
+    assert "(in model.layers.0.mlp.experts (DeepseekV3Experts), modeling_deepseek_v3.py:" in err[0]

@@ -1,6 +1,7 @@
 """Live exports (the `export` extra, which CI installs): export -> convert -> parity against PyTorch itself.
 
-Nothing here skips: without torch/transformers these tests fail at import, as they should in CI.
+Nothing here skips for a missing library: without torch/transformers these tests fail at import, as they should
+in CI. Two further exports (a bf16 checkpoint kept in its dtype, a real torch.onnx failure) are ``slow``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _save_two_shards(folder, dtype=torch.bfloat16) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.slow  # a third export (~25 s alone on 2 cores); the default run exports the checkpoint in float32
 def test_checkpoint_exported_in_its_dtype_with_its_weights(tmp_path):
     """A sharded bf16 checkpoint exports as bf16 with the stored weights, bit for bit, in external data."""
     folder = tmp_path / "ckpt"
@@ -117,6 +119,7 @@ def test_convert_hf_folder_then_generate_text(tmp_path, capsys):
     assert tokens[0] == first and printed["texts"] == [tokenizer.decode([t for t in tokens if t != 255])]
 
 
+@pytest.mark.slow  # a fourth export; test_export_patches checks the same line from a synthetic failure, fast
 def test_failed_export_is_one_line(tmp_path, capsys, monkeypatch):
     """Without the grouped_mm lowering the MoE layer cannot be exported: one line naming the op and a remedy."""
     import ortpa.export_patches as patches

@@ -55,3 +55,22 @@ def test_moe_layer_is_in_the_graph(name):
     assert {"TopK", "Gather"} <= ops, sorted(ops)
     assert info.get("experts_implementation") == "grouped_mm"
     assert info.get("real_rope") == info["model_type"].startswith("deepseek_v2")
+
+
+@pytest.mark.slow  # one export per family (~40-120 s each on 2 cores)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_from_hf_folder(name, tmp_path):
+    """Each family as a saved Hugging Face folder (safetensors, two shards): `ortpa convert HF_DIR OUT` exports it
+    with its weights and converts it; the paged model matches the checkpoint run by PyTorch."""
+    from torch_reference import TorchModel
+
+    from ortpa.cli import main
+
+    folder = tmp_path / "ckpt"
+    build_model(_info(name)["config"], seed=5).save_pretrained(folder, max_shard_size="500KB")
+    assert len(list(folder.glob("*.safetensors"))) >= 2
+    out = tmp_path / "paged.onnx"
+    assert main(["convert", str(folder), str(out), "--quiet"]) == 0
+    reference = TorchModel(build_model(folder, random_weights=False))
+    result = run_parity(onnx.load(str(out)), None, reference=reference, allow_ties=False, scatter_blocks=True)
+    assert result.tokens_checked == 24

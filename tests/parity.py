@@ -87,6 +87,7 @@ def run_parity(
     logits: str = "auto",
     providers: list[str] | None = None,
     follow_reference: bool = False,
+    reference=None,
 ) -> ParityResult:
     """Continuous batching on ``converted`` vs the dense model; asserts logits close and greedy tokens equal.
 
@@ -95,7 +96,8 @@ def run_parity(
     paged model's token, so their histories stay identical. Such ties are counted in ``ParityResult.ties``.
     ``allow_ties=False`` demands identical greedy tokens at every step. ``follow_reference`` continues with the
     dense model's token instead, so two runs of this driver (say CUDA and CPU) see identical histories whatever
-    their tie-breaks, and their ``ParityResult.logits`` compare row by row.
+    their tie-breaks, and their ``ParityResult.logits`` compare row by row. ``reference``: another model with
+    :class:`DenseModel`'s ``new()`` / ``step(state, ids)`` (say the PyTorch model itself) instead of ``dense_path``.
 
     ``scatter_blocks`` hands out blocks in a random order (drawn from ``seed`` before the prompts), so the block
     table really is a page table. ``logits``: ``"last"`` requires one logits row per sequence, ``"all"`` one per
@@ -110,7 +112,7 @@ def run_parity(
         sess_options=_options(),
     )
     wanted = {i.name for i in sess.session.get_inputs()}
-    dense = DenseModel(dense_path)
+    dense = reference if reference is not None else DenseModel(dense_path)
     kv = PagedKVCache(NUM_BLOCKS, BLOCK_SIZE)
     rng = np.random.default_rng(seed)
     if scatter_blocks:

@@ -11,6 +11,7 @@ import numpy as np
 
 __all__ = [
     "ACT_INT8_EXTRA_ATOL",
+    "EXPORT_ATOL",
     "FAMILY_EXTRA_ATOL",
     "FP16_WEIGHTS_EXTRA_ATOL",
     "KV_INT8_EXTRA_ATOL",
@@ -57,6 +58,10 @@ ACT_INT8_EXTRA_ATOL = 0.12
 # the float16 activation error at every layer. Measured max |dlogit| over test_formats' 12 greedy steps: 7.7e-3
 # (Llama) / 5.8e-3 (Qwen3); 1e-2 on top of TOL["float16"] leaves ~1.5x headroom.
 FP16_WEIGHTS_EXTRA_ATOL = 1e-2
+
+# A float32 ONNX export against the PyTorch model it came from, logits, absolute: the issue's bar (measured on the
+# MLA fixtures: 2e-6 to 6e-6, i.e. reordered float32 sums; a wrong RoPE or routing is off by O(1)).
+EXPORT_ATOL = 1e-4
 
 
 def tol_for(dtype) -> tuple[float, float]:

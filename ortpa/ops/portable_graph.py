@@ -316,50 +316,58 @@ class _Body:
         op = self.op
         is_dec = op.Equal(self.q_len, 1)
         is_pre = op.Greater(self.q_len, 1)
-        o_dec, maxq_dec = self.attend_group(q, k_cache, v_cache, is_dec)  # [D * 1, N * vh]
-        o_pre, maxq_pre = self.attend_group(q, k_cache, v_cache, is_pre)  # [P * max_q, N * vh]
+        o_dec = self.attend_group(q, k_cache, v_cache, is_dec, one_query=True)  # [D, N * vh]
+        o_pre, maxq_pre = self.attend_group(q, k_cache, v_cache, is_pre, one_query=False)  # [P * max_q, N * vh]
 
-        # token -> its row: (rank of its sequence within its group) * group max_q + index in the sequence
-        rank_dec = op.Sub(op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0)), 1)
-        rank_pre = op.Sub(op.CumSum(op.Cast(is_pre, to=_I64), op.Constant(value_int=0)), 1)
-        row_dec = op.Add(op.Mul(op.Gather(rank_dec, self.seq), maxq_dec), self.s_in)
-        row_pre = op.Add(op.Mul(op.Gather(rank_pre, self.seq), maxq_pre), self.s_in)
-        row_pre = op.Add(row_pre, self.dim(o_dec, 0))
-        out = op.Gather(op.Concat(o_dec, o_pre, axis=0), op.Where(op.Gather(is_dec, self.seq), row_dec, row_pre))
+        # each sequence's first row in Concat(o_dec, o_pre): its rank within its group, times the group's max_q
+        rank_dec = op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0))  # rank + 1 where is_dec
+        rank_pre = op.CumSum(op.Cast(is_pre, to=_I64), op.Constant(value_int=0))
+        first_pre = op.Add(op.Mul(op.Sub(rank_pre, 1), maxq_pre), self.dim(o_dec, 0))
+        first = op.Where(is_dec, op.Sub(rank_dec, 1), first_pre)
+        row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
+        out = op.Gather(op.Concat(o_dec, o_pre, axis=0), row)
         # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
         # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
         has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
         return op.Cast(op.Where(has_keys, out, 0.0), to=self.t_dtype)
 
-    def attend_group(self, q, k_cache, v_cache, member):
+    def attend_group(self, q, k_cache, v_cache, member, *, one_query: bool):
         """Attention of the sequences where ``member`` holds, padded to their own longest query and KV length.
 
+        ``one_query``: every member has exactly one query (decodes); the grid is then ``[S, 1, max_kv]`` with
+        static query shapes, and the causal mask is implied by the KV length: a valid sequence has
+        ``kvlen == past + 1`` and its query sits at ``past``; an invalid one has ``kvlen == 0``.
         Returns the float32 output ``[S * max_q, N * vh]`` (row ``s * max_q + i``: query ``i`` of the group's
-        ``s``-th sequence, in batch order) and ``max_q`` (1-D [1]).
+        ``s``-th sequence, in batch order), with ``max_q`` (1-D [1]) unless ``one_query``.
         """
         op, c = self.op, self.c
         n, kvh, g, h, vh = c.num_heads, c.kv_num_heads, c.group, c.head_size, c.v_head_size
         sel = op.Reshape(op.NonZero(member), self.ints([-1]))
         S = self.dim(sel, 0)
-        q_len, kvlen = op.Gather(self.q_len, sel), op.Gather(self.kvlen, sel)
-        past, c_lo = op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
+        kvlen, past, c_lo = op.Gather(self.kvlen, sel), op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
         bt = op.Gather(self.bt, sel, axis=0)
         zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
-        maxq = op.ReduceMax(op.Concat(q_len, zero, axis=0), [0], keepdims=1)
         maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
-        i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
         j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
 
-        # padded queries [S, max_q] -> Q^T per kv head [S, kvh, H, G*max_q] (column g*max_q + i)
-        tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
-        tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
-        qp = op.Mul(self.f32(op.Gather(q, tok)), c.scale)  # [S, max_q, N, H]
         # dynamic shapes: allowzero because S / max_q / max_kv may be 0, and no -1 next to a possible 0
-        gq = op.Mul(maxq, g)
-        qp = op.Reshape(qp, op.Concat(S, maxq, self.ints([kvh, g, h]), axis=0), allowzero=1)
-        qt = op.Reshape(
-            op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(S, self.ints([kvh, h]), gq, axis=0), allowzero=1
-        )
+        if one_query:
+            # [S, N, H] -> Q^T per kv head [S, kvh, H, G]
+            qp = op.Mul(self.f32(op.Gather(q, c_lo)), c.scale)
+            qt = op.Transpose(op.Reshape(qp, self.ints([0, kvh, g, h])), perm=[0, 1, 3, 2])
+            maxq = i = None
+        else:
+            # padded queries [S, max_q] -> Q^T per kv head [S, kvh, H, G*max_q] (column g*max_q + i)
+            maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
+            i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+            tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
+            tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
+            qp = op.Mul(self.f32(op.Gather(q, tok)), c.scale)  # [S, max_q, N, H]
+            gq = op.Mul(maxq, g)
+            qp = op.Reshape(qp, op.Concat(S, maxq, self.ints([kvh, g, h]), axis=0), allowzero=1)
+            qt = op.Reshape(
+                op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(S, self.ints([kvh, h]), gq, axis=0), allowzero=1
+            )
 
         # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
         blk_j = op.Div(j, self.BS)
@@ -378,14 +386,19 @@ class _Body:
         s = op.MatMul(kf, qt)
         if c.softcap > 0:
             s = op.Mul(op.Tanh(op.Div(s, c.softcap)), c.softcap)
-        s = op.Reshape(s, op.Concat(S, self.ints([kvh]), maxkv, self.ints([g]), maxq, axis=0), allowzero=1)
-        allowed = self.mask(i, j, mapped, past, kvlen)  # [S, max_kv, max_q]
-        allowed = op.Unsqueeze(allowed, [1, 3])
+        if one_query:
+            allowed = row_ok  # [S, 1, max_kv, 1]; the query sits at past, so j < kvlen is the causal mask too
+            if c.local_window_size > 0:
+                near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, c.local_window_size), [1]))
+                allowed = op.And(allowed, op.Unsqueeze(near, [1, 3]))
+        else:
+            s = op.Reshape(s, op.Concat(S, self.ints([kvh]), maxkv, self.ints([g]), maxq, axis=0), allowzero=1)
+            allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]
         s = op.Where(allowed, s, float("-inf"))
         m = op.ReduceMax(s, [2], keepdims=1)
         sink = None
         if "head_sink" in self.x:
-            sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints([1, kvh, 1, g, 1]))
+            sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints([1, kvh, 1, g] + ([] if one_query else [1])))
             m = op.Max(m, sink)
         m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
         e = op.Exp(op.Sub(s, m))
@@ -394,12 +407,15 @@ class _Body:
             den = op.Add(den, op.Exp(op.Sub(sink, m)))
         p = op.Div(e, op.Where(op.Greater(den, 0.0), den, 1.0))  # empty key range: a zero row, never NaN
 
-        p = op.Reshape(p, op.Concat(S, self.ints([kvh]), maxkv, gq, axis=0), allowzero=1)
-        p = op.Transpose(p, perm=[0, 1, 3, 2])
+        if not one_query:
+            p = op.Reshape(p, op.Concat(S, self.ints([kvh]), maxkv, gq, axis=0), allowzero=1)
+        p = op.Transpose(p, perm=[0, 1, 3, 2])  # [S, kvh, G*max_q, max_kv]
         if c.latent:
             o = op.Slice(op.MatMul(p, kf), [0], [vh], [3])  # V is the leading v_head_size channels of K
         else:
             o = op.MatMul(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h, row_ok))
+        if one_query:
+            return op.Reshape(o, self.ints([0, n * vh]))  # [S, kvh, G, vh] -> [S, N*vh]
         o = op.Reshape(o, op.Concat(S, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
         o = op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [S*max_q, N*vh]
         return o, maxq

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 import onnxscript
 
@@ -316,8 +317,15 @@ class _Body:
         op = self.op
         is_dec = op.Equal(self.q_len, 1)
         is_pre = op.Greater(self.q_len, 1)
+        # each group runs under an If on its being non-empty: a decode-only step then costs what one group did
+        # before the split, instead of also dispatching ~100 kernels on empty tensors for the other group
         o_dec = self.attend_group(q, k_cache, v_cache, is_dec, one_query=True)  # [D, N * vh]
-        o_pre, maxq_pre = self.attend_group(q, k_cache, v_cache, is_pre, one_query=False)  # [P * max_q, N * vh]
+        o_pre, maxq_pre = self.unless_empty(
+            is_pre,
+            "prefills",
+            lambda: list(self.attend_group(q, k_cache, v_cache, is_pre, one_query=False)),
+            with_maxq=True,
+        )  # [P * max_q, N * vh]
 
         # each sequence's first row in Concat(o_dec, o_pre): its rank within its group, times the group's max_q
         rank_dec = op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0))  # rank + 1 where is_dec
@@ -330,6 +338,45 @@ class _Body:
         # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
         has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
         return op.Cast(op.Where(has_keys, out, 0.0), to=self.t_dtype)
+
+    def unless_empty(self, member, name: str, trace, *, with_maxq: bool = False) -> list:
+        """``trace()`` (the group's outputs) inside ``If(any(member))``; else an empty ``[0, N * vh]`` output
+        (and ``max_q = [0]``). The branches read the body's values from the enclosing scope."""
+        op, c = self.op, self.c
+        outer = op
+        count = 2 if with_maxq else 1
+
+        def then_branch(sub):
+            self.op = sub
+            try:
+                return trace()
+            finally:
+                self.op = outer
+
+        def else_branch(sub):
+            empty = np.zeros((0, c.num_heads * c.v_head_size), np.float32)
+            outs = [sub.Constant(value=ir.tensor(empty))]
+            if with_maxq:
+                outs.append(sub.Constant(value_ints=[0]))
+            return outs
+
+        branches = {
+            key: outer.builder.subgraph(
+                fn, [], [ir.Value(name=f"{name}_{key}_{k}") for k in range(count)], name=f"{name}_{key}"
+            )
+            for key, fn in (("then", then_branch), ("else", else_branch))
+        }
+        for key, graph in branches.items():
+            # the sub-builders number their values from 0 again: rename, or they would shadow the body's names
+            declared = {id(v) for v in graph.outputs}
+            for node in graph:
+                node.name = f"{name}_{key}/{node.name}"
+                for v in node.outputs:
+                    if id(v) not in declared:
+                        v.name = f"{name}_{key}/{v.name}"
+        any_member = op.Greater(op.ReduceSum(op.Cast(member, to=_I64), keepdims=0), 0)
+        outs = op.If(any_member, then_branch=branches["then"], else_branch=branches["else"], _outputs=count)
+        return list(outs) if count > 1 else [outs]
 
     def attend_group(self, q, k_cache, v_cache, member, *, one_query: bool):
         """Attention of the sequences where ``member`` holds, padded to their own longest query and KV length.

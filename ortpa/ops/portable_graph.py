@@ -2,7 +2,8 @@
 
 :func:`build_function` traces the op with onnxscript's graph builder into an ``onnx_ir.Function`` whose formal
 inputs are the node's present inputs (schema order) and whose outputs are the node's present outputs. The
-graph has no loops and no custom ops; it follows the oracle (``ortpa.ops.oracle``) step by step:
+graph has no loops and no custom ops (one ``If`` skips an empty group); it follows the oracle
+(``ortpa.ops.oracle``) step by step:
 
 1. sanitize ``block_table`` / ``cumulative_sequence_length`` / ``past_seqlens`` (reference §3.4(a));
 2. prologue: split packed QKV, QK RMSNorm in float32 rounded to T, RoPE in T arithmetic (§3.4(b));
@@ -11,15 +12,16 @@ graph has no loops and no custom ops; it follows the oracle (``ortpa.ops.oracle`
    oracle; ``ScatterND`` with repeated indices is unspecified and races in ONNX Runtime) and stored by one
    ``ScatterND`` whose data input IS the cache graph input, so that ONNX Runtime updates an IO-bound,
    aliased cache in place (§3.4(c), §3.5);
-4. attention over a padded ``[batch, max_q, max_kv]`` grid: only the attended positions are gathered from the
-   ScatterND output through the block table, one row per (sequence, kv head, position) (§3.4(d)/(e)); rows
-   of padding and unmapped pages are zeroed, so another block's NaN/Inf cannot leak in through ``0 * NaN``.
+4. attention in two padded groups (§3.4(d)/(e)): decoding sequences over ``[D, 1, kv_d]``, prefilling ones
+   over ``[P, max_q, kv_p]`` (each padded to its own group's longest query and KV length), so a step costs
+   about the sum of its parts; only the attended positions are gathered from the ScatterND output through the
+   block table, one row per (sequence, kv head, position); rows of padding and unmapped pages are zeroed, so
+   another block's NaN/Inf cannot leak in through ``0 * NaN``; every token then gathers its row back.
 
-Memory per call (float32 unless said): scores/probabilities ``B * max_q * max_kv * num_heads`` (a few live
-copies), gathered K and V ``B * max_kv * kv_heads * head_size`` in the cache type plus a float32 copy each,
-padded Q ``B * max_q * num_heads * head_size`` and padded output ``B * max_q * num_heads * v_head_size``,
-where ``max_q``/``max_kv`` are the largest per-sequence query / live KV lengths of the call. Nothing scales
-with ``num_blocks``.
+Memory per call (float32 unless said): scores/probabilities ``(D * kv_d + P * max_q * kv_p) * num_heads`` (a
+few live copies), gathered K and V ``(D * kv_d + P * kv_p) * kv_heads * head_size`` in the cache type plus a
+float32 copy each, padded Q and output ``(D + P * max_q) * num_heads * head_size``. Nothing scales with
+``num_blocks``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ The dense models people have come from a handful of tools, each with its own gra
                         ``position_ids``, ``past_key_values.{i}.key/.value`` -> ``logits``, ``present.*``.
 ``genai_gqa``           onnxruntime-genai builder, fp32 / int4 on CPU: one ``com.microsoft::GroupQueryAttention``
                         per layer; ``attention_mask`` only (no ``position_ids``); past ``[batch, kv_heads, past,
-                        kv_cache_dim]`` with the head size a symbol.
+                        kv_cache_dim]`` with the head size a symbol; a sliding-window layer (Gemma-2) has a
+                        ring-buffer cache of ``local_window_size`` rows (``sliding_window_cache=1``).
 ``genai_mha``           onnxruntime-genai builder, fp16: ``RotaryEmbedding`` + ``MultiHeadAttention``;
                         ``attention_mask`` and ``position_ids``; float16 caches and logits.
 ``optimum``             optimum's TorchScript-era export (``text-generation-with-past``): decomposed attention,
@@ -33,9 +34,17 @@ import onnx
 
 from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import InvalidModel
-from ortpa.formats_shapes import cache_head_size
+from ortpa.formats_shapes import cache_capacity, cache_head_size, constant_ints
 
-__all__ = ["CacheIO", "DenseInterface", "SourceFormat", "dense_interface", "detect_format", "session_interface"]
+__all__ = [
+    "CacheIO",
+    "DenseInterface",
+    "SourceFormat",
+    "dense_interface",
+    "detect_format",
+    "length_thresholds",
+    "session_interface",
+]
 
 
 class SourceFormat(str, Enum):
@@ -67,12 +76,14 @@ class CacheIO:
     key_head_size: int
     value_head_size: int
     dtype: np.dtype
+    capacity: int | None = None  # a ring buffer of this many rows (genai sliding-window layers), else grows
 
     def empty(self, batch: int = 1) -> dict[str, np.ndarray]:
-        """Zero-length past tensors ``[batch, kv_heads, 0, head]`` for a first (prefill) step."""
+        """Past tensors for a first (prefill) step: ``[batch, kv_heads, 0, head]``, or the zeroed ring buffer."""
+        rows = self.capacity or 0
         return {
-            self.key_input: np.zeros((batch, self.kv_heads, 0, self.key_head_size), self.dtype),
-            self.value_input: np.zeros((batch, self.kv_heads, 0, self.value_head_size), self.dtype),
+            self.key_input: np.zeros((batch, self.kv_heads, rows, self.key_head_size), self.dtype),
+            self.value_input: np.zeros((batch, self.kv_heads, rows, self.value_head_size), self.dtype),
         }
 
 
@@ -242,6 +253,7 @@ def _interface(model: onnx.ModelProto | None, inputs, outputs, fmt: SourceFormat
                 heads[0],
                 heads[1],
                 np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)),
+                cache_capacity(model, pair["key"][0]) if model is not None else None,
             )
         )
     if "input_ids" not in input_names:
@@ -264,17 +276,14 @@ def dense_interface(model: onnx.ModelProto) -> DenseInterface:
     return _interface(model, list(model.graph.input), list(model.graph.output), fmt)
 
 
-class _Value:
-    """An ``onnx.ValueInfoProto`` stand-in built from an onnxruntime ``NodeArg``."""
-
-    @staticmethod
-    def make(arg) -> onnx.ValueInfoProto:
-        shape = [d if isinstance(d, int) else (str(d) if d is not None else None) for d in (arg.shape or [])]
-        try:
-            elem = onnx_elem_type(arg.type)  # ONNX Runtime's spelling, "tensor(float16)"
-        except TypeError:
-            elem = onnx.TensorProto.UNDEFINED
-        return onnx.helper.make_tensor_value_info(arg.name, elem, shape)
+def _value_info(arg) -> onnx.ValueInfoProto:
+    """An ``onnx.ValueInfoProto`` built from an onnxruntime ``NodeArg`` (name, type, shape)."""
+    shape = [d if isinstance(d, int) else (str(d) if d is not None else None) for d in (arg.shape or [])]
+    try:
+        elem = onnx_elem_type(arg.type)  # ONNX Runtime's spelling, "tensor(float16)"
+    except TypeError:
+        elem = onnx.TensorProto.UNDEFINED
+    return onnx.helper.make_tensor_value_info(arg.name, elem, shape)
 
 
 def session_interface(session) -> DenseInterface:
@@ -282,6 +291,32 @@ def session_interface(session) -> DenseInterface:
 
     Works when every cache's head size is a fixed dim; otherwise pass :func:`dense_interface` of the model.
     """
-    inputs = [_Value.make(a) for a in session.get_inputs()]
-    outputs = [_Value.make(a) for a in session.get_outputs()]
+    inputs = [_value_info(a) for a in session.get_inputs()]
+    outputs = [_value_info(a) for a in session.get_outputs()]
     return _interface(None, inputs, outputs, None)
+
+
+def length_thresholds(model: onnx.ModelProto) -> list[int]:
+    """Sequence lengths past which the model computes differently, found in the graph (sorted, unique).
+
+    * LongRoPE: a ``Greater(length, C)`` whose result picks the RoPE tables or frequencies (``If`` between
+      two caches: onnxruntime-genai; ``Where`` between two inverse-frequency tensors: dynamo exports);
+    * ``GroupQueryAttention``'s ``local_window_size`` (a sliding window).
+
+    A parity run needs a prompt longer than each, or it never exercises the other branch.
+    """
+    found: set[int] = set()
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    for n in model.graph.node:
+        if n.op_type == "GroupQueryAttention":
+            window = next((a.i for a in n.attribute if a.name == "local_window_size"), -1)
+            if window > 0:
+                found.add(int(window))
+        if n.op_type == "Greater" and any(c.op_type in ("If", "Where") for c in consumers.get(n.output[0], [])):
+            value = constant_ints(model, n.input[1])
+            if value is not None and len(value) == 1 and value[0] > 0:
+                found.add(value[0])
+    return sorted(found)

@@ -22,7 +22,7 @@ from onnx import numpy_helper
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["cache_head_size"]
+__all__ = ["cache_capacity", "cache_head_size", "constant_ints"]
 
 Shape = list[int | None]
 
@@ -77,9 +77,8 @@ class _Walker:
         if name in self.init:
             return [int(d) for d in self.init[name].dims]
         if name in self.inputs:
-            return [
-                d.dim_value if d.HasField("dim_value") else None for d in self.inputs[name].type.tensor_type.shape.dim
-            ]
+            dims = self.inputs[name].type.tensor_type.shape.dim
+            return [d.dim_value if d.HasField("dim_value") else None for d in dims]
         node = self.producer.get(name)
         if node is None:
             return None
@@ -135,7 +134,7 @@ class _Walker:
             copied = {i for i, t in enumerate(target) if t == 0}
             rest_in = [d for i, d in enumerate(a) if i not in copied]
             rest_out = [t for i, t in enumerate(target) if i not in copied and t != -1]
-            if any(d is None for d in rest_in) or (not rest_out and not rest_in):
+            if any(d is None for d in rest_in):
                 return out
             out[target.index(-1)] = math.prod(rest_in) // max(math.prod(rest_out), 1)
         return out
@@ -180,3 +179,24 @@ def cache_head_size(model: onnx.ModelProto, past_input: str) -> int:
         f"expected the cache's head size to follow from what reads it (GroupQueryAttention or a Concat of new "
         f"keys/values with static widths), found readers {readers} and no static width",
     )
+
+
+def constant_ints(model: onnx.ModelProto, name: str) -> list[int] | None:
+    """The values of an initializer or ``Constant`` output ``name`` as ints (flattened), else ``None``."""
+    return _Walker(model).const(name)
+
+
+def cache_capacity(model: onnx.ModelProto, past_input: str) -> int | None:
+    """The fixed length of a ring-buffer cache, or ``None`` for a cache that grows by concatenation.
+
+    onnxruntime-genai gives a sliding-window layer a ``GroupQueryAttention`` with ``sliding_window_cache=1``: its
+    past/present is a buffer of ``local_window_size`` rows (``past_sliding_length``) that the op writes in place,
+    fed from the first step on (zeros), and returned at the same size.
+    """
+    for node in _Walker(model).consumers.get(past_input, []):
+        if node.op_type != "GroupQueryAttention":
+            continue
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        if attrs.get("sliding_window_cache", 0) and attrs.get("local_window_size", -1) > 0:
+            return attrs["local_window_size"]
+    return None

@@ -10,8 +10,9 @@ The tools cannot share one environment, so each runs in its own venv (no network
 tokenizer is built offline with ``tokenizers``); pass the tool as the first argument:
 
 * ``genai``: onnxruntime-genai 0.18.0 model builder (``python -m onnxruntime_genai.models.builder``), in a venv
-  with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), torch 2.13.0 CPU, transformers
-  5.x, onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
+  with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), onnx-ir (the builder imports it
+  but does not declare it), torch 2.13.0 CPU, transformers 5.24 (the 0.18 builder does not import with 4.x),
+  onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
   MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32.
 * ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
@@ -39,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 0
+GENAI_NEW_TOKENS = 6  # greedy tokens recorded from onnxruntime-genai's own run of each genai fixture
 VOCAB = 256
 BOS, EOS, PAD, UNK = 1, 2, 0, 3
 
@@ -74,6 +76,19 @@ PHI3_LONGROPE = {
     },
 }
 
+# Gemma-2: attention logit softcapping (GroupQueryAttention's softcap), query_pre_attn_scalar, alternating
+# sliding / full layers (local_window_size on layer 0 only). A Mistral with sliding_window 8 was tried too: the
+# 0.18 builder writes local_window_size=-1 for it (no window in the graph), so it adds nothing over Llama.
+GEMMA2 = {
+    **_COMMON,
+    "model_type": "gemma2",
+    "head_dim": 16,
+    "sliding_window": 8,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "query_pre_attn_scalar": 16,
+}
+
 # name -> (tool, config, tool options)
 FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_llama_fp32": ("genai", LLAMA, {"precision": "fp32"}),
@@ -83,10 +98,36 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_qwen3_fp16": ("genai", QWEN3, {"precision": "fp16"}),
     "genai_qwen3_int4": ("genai", QWEN3, {"precision": "int4"}),
     "genai_phi3_longrope_fp32": ("genai", PHI3_LONGROPE, {"precision": "fp32"}),
+    "genai_gemma2_fp32": ("genai", GEMMA2, {"precision": "fp32"}),
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
+}
+
+# What a test or a reader must know about a fixture beyond its config (measured when the fixture was made).
+NOTES: dict[str, str] = {
+    "genai_llama_fp16": "the builder declares the repeated K/V after the cache Concat with sequence_length where it "
+    "holds total_sequence_length: ONNX Runtime 1.31/1.32 CPU (and onnxruntime-genai itself) fail the first decode "
+    "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.testing.greedy."
+    "open_dense turns it off)",
+    "genai_qwen3_fp16": "same value_info defect as genai_llama_fp16 (memory reuse must be off to decode)",
+    "genai_llama_int4": "MatMulNBits accuracy_level 4 quantizes activations to int8: incremental and one-shot runs "
+    "differ by up to ~0.06 in logits where a rounding flips",
+    "genai_qwen3_int4": "as genai_llama_int4",
+    "genai_phi3_longrope_fp32": "builder defect (0.18.0 with transformers 5.24, Phi-3 only): lm_head reads "
+    "/model/layers.0/post_attention_layernorm/output_0 instead of the final norm, so layer 0's MLP, layer 1 and the "
+    "final norm are dead code (present.1.* are still computed) and the logits differ from Phi3ForCausalLM on the "
+    "same weights (~3.3); layer 0 itself matches torch to 1e-6. LongRoPE: If(Greater(attention_mask width, 32), "
+    "long caches, short caches) -> cos_cache/sin_cache of every GroupQueryAttention",
+    "genai_gemma2_fp32": "layer 0 is sliding: GroupQueryAttention local_window_size 8 with sliding_window_cache=1, "
+    "its past/present a ring buffer of 8 rows (past_sliding_length / total_sliding_length) fed as zeros from the "
+    "first step and returned at the same size; softcap 50 on both layers; final logit softcap as Div, Tanh, Mul; "
+    "matches Gemma2ForCausalLM on the same weights to 2e-5",
+    "ortpa_phi3_longrope": "LongRoPE: Where(Greater(ReduceMax(position_ids) + 1, 32), long_inv_freq, "
+    "original_inv_freq): a max over the whole batch",
+    "onnxexporter_llama": "batch is fixed at 1 (the sample had one prompt); caches input.cache.layers.{i}.keys/"
+    ".values -> output.cache.layers.{i}.*, dims as digit strings, no attention_mask",
 }
 
 # Ops that carry attention, per source form (counted per layer into the fixture's JSON).
@@ -159,7 +200,38 @@ def _export_genai(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], di
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
     cmd += ["-p", opts["precision"], "-e", "cpu", "-c", str(cache)]
     _run(cmd, work / "builder.log")
+    (work / "genai_runtime.json").write_text(
+        json.dumps(_genai_runtime_greedy(out, reference_prompts(opts["config"]), GENAI_NEW_TOKENS))
+    )
     return out / "model.onnx", cmd, {"genai_config.json": out / "genai_config.json"}
+
+
+def reference_prompts(cfg: dict) -> list[list[int]]:
+    """A short prompt and one longer than every threshold of the config (as tests/test_formats.py builds them)."""
+    thresholds = [cfg[k] for k in ("original_max_position_embeddings", "sliding_window") if cfg.get(k)]
+    length = max([40, *(t + 8 for t in thresholds)])
+    return [[5, 6, 7, 8, 9], [4 + (7 * i) % (cfg["vocab_size"] - 4) for i in range(length)]]
+
+
+def _genai_runtime_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy tokens of onnxruntime-genai itself on the built model (each prompt alone), or the error it gave."""
+    import onnxruntime_genai as og
+
+    try:
+        model = og.Model(str(model_dir))
+        tokens = []
+        for prompt in prompts:
+            params = og.GeneratorParams(model)
+            length = len(prompt) + new_tokens  # min_length too: an EOS pick must not end the run early
+            params.set_search_options(max_length=length, min_length=length, do_sample=False)
+            gen = og.Generator(model, params)
+            gen.append_tokens([prompt])
+            while not gen.is_done():
+                gen.generate_next_token()
+            tokens.append([int(t) for t in gen.get_sequence(0)][len(prompt) :])
+        return {"prompts": prompts, "new_tokens": tokens}
+    except Exception as exc:  # recorded: the fp16 builds do not decode in onnxruntime-genai 0.18 on CPU
+        return {"prompts": prompts, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"}
 
 
 def _export_optimum(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
@@ -312,7 +384,9 @@ def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
         work = Path(tmp)
         hf = work / "hf"
         build_hf_dir(cfg, hf)
-        model_path, cmd, extras = export(hf, work, opts)
+        model_path, cmd, extras = export(hf, work, {**opts, "config": cfg})
+        runtime = work / "genai_runtime.json"
+        genai_runtime = json.loads(runtime.read_text()) if runtime.exists() else None
         model = onnx.load(str(model_path))  # folds external data in: one self-contained file
         dst = out_dir / f"{name}.onnx"
         onnx.save_model(model, str(dst), save_as_external_data=False)
@@ -332,6 +406,8 @@ def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
         **_numbers(cfg),
         "dtype": "float16" if opts.get("precision") == "fp16" else "float32",
         "weights": {"fp16": "float16", "int4": "int4 (MatMulNBits)"}.get(opts.get("precision", ""), "float32"),
+        "notes": NOTES.get(name, ""),
+        **({"genai_runtime_greedy": genai_runtime} if genai_runtime is not None else {}),
         "graph": describe(dst),
     }
     (out_dir / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -7,7 +7,9 @@ import numpy as np
 
 from ortpa.tolerances import (
     ACT_INT8_EXTRA_ATOL,
+    EXPORT_ATOL,
     FAMILY_EXTRA_ATOL,
+    FP16_WEIGHTS_EXTRA_ATOL,
     KV_INT8_EXTRA_ATOL,
     TOL,
     TieBound,
@@ -19,7 +21,9 @@ from ortpa.tolerances import (
 
 __all__ = [
     "ACT_INT8_EXTRA_ATOL",
+    "EXPORT_ATOL",
     "FAMILY_EXTRA_ATOL",
+    "FP16_WEIGHTS_EXTRA_ATOL",
     "KV_INT8_EXTRA_ATOL",
     "TOL",
     "TieBound",

@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument
-from ortpa.formats import DenseInterface, dense_interface, session_interface
+from ortpa.formats import DenseInterface, dense_interface, length_thresholds, session_interface
 from ortpa.model_file import read_model
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
@@ -59,6 +59,7 @@ class DenseModel:
 
     session: ort.InferenceSession
     interface: DenseInterface
+    thresholds: tuple[int, ...]  # ortpa.formats.length_thresholds: a parity prompt should pass each
 
 
 def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> DenseModel:
@@ -77,7 +78,7 @@ def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> Dense
     if threads:
         options.intra_op_num_threads = threads
     session = ort.InferenceSession(os.fspath(model), options, providers=["CPUExecutionProvider"])
-    return DenseModel(session, dense_interface(proto))
+    return DenseModel(session, dense_interface(proto), tuple(length_thresholds(proto)))
 
 
 def _interface(session: ort.InferenceSession, interface: DenseInterface | None) -> DenseInterface:
@@ -126,7 +127,8 @@ def dense_greedy(
             mine.append(int(row.argmax()))
             past = io.next_past(out)
             length += len(feed_ids)
-            feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
+            if step + 1 < max_new_tokens:  # ``follow`` needs no token past the last step
+                feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
         tokens.append(mine)
         logits.append(np.stack(rows))
     return GreedyRun(tokens, logits, time.perf_counter() - start, runs)

@@ -3,20 +3,20 @@
 Each fixture is converted by :func:`ortpa.convert`, validated for the CUDA backend, and driven with continuous
 batching (3 sequences of different lengths prefilled together, then 8 packed decode steps with one sequence
 leaving and one joining) on the portable op; every row is compared with the original model run alone by ONNX
-Runtime in its own format (genai: ``attention_mask`` only; optimum: ``attention_mask`` + ``position_ids``;
-OnnxExporter: no mask, its own cache names). Near misses of each form are refused, by layer, with the reason.
+Runtime in its own format (:func:`ortpa.testing.greedy.open_dense`: genai: ``attention_mask`` only, or with
+``position_ids``; optimum: ``attention_mask`` + ``position_ids``; OnnxExporter: no mask, its own cache names).
+Near misses of each form are refused, by layer, with the reason.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from parity import paged_nodes, run_parity
-from tolerances import ACT_INT8_EXTRA_ATOL
+from tolerances import ACT_INT8_EXTRA_ATOL, FAMILY_EXTRA_ATOL
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate
@@ -32,34 +32,11 @@ CASES = {
     "genai_qwen3_fp16": ("MultiHeadAttention", 0.0),
     "genai_llama_int4": ("GroupQueryAttention", ACT_INT8_EXTRA_ATOL),
     "genai_qwen3_int4": ("GroupQueryAttention", ACT_INT8_EXTRA_ATOL),
+    "genai_gemma2_fp32": ("GroupQueryAttention", FAMILY_EXTRA_ATOL["gemma2-genai"]),
     "optimum_llama": ("decomposed", 0.0),
     "optimum_qwen3": ("decomposed", 0.0),
     "onnxexporter_llama": ("decomposed", 0.0),
 }
-
-
-def _reference(name: str, tmp_path: Path) -> Path:
-    """A copy of the original that ONNX Runtime runs alone with the parity driver's feeds, computing the same.
-
-    genai fp16 files declare intermediate shapes that ONNX Runtime's CPU fp16->fp32 cast insertion trips over at
-    decode (``Shape mismatch attempting to re-use buffer``): their ``value_info`` (declarations only) is
-    dropped. OnnxExporter caches are renamed to the driver's ``past_key_values.*`` / ``present.*``.
-    """
-    model = onnx.load(str(FORMATS / f"{name}.onnx"))
-    del model.graph.value_info[:]
-    rename = {}
-    for v in [*model.graph.input, *model.graph.output]:
-        m = re.fullmatch(r"(input|output)\.cache\.layers\.(\d+)\.(key|value)s", v.name)
-        if m:
-            rename[v.name] = f"{'past_key_values' if m[1] == 'input' else 'present'}.{m[2]}.{m[3]}"
-    for v in [*model.graph.input, *model.graph.output]:
-        v.name = rename.get(v.name, v.name)
-    for node in model.graph.node:
-        node.input[:] = [rename.get(x, x) for x in node.input]
-        node.output[:] = [rename.get(x, x) for x in node.output]
-    path = tmp_path / f"{name}.reference.onnx"
-    onnx.save(model, str(path))
-    return path
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -76,7 +53,7 @@ def test_format_converts_with_parity(name, tmp_path):
         original = onnx.load(str(FORMATS / f"{name}.onnx"))
         count = sum(n.op_type == "MatMulNBits" for n in original.graph.node)
         assert count and sum(n.op_type == "MatMulNBits" for n in paged.graph.node) == count
-    result = run_parity(paged, _reference(name, tmp_path), steps=8, extra_atol=extra)
+    result = run_parity(paged, FORMATS / f"{name}.onnx", steps=8, extra_atol=extra)
     assert result.tokens_checked == 24 and result.max_context >= 18
     if extra == 0.0:
         assert result.near_ties <= 2, f"{result.near_ties} greedy steps within the tie margin"

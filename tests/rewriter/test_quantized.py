@@ -71,3 +71,17 @@ def test_mla_with_quantized_kv_b_proj(accuracy_level, tmp_path: Path):
     assert result.tokens_checked == 24
     if not accuracy_level:
         assert result.near_ties <= 2
+
+
+@pytest.mark.parametrize("fixture", ["dsv3_sdpa_op18", "llama_sdpa_op18"])
+def test_bfloat16_conversion_of_a_float32_export_is_a_valid_model(fixture):
+    """``dtype="bfloat16"``: RoPE's Sin / Cos take no bfloat16 at opset 18, so they compute in float32 between
+    Casts; the result passes onnx.checker, ORT's graph resolution (its CPU EP has no bfloat16 kernels, the same
+    verdict as PagedAttention's missing CPU kernel) and the CUDA validation."""
+    from ortpa.ops.validate import validate
+
+    paged = convert(FIXTURES / f"{fixture}.onnx", dtype="bfloat16")
+    onnx.checker.check_model(paged)
+    assert validate(paged, backend="cuda").ok
+    trig = [n for n in paged.graph.node if n.op_type in ("Sin", "Cos")]
+    assert trig and all(n.input[0].endswith("_float32") for n in trig)

@@ -39,9 +39,6 @@ class ExportError(OrtpaError, RuntimeError):
         self.failure = failure
         super().__init__(f"{model}: {failure.line()}")
 
-    def __reduce__(self):
-        return (type(self), (self.model, self.failure))
-
 
 _OP = re.compile(r"No ONNX function found for (?:<?OpOverload\(op=')?([\w.:]+)")
 _FRAME = re.compile(r'File "[^"]*/(modeling_\w+\.py)", line (\d+), in (\w+)')

@@ -133,7 +133,6 @@ def _ortpa_tokens_per_s(converted: Path, prompts: list[list[int]], new_tokens: i
         providers=["CPUExecutionProvider"],
         sess_options=opts,
         enable_prefix_caching=False,
-        mixed_steps=False,
     )
     params = SamplingParams(max_new_tokens=new_tokens)
     engine.generate(prompts[:1], params)  # warm-up

@@ -215,6 +215,8 @@ def _token_counts(live: Live, axes: TokenAxes) -> list[tuple[str, str]]:
             slots = {i for i, x in enumerate(node.inputs) if x is value}
             if slots <= _SHAPE_ARGUMENTS.get(node.op_type, set()):
                 continue
+            if _token_enumeration(node, slots):
+                continue
             if node.op_type in _COUNT_ARITHMETIC and _shape_like(node, slots, axes):
                 picked = _elements_after(node, value, where, axes)
                 if picked is None or picked:  # an empty set: the count is not among the elements passed on
@@ -229,6 +231,24 @@ def _token_counts(live: Live, axes: TokenAxes) -> list[tuple[str, str]]:
                     )
                 )
     return failures
+
+
+def _token_enumeration(node: ir.Node, slots: set[int]) -> bool:
+    """``Range(0, count, 1)``: an enumeration of the step's tokens (or of token x expert slots), which MoE routing
+    uses to sort tokens by expert and back. It depends on the packing only through the order of the tokens, which
+    the gathers / scatters that read it undo; each token is still routed by its own hidden state. (Positions
+    never come from it in a model ortpa converts: they come from ``position_ids`` or ``past + Range``, rewritten
+    above.)"""
+    if node.op_type != "Range" or slots != {1}:
+        return False
+    start, delta = const_array(node.inputs[0]), const_array(node.inputs[2])
+    return (
+        start is not None
+        and delta is not None
+        and start.size == delta.size == 1
+        and int(start) == 0
+        and int(delta) == 1
+    )
 
 
 def _shape_like(node: ir.Node, slots: set[int], axes: TokenAxes) -> bool:

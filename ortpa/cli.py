@@ -336,15 +336,17 @@ def _register_demo(sub) -> None:
 
 # ----------------------------------------------------------------------------------------------- parity
 def _cmd_parity(args: argparse.Namespace) -> int:
-    import onnxruntime as ort
-
-    from ortpa.runtime.session import PagedSession, load_model
+    from ortpa.runtime.ort_session import external_initializers, open_ort_session
+    from ortpa.runtime.session import PagedSession, read_for_session
     from ortpa.testing.greedy import dense_greedy, paged_greedy
 
     if not args.prompt_ids:
         args.prompt_ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-    dense_proto = load_model(args.original)
-    dense = ort.InferenceSession(dense_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    dense_loaded = read_for_session(args.original)  # checked; ONNX Runtime opens the file itself
+    graph_only, external = external_initializers(dense_loaded.proto, dense_loaded.base_dir)
+    dense = open_ort_session(
+        dense_loaded, graph_only, external, unchanged=True, providers=["CPUExecutionProvider"]
+    ).session
     paged = PagedSession(
         args.converted,
         num_blocks=args.num_blocks,

@@ -309,15 +309,17 @@ def validate_model(model: Any, backend: str | None = None) -> ValidationReport:
     return ValidationReport(source, backend, tuple(nodes), warnings)
 
 
-def validate_backends(model: Any, backends: Sequence[str]) -> dict[str | None, ValidationReport]:
+def validate_backends(
+    model: Any, backends: Sequence[str], *, shapes_inferred: bool = False
+) -> dict[str | None, ValidationReport]:
     """One report without a backend gate (key ``None``) and one per backend in ``backends``, from a single
     shape inference and a single check of each node's rules (sessions need all three; they used to cost three
-    validations and three shape inferences)."""
+    validations and three shape inferences). ``shapes_inferred``: the caller ran shape inference already."""
     for backend in backends:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {available_backends()}")
     proto, source = load_model(model)
-    proto, warnings = _inferred(proto)
+    proto, warnings = (proto, ()) if shapes_inferred else _inferred(proto)
     nodes: dict[str | None, list[NodeReport]] = {None: [], **{b: [] for b in backends}}
     for label, node, types in _all_nodes(proto):
         report, params, cache_outputs = _check_rules(label, node, types, 1024)

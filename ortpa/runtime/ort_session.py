@@ -32,6 +32,7 @@ __all__ = [
     "MIN_EXTERNAL_BYTES",
     "ExternalInitializers",
     "OrtSession",
+    "copy_without_initializers",
     "external_initializers",
     "open_ort_session",
 ]
@@ -103,12 +104,12 @@ def external_initializers(
             entry.key, entry.value = key, value
         kept.append(stub)
         taken.append(init)
-    out = _without_initializers(proto)
+    out = copy_without_initializers(proto)
     out.graph.initializer.extend(kept)
     return out, ExternalInitializers(base_dir, tuple(taken))
 
 
-def _without_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
+def copy_without_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``proto`` with an empty initializer list, made without copying the initializers' bytes."""
     graph = _copy_fields(proto.graph, onnx.GraphProto(), skip="initializer")
     out = _copy_fields(proto, onnx.ModelProto(), skip="graph")

@@ -112,7 +112,7 @@ def _plan_nodes(loaded: LoadedModel, providers: list[str]) -> tuple[list[str], l
     if not _paged_nodes(loaded.proto):
         return [], []
     native_backend = _NATIVE_BACKEND.get(providers[0]) if providers else None
-    reports = validate_backends(loaded, [b for b in (native_backend, "portable") if b])
+    reports = validate_backends(loaded, [b for b in (native_backend, "portable") if b], shapes_inferred=True)
     report = reports[None]
     if not report.ok:
         raise _report_error(report)
@@ -181,7 +181,7 @@ class InferenceSession:
         renamed = _name_nodes(graph_only)
         self._providers_requested = list(providers) if providers else _provider_names(None)
         names = _provider_names(self._providers_requested)
-        inferred = infer_shapes(graph_only) if _paged_nodes(graph_only) else graph_only
+        inferred = infer_shapes(graph_only) if _paged_nodes(graph_only) else graph_only  # once per session
         self.native_nodes, self.portable_nodes = _plan_nodes(dataclasses.replace(loaded, proto=inferred), names)
         # found on the op nodes, before the portable lowering replaces them by function calls
         self.aliases = find_cache_aliases(graph_only)

@@ -1,0 +1,389 @@
+"""The loading and writing ends of the conversion pipeline, for models of any size.
+
+Loading (:func:`load_ir`): a file is checked by :func:`ortpa.model_file.read_model` without reading its weights
+and by ``onnx.checker`` from its path, then deserialized into onnx-ir with every external tensor left lazy
+(``onnx_ir.ExternalTensor``, memory-mapped from the input's own folder on first use).
+
+Writing (:func:`convert_file` -> :func:`finish`): inside :func:`writing_to`, the converted ``ir.Model`` is
+streamed to a private temp folder next to the output: the graph as a small protobuf, every tensor of
+:data:`MIN_EXTERNAL_BYTES` or more one after the other in ``<output>.data`` (``onnx_ir.save`` reads a lazy
+tensor, writes it, drops it). Weights the rewrite computes (absorbed ``W_UK``/``W_UV``) are spilled to a scratch
+file after each layer (:func:`after_layer`), so they never accumulate in memory; dtype casts are lazy and
+computed tensor by tensor while writing (:mod:`ortpa.rewriter.dtype`). The checks then run from the written
+path: ``onnx.checker`` on the path, ortpa's node validation on the graph, and ONNX Runtime's CPU load check on
+the graph with its large initializers declared as typed graph inputs (ORT resolves types and kernels without
+the weights). Only then are the data file and the model moved into place: the output is complete or absent.
+
+When external data is used: whenever the input had any, or the weights total :data:`EXTERNAL_DATA_THRESHOLD`
+or more (1 GiB: protobuf caps a file at 2 GB, and an inline model costs ONNX Runtime a second copy while it
+parses). The input folder is never written to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from ortpa.errors import ConversionError, InvalidModel
+from ortpa.model_file import read_model
+
+__all__ = [
+    "EXTERNAL_DATA_THRESHOLD",
+    "MIN_EXTERNAL_BYTES",
+    "after_layer",
+    "check_session_from_path",
+    "convert_file",
+    "finish",
+    "load_ir",
+    "save_model",
+    "writing_to",
+]
+
+EXTERNAL_DATA_THRESHOLD = 2**30  # weights past this go to external data even when the input had none
+MIN_EXTERNAL_BYTES = 1024  # tensors below stay in the protobuf (shapes, scalars: what ORT folds at load)
+_SESSION_CHECK_MIN_BYTES = 4096  # initializers the ORT load check sees as typed graph inputs instead
+_IN_FLIGHT_BYTES = 256 * 2**20  # onnx_ir.save's read-ahead budget while writing external data
+_PROTOBUF_LIMIT = 2**31 - 2**20
+
+Progress = Callable[[str], None]
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+# ------------------------------------------------------------------------------------------ loading
+def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
+    """A private ir.Model: the caller's model object is never modified.
+
+    Paths: checked by the shared loader without reading the weights, checked by onnx.checker from the path,
+    external tensors left lazy (memory-mapped from the input folder when read). ModelProtos go through the
+    same loader with their data inline. The input must pass onnx.checker, which the converted model has to pass
+    anyway: a model it rejects would otherwise fail somewhere deep in the optimizer with an unrelated message.
+    """
+    if isinstance(model, ir.Model):  # the caller's own in-memory object: a private copy, as before
+        return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    if not isinstance(model, (onnx.ModelProto, str, os.PathLike)):
+        raise TypeError(f"expected onnx.ModelProto, onnx_ir.Model or a path, got {type(model).__name__}")
+    from_path = not isinstance(model, onnx.ModelProto)
+    loaded = read_model(model, load_external_data=not from_path)
+    try:
+        onnx.checker.check_model(os.fspath(model) if from_path else loaded.proto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        reason = " ".join(str(exc).split())
+        raise InvalidModel(loaded.label, f"fails onnx.checker: {reason[:500]}") from None
+    except ValueError:  # an in-memory proto over 2 GB: ONNX Runtime checks the written model at the end
+        pass
+    irm = ir.serde.deserialize_model(loaded.proto)
+    if loaded.base_dir is not None:
+        ir.external_data.set_base_dir(irm.graph, loaded.base_dir)
+    return irm
+
+
+def layer_count(irm: ir.Model) -> int:
+    """Layers the conversion will rewrite, for progress: the model's past_key_values.{i}.key inputs."""
+    return sum(1 for v in irm.graph.inputs if v.name.startswith("past_key_values.") and v.name.endswith(".key"))
+
+
+# ------------------------------------------------------------------------------------------ the sink
+@dataclass
+class _Sink:
+    """Where :func:`finish` writes: the final path and the private temp folder next to it."""
+
+    out: Path
+    tmp: Path
+    progress: Progress | None = None
+    scratch: Path | None = None  # computed weights spilled per layer
+    scratch_size: int = 0
+    inputs: frozenset[Path] = field(default_factory=frozenset)  # the input's files, never to be replaced
+    force_external: bool = False
+    result: onnx.ModelProto | None = None
+
+
+_SINK: contextvars.ContextVar[_Sink | None] = contextvars.ContextVar("ortpa_model_sink", default=None)
+
+
+@contextlib.contextmanager
+def writing_to(out_path: str | os.PathLike, progress: Progress | None = None) -> Iterator[_Sink]:
+    """Within the block, :func:`finish` streams the converted model to ``out_path`` instead of returning an
+    in-memory proto. The temp folder is removed on any exit: success has moved its files out already."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    sink = _Sink(out, tmp, progress)
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def after_layer(irm: ir.Model) -> None:
+    """When writing to a file: move every computed in-memory initializer of :data:`MIN_EXTERNAL_BYTES` or more
+    to the scratch file, so the next layer starts with only the model's (memory-mapped) weights in memory."""
+    sink = _SINK.get()
+    if sink is None:
+        return
+    if sink.scratch is None:
+        sink.scratch = sink.tmp / "computed.scratch"
+    with open(sink.scratch, "ab") as f:
+        for value in irm.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None or isinstance(tensor, (ir.ExternalTensor, ir.LazyTensor)):
+                continue
+            if tensor.nbytes < MIN_EXTERNAL_BYTES:
+                continue
+            data = tensor.tobytes()
+            offset = sink.scratch_size
+            f.write(data)
+            sink.scratch_size += len(data)
+            value.const_value = ir.ExternalTensor(
+                sink.scratch.name,
+                offset,
+                len(data),
+                tensor.dtype,
+                shape=tensor.shape,
+                name=tensor.name or value.name,
+                base_dir=sink.tmp,
+            )
+
+
+# ------------------------------------------------------------------------------------------ finishing
+def finish(irm: ir.Model, progress: Progress | None, check_session: bool) -> onnx.ModelProto:
+    """The converted model, checked: an in-memory proto, or (inside :func:`writing_to`) the written file's
+    graph (its tensors stored externally reference ``<output>.data`` next to the output)."""
+    sink = _SINK.get()
+    if sink is None:
+        return _serialize_checked(irm, progress, check_session)
+    _write(irm, sink, progress)
+    _say(progress, "checking")
+    tmp_model = sink.tmp / sink.out.name
+    try:
+        onnx.checker.check_model(str(tmp_model), full_check=False)
+    except Exception as exc:
+        raise ConversionError("the converted model fails onnx.checker", [("model", str(exc)[:2000])]) from exc
+    header = onnx.load(str(tmp_model), load_external_data=False)
+    _validate(header)
+    if check_session:
+        check_session_from_path(header)
+    _move_into_place(sink)
+    _say(progress, "done")
+    if _has_external(header):
+        return header
+    return onnx.load(str(sink.out))
+
+
+def _total_bytes(irm: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in irm.graph.initializers.values() if v.const_value is not None)
+
+
+def _has_external_input(irm: ir.Model, scratch_dir: Path) -> bool:
+    """Whether the input stored weights externally (tensors spilled by :func:`after_layer` do not count)."""
+    return any(
+        isinstance(t := v.const_value, ir.ExternalTensor) and Path(t.base_dir) != scratch_dir
+        for v in irm.graph.initializers.values()
+    )
+
+
+def _write(irm: ir.Model, sink: _Sink, progress: Progress | None) -> None:
+    total = _total_bytes(irm)
+    external = sink.force_external or _has_external_input(irm, sink.tmp) or total >= EXTERNAL_DATA_THRESHOLD
+    data_name = sink.out.name + ".data"
+    target = (sink.out.parent / data_name).resolve()
+    if target in sink.inputs:
+        raise ConversionError(
+            f"cannot write {sink.out}: its data file {data_name} is the input's own external data",
+            [("out_path", str(sink.out))],
+        )
+    _say(progress, f"writing {total / 1e6:.0f} MB of weights" + (f" to {data_name}" if external else ""))
+    done = 0
+
+    def on_tensor(tensor: ir.TensorProtocol, info) -> None:
+        nonlocal done
+        done += tensor.nbytes
+        bytes_progress = getattr(progress, "bytes", None)
+        if bytes_progress is not None:
+            bytes_progress(done, total)
+
+    tmp_model = sink.tmp / sink.out.name
+    try:
+        if external:
+            ir.save(
+                irm,
+                tmp_model,
+                external_data=data_name,
+                size_threshold_bytes=MIN_EXTERNAL_BYTES,
+                callback=on_tensor,
+                max_workers=1,
+                max_in_flight_bytes=_IN_FLIGHT_BYTES,
+            )
+        else:  # under the threshold: the whole model inline, spilled and memory-mapped tensors read in
+            ir.save(ir.external_data.load_to_model(irm), tmp_model)
+    except ValueError as exc:  # protobuf refuses a graph past 2 GB even without its weights
+        raise ConversionError(f"cannot write {sink.out}: {exc}") from exc
+    except OSError as exc:
+        raise ConversionError(f"cannot write {sink.out}: {exc.strerror or exc}") from exc
+
+
+def _move_into_place(sink: _Sink) -> None:
+    """Data file first, model last; an existing output is removed first, so a crash in between leaves no model
+    (never an old model next to a new data file)."""
+    data_name = sink.out.name + ".data"
+    tmp_data = sink.tmp / data_name
+    try:
+        if tmp_data.exists():
+            if sink.out.exists() or sink.out.is_symlink():
+                os.unlink(sink.out)
+            os.replace(tmp_data, sink.out.parent / data_name)
+        os.replace(sink.tmp / sink.out.name, sink.out)
+    except OSError as exc:
+        raise ConversionError(f"cannot write {sink.out}: {exc.strerror or exc}") from exc
+
+
+def _has_external(proto: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+
+
+def _serialize_checked(irm: ir.Model, progress: Progress | None, check_session: bool) -> onnx.ModelProto:
+    """Serialize, then onnx.checker, ortpa's node validation and (optionally) ORT's session check."""
+    proto = ir.serde.serialize_model(irm)
+    _say(progress, "checking")
+    try:
+        onnx.checker.check_model(proto, full_check=False)
+    except Exception as exc:
+        raise ConversionError("the converted model fails onnx.checker", [("model", str(exc)[:2000])]) from exc
+    _validate(proto)
+    if check_session:
+        check_session_from_path(proto)
+    _say(progress, "done")
+    return proto
+
+
+def _validate(proto: onnx.ModelProto) -> None:
+    """Every PagedAttention node against ONNX Runtime's rules (ortpa.ops.validate), for the CUDA backend."""
+    from ortpa.ops.validate import validate_model
+
+    report = validate_model(proto, backend="cuda")
+    if not report.ok:
+        raise ConversionError("the converted model has invalid PagedAttention nodes", _report_pairs(report))
+
+
+def _report_pairs(report) -> list[tuple[str, str]]:
+    """(node, problem) pairs from an ortpa.ops.validate report: rule errors and backend gaps."""
+    pairs = []
+    for node in getattr(report, "nodes", ()):
+        pairs += [(node.node, f"[{rule}] {name}: {msg}") for rule, name, msg in node.errors]
+        pairs += [(node.node, f"not implemented by {b}: {f}: {d}") for b, f, d in node.backend_errors]
+    return pairs or [("model", report.format() if hasattr(report, "format") else str(report))]
+
+
+def weightless(proto: onnx.ModelProto, min_bytes: int = _SESSION_CHECK_MIN_BYTES) -> onnx.ModelProto:
+    """A copy of ``proto`` whose initializers of ``min_bytes`` or more (inline or external) are typed graph
+    inputs: ONNX Runtime resolves the graph's types and kernels exactly as with the weights, without them."""
+    from ortpa.runtime.ort_session import copy_without_initializers  # runtime: no import cycle
+
+    out = copy_without_initializers(proto)
+    for init in proto.graph.initializer:
+        count = 1
+        for d in init.dims:
+            count *= int(d)
+        external = init.data_location == onnx.TensorProto.EXTERNAL
+        if external or count * _itemsize(init.data_type) >= min_bytes:
+            out.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        else:
+            out.graph.initializer.append(init)
+    return out
+
+
+def _itemsize(data_type: int) -> int:
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except Exception:
+        return 1
+
+
+def check_session_from_path(proto: onnx.ModelProto) -> None:
+    """ORT on CPU must get as far as kernel lookup and fail only on PagedAttention's missing CPU kernel.
+
+    Runs on :func:`weightless` of the graph, so it needs neither the weights nor protobuf's 2 GB."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(weightless(proto).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        text = str(exc)
+        if "NOT_IMPLEMENTED" in text and "PagedAttention" in text:
+            return
+        # The CPU EP finds no PagedAttention kernel for float16 and wraps the node in float32 Casts
+        # (InsertCastTransformer), which the op's type constraint then rejects: the same "no CPU kernel" verdict,
+        # reached after the whole graph resolved.
+        if "InsertedPrecisionFreeCast" in text and "PagedAttention" in text:
+            return
+        raise ConversionError("ONNX Runtime rejects the converted model", [("session (CPU)", text[:2000])]) from exc
+    raise ConversionError(
+        "ONNX Runtime loaded the converted model on CPU; expected NOT_IMPLEMENTED for PagedAttention",
+        [("session (CPU)", "no PagedAttention node reached kernel lookup")],
+    )
+
+
+# ------------------------------------------------------------------------------------------ files
+def _input_files(in_path: Path) -> frozenset[Path]:
+    files = {in_path.resolve()}
+    try:
+        header = onnx.load(str(in_path), load_external_data=False)
+    except Exception:
+        return frozenset(files)  # read_model reports it properly
+    for t in header.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                files.add((in_path.parent / e.value).resolve())
+    return frozenset(files)
+
+
+def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **options) -> onnx.ModelProto:
+    """:func:`ortpa.convert` a model file into ``out_path``: streamed, checked from the written files, then
+    moved into place (the output and its ``.data`` are complete or absent; the input is never modified).
+
+    Returns the written model: the whole model when it is inline; when its weights are in ``<out>.data``,
+    the graph with external references relative to the output's folder (``onnx.load(out_path)`` or
+    ``onnx.load_external_data_for_model(model, out_dir)`` read them in; sessions take ``out_path`` itself).
+    """
+    from ortpa.rewriter.pipeline import convert
+
+    if Path(in_path).resolve() == Path(out_path).resolve():
+        raise ConversionError("refusing to overwrite the input model", [("out_path", str(out_path))])
+    if Path(out_path).is_dir():  # found before the work, not after it
+        raise ConversionError(f"cannot write {os.fspath(out_path)}: it is a directory")
+    try:
+        with writing_to(out_path, options.get("progress")) as sink:
+            sink.inputs = _input_files(Path(in_path))
+            return convert(in_path, **options)
+    except OSError as exc:
+        raise ConversionError(f"cannot write {os.fspath(out_path)}: {exc.strerror or exc}") from exc
+
+
+def save_model(proto: onnx.ModelProto, out_path: str | os.PathLike) -> None:
+    """Write an in-memory proto atomically (temp folder next to the target, then moved); ``proto`` is not
+    modified. External data (``<out>.data``) when its weights reach :data:`EXTERNAL_DATA_THRESHOLD`."""
+    out = Path(out_path)
+    with writing_to(out) as sink:
+        irm = ir.serde.deserialize_model(proto)
+        total = _total_bytes(irm)
+        if total >= EXTERNAL_DATA_THRESHOLD or proto.ByteSize() > _PROTOBUF_LIMIT:
+            sink.force_external = True
+        _write(irm, sink, None)
+        _move_into_place(sink)

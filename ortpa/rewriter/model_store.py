@@ -87,6 +87,10 @@ def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
     irm = ir.serde.deserialize_model(loaded.proto)
     if loaded.base_dir is not None:
         ir.external_data.set_base_dir(irm.graph, loaded.base_dir)
+    sink = _SINK.get()
+    layers = getattr(sink.progress, "layers", None) if sink is not None else None
+    if layers is not None:  # a progress display that shows "layer i/n"
+        layers(layer_count(irm))
     return irm
 
 

@@ -16,7 +16,8 @@ the same run:
   two fresh subprocesses: wall time after imports and peak private memory; the dense original for reference.
 
 Rows: ``convert/v2lite/layersN`` with ``peak_rss_anon`` (target in its notes), ``convert_seconds``,
-``convert_mb_s``, ``cp_mb_s``, ``convert_over_cp``, ``session_startup_ratio``, ``session_rss_ratio``. Folders are deleted after each layer count.
+``convert_mb_s``, ``cp_mb_s``, ``convert_over_cp``, ``session_startup_ratio``, ``session_rss_ratio``.
+Folders are deleted after each layer count.
 """
 
 from __future__ import annotations

@@ -102,16 +102,34 @@ def layer_count(irm: ir.Model) -> int:
 # ------------------------------------------------------------------------------------------ the sink
 @dataclass
 class _Sink:
-    """Where :func:`finish` writes: the final path and the private temp folder next to it."""
+    """Where :func:`finish` writes: the final path and a private temp folder next to it, made on first use
+    (nothing is created next to the output before the conversion has something to write)."""
 
     out: Path
-    tmp: Path
     progress: Progress | None = None
     scratch: Path | None = None  # computed weights spilled per layer
     scratch_size: int = 0
     inputs: frozenset[Path] = field(default_factory=frozenset)  # the input's files, never to be replaced
     force_external: bool = False
-    result: onnx.ModelProto | None = None
+    _tmp: Path | None = None
+    _made: list[Path] = field(default_factory=list)  # folders this conversion created, removed on failure
+
+    @property
+    def tmp(self) -> Path:
+        if self._tmp is None:
+            missing = [p for p in [self.out.parent, *self.out.parent.parents] if not p.exists()]
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self._made = missing  # deepest first
+            self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".tmp", dir=self.out.parent))
+        return self._tmp
+
+    def cleanup(self, failed: bool) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        if failed:
+            for folder in self._made:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only when still empty
 
 
 _SINK: contextvars.ContextVar[_Sink | None] = contextvars.ContextVar("ortpa_model_sink", default=None)
@@ -120,17 +138,17 @@ _SINK: contextvars.ContextVar[_Sink | None] = contextvars.ContextVar("ortpa_mode
 @contextlib.contextmanager
 def writing_to(out_path: str | os.PathLike, progress: Progress | None = None) -> Iterator[_Sink]:
     """Within the block, :func:`finish` streams the converted model to ``out_path`` instead of returning an
-    in-memory proto. The temp folder is removed on any exit: success has moved its files out already."""
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    sink = _Sink(out, tmp, progress)
+    in-memory proto. The temp folder is removed on any exit (success has moved its files out already), and on
+    failure so are the output's parent folders this call created."""
+    sink = _Sink(Path(out_path), progress)
     token = _SINK.set(sink)
+    failed = True
     try:
         yield sink
+        failed = False
     finally:
         _SINK.reset(token)
-        shutil.rmtree(tmp, ignore_errors=True)
+        sink.cleanup(failed)
 
 
 def after_layer(irm: ir.Model) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "check_session_from_path",
     "convert_file",
     "finish",
+    "inline_copy",
     "load_ir",
     "save_model",
     "writing_to",
@@ -277,9 +278,22 @@ def _has_external(proto: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
 
 
+def inline_copy(irm: ir.Model) -> onnx.ModelProto:
+    """``irm`` as one in-memory ModelProto, memory-mapped tensors read in (``irm`` itself stays lazy): for the
+    in-memory API and the int8 calibration, which run the model from bytes."""
+    proto = ir.serde.serialize_model(irm)
+    lazy = {name: t for name, v in irm.graph.initializers.items() if isinstance(t := v.const_value, ir.ExternalTensor)}
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.name in lazy:
+            tensor.raw_data = lazy[tensor.name].tobytes()  # onnx_ir reads it from the checked folder
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    return proto
+
+
 def _serialize_checked(irm: ir.Model, progress: Progress | None, check_session: bool) -> onnx.ModelProto:
     """Serialize, then onnx.checker, ortpa's node validation and (optionally) ORT's session check."""
-    proto = ir.serde.serialize_model(irm)
+    proto = inline_copy(irm)
     _say(progress, "checking")
     try:
         onnx.checker.check_model(proto, full_check=False)

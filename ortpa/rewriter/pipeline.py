@@ -215,7 +215,7 @@ def convert(
     _progress(progress, "loading")
     irm = model_store.load_ir(model)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
-        kv_plan.dense = ir.serde.serialize_model(irm)
+        kv_plan.dense = model_store.inline_copy(irm)
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     graph = irm.graph

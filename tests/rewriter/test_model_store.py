@@ -166,3 +166,20 @@ def test_session_options_are_not_reused_across_models(tmp_path):
     first = InferenceSession(out, opts, providers=["CPUExecutionProvider"])
     second = InferenceSession(convert(FIXTURE), opts, providers=["CPUExecutionProvider"])
     assert first.get_inputs()[0].name == second.get_inputs()[0].name
+
+
+def test_in_memory_convert_of_an_external_data_model_is_complete(tmp_path):
+    """ortpa.convert(path) returns a whole ModelProto even when the input's weights are external (lazy inside)."""
+    src = _external_copy(tmp_path / "in")
+    proto = convert(src)
+    assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    assert _tokens(proto) == _tokens(convert(FIXTURE))
+
+
+def test_int8_calibration_runs_on_an_external_data_model(tmp_path):
+    """The int8 KV calibration runs the dense model from bytes: it gets the weights read in, not references."""
+    src = _external_copy(tmp_path / "in")
+    out = tmp_path / "paged.onnx"
+    convert_file(src, out, kv_cache_dtype="int8")
+    inputs = onnx.load(str(out), load_external_data=False).graph.input
+    assert sum(i.type.tensor_type.elem_type == onnx.TensorProto.INT8 for i in inputs) == 2  # one cache per layer

@@ -110,7 +110,7 @@ class _Sink:
     progress: Progress | None = None
     scratch: Path | None = None  # computed weights spilled per layer
     scratch_size: int = 0
-    inputs: frozenset[Path] = field(default_factory=frozenset)  # the input's files, never to be replaced
+    inputs: frozenset[Path] = field(default_factory=frozenset)  # the input model file, never to be replaced
     force_external: bool = False
     _tmp: Path | None = None
     _made: list[Path] = field(default_factory=list)  # folders this conversion created, removed on failure
@@ -224,7 +224,12 @@ def _write(irm: ir.Model, sink: _Sink, progress: Progress | None) -> None:
     external = sink.force_external or _has_external_input(irm, sink.tmp) or total >= EXTERNAL_DATA_THRESHOLD
     data_name = sink.out.name + ".data"
     target = (sink.out.parent / data_name).resolve()
-    if target in sink.inputs:
+    inputs = set(sink.inputs) | {
+        Path(t.path).resolve()
+        for v in irm.graph.initializers.values()
+        if isinstance(t := v.const_value, ir.ExternalTensor) and Path(t.base_dir) != sink.tmp
+    }
+    if target in inputs:
         raise ConversionError(
             f"cannot write {sink.out}: its data file {data_name} is the input's own external data",
             [("out_path", str(sink.out))],
@@ -377,19 +382,6 @@ def check_session_from_path(proto: onnx.ModelProto) -> None:
 
 
 # ------------------------------------------------------------------------------------------ files
-def _input_files(in_path: Path) -> frozenset[Path]:
-    files = {in_path.resolve()}
-    try:
-        header = onnx.load(str(in_path), load_external_data=False)
-    except Exception:
-        return frozenset(files)  # read_model reports it properly
-    for t in header.graph.initializer:
-        for e in t.external_data:
-            if e.key == "location":
-                files.add((in_path.parent / e.value).resolve())
-    return frozenset(files)
-
-
 def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **options) -> onnx.ModelProto:
     """:func:`ortpa.convert` a model file into ``out_path``: streamed, checked from the written files, then
     moved into place (the output and its ``.data`` are complete or absent; the input is never modified).
@@ -406,7 +398,7 @@ def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **opti
         raise ConversionError(f"cannot write {os.fspath(out_path)}: it is a directory")
     try:
         with writing_to(out_path, options.get("progress")) as sink:
-            sink.inputs = _input_files(Path(in_path))
+            sink.inputs = frozenset({Path(in_path).resolve()})
             return convert(in_path, **options)
     except OSError as exc:
         raise ConversionError(f"cannot write {os.fspath(out_path)}: {exc.strerror or exc}") from exc

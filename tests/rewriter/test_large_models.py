@@ -4,7 +4,8 @@ A DeepSeek-V2-Lite-dimension dense model (hidden 2048, 16 heads, kv_lora 512, in
 ~0.33 GB per layer + 0.52 GB of embeddings) is written with external data into a temp folder (deleted after),
 converted with ``ortpa convert``, validated, and greedy-decoded for 2 prompts on the dense original (plain ONNX
 Runtime from its path) and on the converted model (PagedSession, portable CPU path): same tokens. Just below
-2 GB (4 layers, 1.8 GB) and just above it (5 layers, 2.1 GB). Minutes on 2 cores: behind ``slow``.
+2 GB (4 layers, 1.8 GB, behind ``slow``) and above it (6 layers, 2.5 GB: ~45 s on 2 cores and 5 GB of temp disk,
+in CI).
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ PROMPTS = [[11, 402, 9, 3310, 77, 5], [1201, 6]]
 NEW_TOKENS = 3
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layers", [4, 5], ids=["below-2GB", "above-2GB"])
+@pytest.mark.parametrize(
+    "layers",
+    [pytest.param(4, id="below-2GB", marks=pytest.mark.slow), pytest.param(6, id="above-2GB")],
+)
 def test_large_model_converts_validates_and_generates_the_dense_tokens(tmp_path, layers):
     folder = tmp_path / f"v2lite{layers}"
     try:
         dense = write_dense_mla(DenseMlaConfig(layers=layers, **V2_LITE), folder / "dense" / "model.onnx")
         size = sum(p.stat().st_size for p in dense.parent.iterdir())
-        assert (size > 2**31) == (layers == 5)
+        assert (size > 2**31) == (layers == 6)
         assert dense.stat().st_size < 2**20  # the graph alone: the builder never made a proto with the weights
         out = folder / "paged" / "paged.onnx"
         assert main(["convert", str(dense), str(out), "--quiet"]) == 0

@@ -86,7 +86,7 @@ class ConvertProgress:
         now = self.clock()
         parts = []
         if self.total_bytes and self._bytes_start is not None:
-            frac = self.done_bytes / self.total_bytes
+            frac = min(1.0, self.done_bytes / self.total_bytes)
             elapsed = now - self._bytes_start
             rate = self.done_bytes / elapsed if elapsed > 0 else 0.0
             eta = (self.total_bytes - self.done_bytes) / rate if rate > 0 else None

@@ -59,3 +59,18 @@ def test_cli_convert_progress_and_quiet(tmp_path, capsys):
     assert main(["convert", str(FIXTURE), str(tmp_path / "b.onnx"), "--quiet"]) == 0
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_convert_file_feeds_the_bar_layers_and_bytes(tmp_path, monkeypatch):
+    """The converter tells the display how many layers there are and how many bytes are written."""
+    import ortpa.rewriter.model_store as model_store
+    from ortpa.rewriter.pipeline import convert_file
+
+    monkeypatch.setattr(model_store, "EXTERNAL_DATA_THRESHOLD", 1)  # external data: bytes are reported
+    stream = io.StringIO()
+    p = ConvertProgress(stream, tty=True)
+    convert_file(FIXTURE, tmp_path / "paged.onnx", progress=p)
+    assert p.total_layers == 2 and p.layer == 2
+    data = (tmp_path / "paged.onnx.data").stat().st_size
+    assert p.total_bytes >= data and p.done_bytes == p.total_bytes
+    assert "layer 2/2" in stream.getvalue()

@@ -236,13 +236,19 @@ def _write(irm: ir.Model, sink: _Sink, progress: Progress | None) -> None:
         )
     _say(progress, f"writing {total / 1e6:.0f} MB of weights" + (f" to {data_name}" if external else ""))
     done = 0
+    # what the callback will report: the tensors that go to the data file (smaller ones stay in the graph)
+    streamed = sum(
+        v.const_value.nbytes
+        for v in irm.graph.initializers.values()
+        if v.const_value is not None and v.const_value.nbytes >= MIN_EXTERNAL_BYTES
+    )
 
     def on_tensor(tensor: ir.TensorProtocol, info) -> None:
         nonlocal done
         done += tensor.nbytes
         bytes_progress = getattr(progress, "bytes", None)
         if bytes_progress is not None:
-            bytes_progress(done, total)
+            bytes_progress(done, streamed)
 
     tmp_model = sink.tmp / sink.out.name
     try:

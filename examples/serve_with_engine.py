@@ -23,8 +23,8 @@ def main() -> int:
     model = onnx.load(sys.argv[1] if len(sys.argv) > 1 else DEFAULT)
     if not any(n.op_type == "PagedAttention" for n in model.graph.node):
         model = ortpa.convert(model)
-    # On CPU (portable op) separate prompt and decode steps are faster; the defaults suit the native kernels.
-    engine = Engine(model, num_blocks=64, block_size=16, mixed_steps=False)
+    # Defaults: every step mixes decodes and prompt chunks, on CPU (portable op) as on the native kernels.
+    engine = Engine(model, num_blocks=64, block_size=16)
 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11] * 20, [1, 2, 3, 12]]
     greedy = SamplingParams(max_new_tokens=6)

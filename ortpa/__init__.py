@@ -8,6 +8,7 @@ The public API, re-exported from the modules that implement it:
 * :class:`PagedSession` — caches owned as OrtValues and updated in place through IO binding.
 * :class:`PagedKVCache` — the block manager that emits the op's index tensors.
 * :class:`Engine` — continuous batching (chunked prefill, preemption, prefix caching, sampling).
+* :func:`resolve_model` — a folder or a Hugging Face repo id in the local cache -> its ONNX file (offline).
 * :func:`export_hf` — Hugging Face config or local model dir -> dense ONNX (needs the ``export`` extra).
 """
 
@@ -28,6 +29,7 @@ from ortpa.errors import (
     RequestTooLarge,
     RequestTooLong,
 )
+from ortpa.model_ref import NoOnnxFile, resolve_model
 from ortpa.ops.node_check import ValidationReport, validate
 from ortpa.ops.validate import check_inputs
 from ortpa.rewriter.pipeline import convert, convert_file
@@ -48,6 +50,7 @@ __all__ = [
     "InvalidModel",
     "InvalidRequest",
     "KVPoolTooLarge",
+    "NoOnnxFile",
     "NotImplementedByBackend",
     "OrtpaError",
     "OutOfBlocks",
@@ -64,6 +67,7 @@ __all__ = [
     "convert",
     "convert_file",
     "export_hf",
+    "resolve_model",
     "validate",
 ]
 

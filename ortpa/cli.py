@@ -11,10 +11,11 @@ import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
-from ortpa.errors import OrtpaError
+from ortpa.errors import ConversionError, InvalidRequest, OrtpaError
 
 __all__ = ["main"]
 
@@ -23,8 +24,10 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 _EPILOG = """examples:
   ortpa demo
   ortpa convert dense.onnx paged.onnx
+  ortpa convert ./DeepSeek-V2-Lite paged.onnx      (a Hugging Face folder: export, then convert)
   ortpa validate paged.onnx --backend cuda
   ortpa generate paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8 --json
+  ortpa generate paged.onnx --prompt "Hello" --max-new-tokens 32
   ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3
 """
 
@@ -33,6 +36,17 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 on usage errors; keep that, shorter text
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+_MODEL_HELP = "; or a model folder, or a Hugging Face repo id ORG/NAME in the local cache (never downloaded)"
+
+
+def _add_revision(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a Hugging Face repo id given as a model (default: main); offline",
+    )
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -44,7 +58,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from ortpa.ops.validate import validate_model
 
-    report = validate_model(args.model, backend=args.backend)
+    report = validate_model(args.model, backend=args.backend, revision=args.revision)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     elif not args.quiet or not report.ok:
@@ -61,7 +75,8 @@ def _register_validate(sub) -> None:
         epilog="example:\n  ortpa validate paged.onnx --backend cuda --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="path to an .onnx file")
+    p.add_argument("model", help="path to an .onnx file" + _MODEL_HELP)
+    _add_revision(p)
     p.add_argument(
         "--backend",
         choices=["cuda", "webgpu", "portable"],
@@ -89,13 +104,53 @@ def _convert_progress(args: argparse.Namespace):
     return ConvertProgress(sys.stderr)
 
 
+def _export_first(args: argparse.Namespace, folder: Path) -> str:
+    """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``OUT.dense.onnx`` first; that file's path."""
+    try:
+        from ortpa.export import export_hf
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConversionError(
+            f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
+            f"(pip install 'ortpa[export]'): {exc}"
+        ) from None
+    progress = _progress_printer(args)
+    dense = args.output + ".dense.onnx"
+    if progress:
+        progress(f"[1/2] export {folder} -> {dense}")
+    export_hf(
+        folder,
+        dense,
+        random_weights=False,
+        opset=args.opset,
+        attn_implementation=args.attn_implementation,
+        experts=args.experts,
+        dtype=args.export_dtype,
+        external_data=True if args.external_data else None,
+        progress=progress,
+        verbose=args.verbose,
+    )
+    if progress:
+        progress(f"[2/2] convert {dense} -> {args.output}")
+    return dense
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from ortpa.model_ref import ModelRef, NoOnnxFile, companion_files, locate_model
     from ortpa.rewriter.pipeline import convert_file
 
+    try:
+        ref = locate_model(args.input, args.revision)
+    except NoOnnxFile as exc:  # a Hugging Face checkpoint (config.json, no ONNX file): export it first
+        if not (exc.folder / "config.json").is_file():
+            raise
+        try:
+            ref = ModelRef(Path(_export_first(args, exc.folder)), exc.folder)
+        except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
+            raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
     progress = _convert_progress(args)
     try:
         proto = convert_file(
-            args.input,
+            ref,
             args.output,
             dtype=args.dtype,
             rope_in_op=args.rope_in_op,
@@ -112,11 +167,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
     nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
-    result = {"output": args.output, "paged_attention_nodes": nodes}
+    copied = [name for name, _ in companion_files(ref.folder)] if ref.folder is not None else []
+    result = {"input": str(ref.path), "output": args.output, "paged_attention_nodes": nodes, "copied": copied}
     if args.json:
         print(json.dumps(result))
     elif not args.quiet:
-        print(f"wrote {args.output}: {nodes} PagedAttention node(s)")
+        also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
+        print(f"wrote {args.output}: {nodes} PagedAttention node(s){also}")
     return EXIT_OK
 
 
@@ -128,11 +185,23 @@ def _register_convert(sub) -> None:
         "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
         "The input is never modified; a model or layer that does not match is reported and nothing is written.",
         epilog="examples:\n  ortpa convert dense.onnx paged.onnx\n"
-        "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op",
+        "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op\n"
+        "  ortpa convert ORG/NAME out/model.onnx --revision main   # a repo in the local Hugging Face cache",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("input", help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)")
-    p.add_argument("output", help="where to write the paged model")
+    p.add_argument(
+        "input",
+        help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)"
+        + _MODEL_HELP
+        + "; a Hugging Face checkpoint folder (config.json and weights, no .onnx file) is exported to "
+        "OUTPUT.dense.onnx first (needs the export extra)",
+    )
+    p.add_argument(
+        "output",
+        help="where to write the paged model (a regular file; a folder or repo input's tokenizer and config "
+        "files are copied beside it)",
+    )
+    _add_revision(p)
     p.add_argument(
         "--dtype",
         choices=["float16", "bfloat16"],
@@ -183,6 +252,7 @@ def _register_convert(sub) -> None:
         help="rows of the cos/sin tables with --rope-in-op (default: the model's, else 4096)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_export_options(p.add_argument_group("when INPUT is a Hugging Face folder"), dtype_dest="export_dtype")
     _add_common(p)
     p.set_defaults(func=_cmd_convert)
 
@@ -195,17 +265,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"ortpa export needs the export extra (pip install 'ortpa[export]'): {exc}", file=sys.stderr)
         return EXIT_INVALID
     dense = args.output if args.dense_only else args.output + ".dense.onnx"
+    progress = _progress_printer(args)
     info = export_hf(
         args.model,
         dense,
         random_weights=args.random_weights,
         opset=args.opset,
         attn_implementation=args.attn_implementation,
+        experts=args.experts,
+        dtype=args.dtype,
+        external_data=True if args.external_data else None,
+        progress=progress,
+        verbose=args.verbose,
     )
     if not args.dense_only:
         from ortpa.rewriter.pipeline import convert_file
 
-        convert_file(dense, args.output, dtype=args.dtype, progress=_progress_printer(args))
+        convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress)
     if args.json:
         print(json.dumps({"dense": dense, "output": args.output, "info": dict(info)}, default=str))
     elif not args.quiet:
@@ -213,22 +289,52 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_export_options(p, dtype_dest: str = "dtype") -> None:
+    p.add_argument("--opset", type=int, default=18)
+    p.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa")
+    p.add_argument(
+        "--experts",
+        choices=["grouped_mm", "batched_mm"],
+        default="grouped_mm",
+        help="MoE experts implementation to export: grouped_mm (transformers' default; one MatMul per expert over "
+        "its routed tokens) or batched_mm (gathers one weight matrix per token and expert: decode-sized only)",
+    )
+    p.add_argument(
+        "--export-dtype",
+        dest=dtype_dest,
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="dtype of the export (default: the checkpoint's as stored; float32 for --random-weights)",
+    )
+    p.add_argument(
+        "--external-data", action="store_true", help="weights in OUTPUT.data (default: only past 1 GB of weights)"
+    )
+
+
 def _register_export(sub) -> None:
     p = sub.add_parser(
         "export",
         help="export a Hugging Face model (local dir or config) to dense ONNX, then convert it",
         description="Export with torch.onnx.export(dynamo=True) and convert. Needs the `export` extra. "
-        "No downloads: MODEL is a local model directory or a config.json (use --random-weights).",
+        "No downloads: MODEL is a local model directory (safetensors, sharded or not) or a config.json "
+        "(use --random-weights). MoE layers export through transformers' grouped_mm lowering, DeepSeek-V2's "
+        "complex RoPE as its real-valued equivalent. A failed export is one line naming the op; --verbose "
+        "shows the traceback.",
         epilog="examples:\n  ortpa export ./deepseek-tiny/config.json paged.onnx --random-weights\n"
-        "  ortpa export ./my-llama-dir paged.onnx --dtype float16",
+        "  ortpa export ./DeepSeek-V2-Lite paged.onnx --export-dtype float32 --dtype float16",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="local Hugging Face model directory or config.json")
     p.add_argument("output", help="paged model path (the dense export is written next to it)")
     p.add_argument("--random-weights", action="store_true", help="seeded random weights from the config")
-    p.add_argument("--opset", type=int, default=18)
-    p.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa")
-    p.add_argument("--dtype", choices=["float16", "bfloat16"], default=None)
+    _add_export_options(p)
+    p.add_argument(
+        "--dtype",
+        dest="convert_dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="convert the paged model to this dtype (as `ortpa convert --dtype`)",
+    )
     p.add_argument("--dense-only", action="store_true", help="write only the dense export to OUTPUT")
     p.add_argument("--json", action="store_true")
     _add_common(p)
@@ -276,20 +382,42 @@ _PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider",
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from ortpa.model_ref import resolve_any
     from ortpa.runtime.engine import Engine
     from ortpa.runtime.sampling import SamplingParams
 
+    tokenizer = None
+    prompts = args.prompt_ids
+    stop: list[int] = []
+    if args.prompt is not None:
+        from ortpa.hf_folder import eos_token_ids, load_tokenizer
+        from ortpa.model_ref import locate_model
+
+        ref = locate_model(args.model, args.revision)
+        where = args.tokenizer if args.tokenizer is not None else ref.folder  # None: next to the model file
+        tokenizer = load_tokenizer(ref.path, where)
+        prompts = [tokenizer.encode(text).ids for text in args.prompt]
+        if any(not ids for ids in prompts):
+            raise InvalidRequest(f"--prompt: expected text the tokenizer encodes to tokens, got {args.prompt!r}")
+        stop = eos_token_ids(ref.path, where)
     engine = Engine(
-        args.model,
+        resolve_any(args.model, args.revision),
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=_PROVIDERS[args.provider] if args.provider else None,
     )
-    outputs = engine.generate(args.prompt_ids, SamplingParams(max_new_tokens=args.max_new_tokens))
-    if args.json:
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop))
+    if tokenizer is not None:
+        texts = [tokenizer.decode([t for t in out if t not in stop]) for out in outputs]
+        if args.json:
+            print(json.dumps({"outputs": outputs, "texts": texts}))
+        else:
+            for text in texts:
+                print(text)
+    elif args.json:
         print(json.dumps({"outputs": outputs}))
     else:
-        for prompt, out in zip(args.prompt_ids, outputs, strict=True):
+        for prompt, out in zip(prompts, outputs, strict=True):
             print(",".join(map(str, prompt)), "->", ",".join(map(str, out)))
     return EXIT_OK
 
@@ -299,24 +427,37 @@ def _register_generate(sub) -> None:
         "generate",
         help="greedy generation with continuous batching on a converted model",
         description="All prompts are batched continuously on the paged model (CUDA natively where present, "
-        "else the portable CPU path).",
+        "else the portable CPU path). --prompt encodes text with the tokenizer.json next to the model (or in "
+        "--tokenizer) and prints text; generation stops at the EOS ids of generation_config.json found there.",
         epilog="examples:\n  ortpa generate paged.onnx --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16\n"
-        "  ortpa generate paged.onnx --prompt-ids 5,6 --max-new-tokens 4 --json",
+        "  ortpa generate paged.onnx --prompt-ids 5,6 --max-new-tokens 4 --json\n"
+        '  ortpa generate paged.onnx --prompt "The capital of France is" --max-new-tokens 16',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a converted (paged) ONNX model")
-    p.add_argument(
+    p.add_argument("model", help="a converted (paged) ONNX model" + _MODEL_HELP)
+    _add_revision(p)
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument(
         "--prompt-ids",
         type=_prompt_ids,
         action="append",
-        required=True,
         help="comma-separated token ids of one prompt; repeat for more prompts",
+    )
+    given.add_argument("--prompt", action="append", help="text of one prompt (needs a tokenizer.json); repeatable")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="folder holding tokenizer.json and generation_config.json (default: the model's folder)",
     )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--provider", choices=["cpu", "cuda"], default=None, help="default: CUDA if present, else CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from a memory budget)")
-    p.add_argument("--json", action="store_true", help='print {"outputs": [[ids...], ...]} in prompt order')
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"outputs": [[ids...], ...]} in prompt order (with --prompt, also "texts")',
+    )
     _add_common(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -350,19 +491,23 @@ def _register_demo(sub) -> None:
 
 # ----------------------------------------------------------------------------------------------- parity
 def _cmd_parity(args: argparse.Namespace) -> int:
-    from ortpa.runtime.ort_session import external_initializers, open_ort_session
-    from ortpa.runtime.session import PagedSession, read_for_session
-    from ortpa.testing.greedy import dense_greedy, paged_greedy
+    from ortpa.model_ref import is_repo_id, resolve_any
+    from ortpa.runtime.session import PagedSession
+    from ortpa.testing.greedy import dense_greedy, open_dense, paged_greedy
 
+    if args.revision is not None and not (is_repo_id(args.original) or is_repo_id(args.converted)):
+        print("ortpa parity: error: --revision needs a Hugging Face repo id as a model", file=sys.stderr)
+        return EXIT_USAGE
+    # --revision applies to whichever model is a repo id
+    original, converted = (
+        resolve_any(m, args.revision if is_repo_id(m) else None) for m in (args.original, args.converted)
+    )
+    # the original runs alone, in its own format (genai, optimum, OnnxExporter, dynamo: ortpa.formats)
+    dense = open_dense(original)
     if not args.prompt_ids:
-        args.prompt_ids = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-    dense_loaded = read_for_session(args.original)  # checked; ONNX Runtime opens the file itself
-    graph_only, external = external_initializers(dense_loaded.proto, dense_loaded.base_dir)
-    dense = open_ort_session(
-        dense_loaded, graph_only, external, unchanged=True, providers=["CPUExecutionProvider"]
-    ).session
+        args.prompt_ids = _default_prompts(dense.thresholds)
     paged = PagedSession(
-        args.converted,
+        converted,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=_PROVIDERS[args.provider] if args.provider else None,
@@ -370,7 +515,7 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if args.atol is None:
         meta = {m.key: m.value for m in paged.session.model.metadata_props}
         args.atol = _PARITY_ATOL_INT8 if meta.get("ortpa.kv_cache_dtype") == "int8" else _PARITY_ATOL
-    ref = dense_greedy(dense, args.prompt_ids, args.max_new_tokens)
+    ref = dense_greedy(dense.session, args.prompt_ids, args.max_new_tokens, interface=dense.interface)
     got = paged_greedy(paged, args.prompt_ids, args.max_new_tokens)
     steps = []
     for step in range(args.max_new_tokens):
@@ -409,6 +554,15 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_INVALID
 
 
+def _default_prompts(thresholds: Sequence[int]) -> list[list[int]]:
+    """Three short prompts, and one longer than every length threshold of the original (LongRoPE's original
+    length, a sliding window), so that parity also covers the branch a short prompt never reaches."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    if thresholds:
+        prompts.append([11 + i % 64 for i in range(max(thresholds) + 8)])
+    return prompts
+
+
 # Default logit tolerances: float16/bfloat16 caches measure 2e-3 - 9e-3 on the fixtures; int8 caches (calibrated
 # static scales) 0.08 - 0.12, from the quantization step itself (tests/tolerances.py: KV_INT8_EXTRA_ATOL).
 _PARITY_ATOL = 5e-2
@@ -419,13 +573,17 @@ def _register_parity(sub) -> None:
     p = sub.add_parser(
         "parity",
         help="run the same prompts through the dense original and the converted model; compare",
-        description="Greedy decoding of each prompt on the dense model (ONNX Runtime CPU, past/present KV) and of "
-        "all prompts batched on the converted model; prints per-step max logit error and token agreement.",
+        description="Greedy decoding of each prompt alone on the dense model (ONNX Runtime CPU, past/present KV, "
+        "fed in its own format: dynamo export, onnxruntime-genai builder, optimum, transformers' OnnxExporter) and "
+        "of all prompts batched on the converted model; prints per-step max logit error and token agreement. "
+        "Default prompts: three short ones and one longer than every length threshold of the original "
+        "(LongRoPE's original length, a GroupQueryAttention window).",
         epilog="example:\n  ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("original", help="the dense model (past_key_values.* / present.*)")
-    p.add_argument("converted", help="the converted paged model")
+    p.add_argument("original", help="the dense model (past/present KV caches)" + _MODEL_HELP)
+    p.add_argument("converted", help="the converted paged model" + _MODEL_HELP)
+    _add_revision(p)
     p.add_argument("--prompt-ids", type=_prompt_ids, action="append", default=None)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument(

@@ -9,19 +9,29 @@ The exported graph is what :func:`ortpa.rewriter.pipeline.convert` consumes:
 For MLA models (DeepSeek-V3, GLM-4-MoE-Lite, ...) transformers 5.x caches the normalised latent as ``key``
 (``[batch, 1, past, kv_lora_rank]``) and the roped shared key as ``value`` (``[batch, 1, past, qk_rope]``).
 
-No network: models are built from a config with seeded random weights, or loaded from a local directory.
+MoE experts export through transformers' ONNX lowering of ``grouped_mm`` (or ``batched_mm``), DeepSeek-V2's
+complex RoPE through a real-valued equivalent: :mod:`ortpa.export_patches`. A failed export raises
+:class:`ortpa.export_errors.ExportError`, one line naming the op or module and what to try.
+
+No network: models are built from a config with seeded random weights, or loaded from a local directory
+(safetensors, sharded or not) in the checkpoint's dtype or the one asked for. Models whose weights pass
+:data:`EXTERNAL_DATA_THRESHOLD` are written with external data (``<name>.onnx.data``).
 torch and transformers are imported lazily so that ``import ortpa`` never needs them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ExportInfo", "build_model", "export_hf", "fixtures_main", "versions"]
+__all__ = ["EXTERNAL_DATA_THRESHOLD", "ExportInfo", "build_model", "export_hf", "fixtures_main", "versions"]
+
+# protobuf cannot hold more than 2 GB; past this many bytes of weights the export keeps them in a side file
+EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 
 class ExportInfo(dict):
@@ -58,14 +68,40 @@ def _load_config(config_or_model_dir: Any):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def build_model(config_or_model_dir: Any, *, random_weights: bool = True, seed: int = 0, attn_implementation="sdpa"):
-    """A causal LM in eval mode, float32: random (seeded) weights from a config, or local pretrained weights."""
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _torch_dtype(dtype: str | None):
+    import torch
+
+    if dtype is None:
+        return None
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def build_model(
+    config_or_model_dir: Any,
+    *,
+    random_weights: bool = True,
+    seed: int = 0,
+    attn_implementation="sdpa",
+    dtype: str | None = None,
+):
+    """A causal LM in eval mode: random (seeded) weights from a config, or local pretrained weights.
+
+    ``dtype``: ``float32`` / ``float16`` / ``bfloat16``; default float32 for random weights and the checkpoint's
+    own dtype (``torch_dtype`` / ``dtype`` in its config, as stored) for pretrained ones. Pretrained weights are
+    loaded once, straight into that dtype (no float32 copy next to a bf16 one).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = _load_config(config_or_model_dir)
-    config._attn_implementation = attn_implementation
+    wanted = _torch_dtype(dtype)
     if random_weights:
+        config = _load_config(config_or_model_dir)
+        config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         # transformers initialises weights with std=initializer_range; tiny random models then produce nearly
@@ -77,11 +113,15 @@ def build_model(config_or_model_dir: Any, *, random_weights: bool = True, seed: 
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 elif p.ndim >= 2:
                     p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
+        model = model.to(wanted or torch.float32)
     else:
+        path = Path(config_or_model_dir)
+        if path.is_file():  # a config.json inside the checkpoint folder
+            path = path.parent
         model = AutoModelForCausalLM.from_pretrained(
-            str(config_or_model_dir), local_files_only=True, attn_implementation=attn_implementation
+            str(path), local_files_only=True, attn_implementation=attn_implementation, dtype=wanted or "auto"
         )
-    return model.float().eval()
+    return model.eval()
 
 
 def _has_sliding_layers(config) -> bool:
@@ -124,19 +164,108 @@ def export_hf(
     opset: int = 18,
     attn_implementation: str = "sdpa",
     seed: int = 0,
-    optimize: bool = True,
+    optimize: bool | None = None,
+    experts: str | None = "grouped_mm",
+    dtype: str | None = None,
+    external_data: bool | None = None,
+    progress: Callable[[str], None] | None = None,
+    verbose: bool = False,
 ) -> ExportInfo:
     """Export a causal LM to dense ONNX with past/present KV; returns an :class:`ExportInfo`.
 
     ``config_or_model_dir``: a ``PretrainedConfig``, a dict with ``model_type``, a ``config.json`` path or a
     local model directory. The graph has symbolic ``batch``, ``seq`` and ``past`` dimensions.
+    ``experts``: the MoE experts implementation to trace (:data:`ortpa.export_patches.EXPERTS_IMPLEMENTATIONS`).
+    ``dtype``: see :func:`build_model`. ``optimize``: run torch.onnx's graph optimisation; default only for
+    random weights: its constant folding stores a transposed copy of every Linear weight next to the model's own
+    (two copies in memory), while unoptimised the initializers are the parameters themselves, under their names
+    (``ortpa.convert`` optimises the graph on load anyway). ``external_data``: weights in ``<out>.data`` (default: past
+    :data:`EXTERNAL_DATA_THRESHOLD`). Raises :class:`ortpa.export_errors.ExportError` when torch.onnx fails.
+    ``progress`` receives one line per stage; torch's and transformers' warnings and bars show only with
+    ``verbose``.
     """
+    say = progress or (lambda message: None)
+    with contextlib.ExitStack() as stack:
+        if not verbose:
+            stack.enter_context(_quiet())
+        return _export(
+            config_or_model_dir,
+            Path(out_path),
+            random_weights=random_weights,
+            opset=opset,
+            attn_implementation=attn_implementation,
+            seed=seed,
+            optimize=random_weights if optimize is None else optimize,
+            experts=experts,
+            dtype=dtype,
+            external_data=external_data,
+            say=say,
+        )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the libraries' warnings, info logs and progress bars for the length of an export.
+
+    ``logging.disable`` rather than logger levels: torch.onnx's submodules log through loggers with levels of
+    their own (e.g. "torchvision is not installed"), which a parent's level does not reach.
+    """
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            logging.disable(previous)
+            if bars:
+                hf_logging.enable_progress_bar()
+
+
+def _export(
+    config_or_model_dir: Any,
+    out_path: Path,
+    *,
+    random_weights: bool,
+    opset: int,
+    attn_implementation: str,
+    seed: int,
+    optimize: bool,
+    experts: str | None,
+    dtype: str | None,
+    external_data: bool | None,
+    say: Callable[[str], None],
+) -> ExportInfo:
     import torch
     from transformers import DynamicCache
 
-    model = build_model(
-        config_or_model_dir, random_weights=random_weights, seed=seed, attn_implementation=attn_implementation
-    )
+    from ortpa.errors import InvalidModel
+    from ortpa.export_errors import ExportError, summarize
+    from ortpa.export_patches import export_patches, translation_table
+
+    say(f"loading {'config' if random_weights else 'weights'} from {config_or_model_dir}")
+    try:
+        model = build_model(
+            config_or_model_dir,
+            random_weights=random_weights,
+            seed=seed,
+            attn_implementation=attn_implementation,
+            dtype=dtype,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' loaders: missing/bad files, configs
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        what = "config" if random_weights else "Hugging Face checkpoint"
+        raise InvalidModel(
+            str(config_or_model_dir), f"could not load it as a {what}: {type(exc).__name__}: {first}"
+        ) from exc
+    model_dtype = next(model.parameters()).dtype
     n_layers = model.config.num_hidden_layers
     batch, seq, past = 2, 3, 4  # distinct sizes, all > 1, so that no dimension is specialised away
     shapes = _cache_shapes(model, batch, past)
@@ -172,7 +301,10 @@ def export_hf(
         (torch.arange(seq) + past).unsqueeze(0).expand(batch, seq).contiguous(),
     ]
     for k_shape, v_shape in shapes:
-        args += [torch.randn(k_shape, generator=gen), torch.randn(v_shape, generator=gen)]
+        args += [
+            torch.randn(k_shape, generator=gen).to(model_dtype),
+            torch.randn(v_shape, generator=gen).to(model_dtype),
+        ]
 
     b, s, p = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
     total = torch.export.Dim("total")  # past + seq; torch cannot express a sum of two dims
@@ -188,31 +320,42 @@ def export_hf(
         input_names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         output_names += [f"present.{i}.key", f"present.{i}.value"]
 
-    out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        program = torch.onnx.export(
-            _Wrapper(model).eval(),
-            tuple(args),
-            dynamo=True,
-            dynamic_shapes=dynamic_shapes,
-            input_names=input_names,
-            output_names=output_names,
-            opset_version=opset,
-            optimize=optimize,
-            verbose=False,
-        )
-    program.save(str(out_path))
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    say(f"tracing {model.config.model_type}: {n_layers} layers, {weight_bytes / 1e6:.1f} MB of weights, {model_dtype}")
+    with torch.no_grad(), export_patches(model, experts) as applied:
+        try:
+            program = torch.onnx.export(
+                _Wrapper(model).eval(),
+                tuple(args),
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                opset_version=opset,
+                optimize=optimize,
+                custom_translation_table=translation_table(),
+                verbose=False,
+            )
+        except Exception as exc:
+            raise ExportError(str(config_or_model_dir), summarize(exc)) from exc
+    if external_data is None:
+        external_data = weight_bytes > EXTERNAL_DATA_THRESHOLD
+    say(f"writing {out_path}" + (f" (weights in {out_path.name}.data)" if external_data else ""))
+    program.save(str(out_path), external_data=external_data)
     cfg = model.config
     return ExportInfo(
         path=str(out_path),
         model_type=cfg.model_type,
         opset=opset,
         attn_implementation=attn_implementation,
+        dtype=str(model_dtype).removeprefix("torch."),
+        external_data=external_data,
         num_hidden_layers=n_layers,
         input_names=input_names,
         output_names=output_names,
         versions=versions(),
+        **applied,
     )
 
 

@@ -12,7 +12,9 @@ What is checked, in this order, before any weight is read:
    element type, non-negative dims, a byte size that does not overflow int64, and inline ``raw_data`` of exactly
    that size; sizes are computed with Python ints and nothing of that size is allocated;
 3. every external-data reference: a relative ``location`` without ``..``, resolving (symlinks included) to a
-   regular file inside the model's folder, with ``offset + size`` inside that file; a model given as bytes or
+   regular file inside the model's folder (in a Hugging Face cache snapshot: or in that repository's
+   ``blobs/``, every symlink on the way staying inside the repository), with ``offset + size`` inside that
+   file; a model given as bytes or
    a ``ModelProto`` has no folder, so its external references are refused when the data is needed (sessions,
    convert) and left alone when it is not (``validate``, ``load_external_data=False``);
 4. every string is valid UTF-8; nodes only use domains the model imports (a ``PagedAttention`` without a

@@ -15,12 +15,16 @@ import re
 import onnx
 
 from ortpa.errors import InvalidModel
+from ortpa.ort_schemas import ort_schema, register_ort_default_domain_schemas
 
 __all__ = ["check_domains", "check_ort_version_support", "ort_message_line"]
 
 
 def check_domains(proto: onnx.ModelProto, label: str) -> None:
-    """Every node (graph, subgraphs, functions) uses an imported domain; default-domain ops fit the opset."""
+    """Every node (graph, subgraphs, functions) uses an imported domain; default-domain and ``com.microsoft``
+    ops exist (for onnx or ONNX Runtime) and fit the opset. Registers ONNX Runtime's default-domain ops with onnx
+    so that the checker and shape inference accept what ONNX Runtime loads."""
+    register_ort_default_domain_schemas()
     versions = {op.domain or "ai.onnx": op.version for op in proto.opset_import}
     imported = set(versions)
     functions = {(fn.domain, fn.name) for fn in proto.functions}
@@ -34,8 +38,8 @@ def check_domains(proto: onnx.ModelProto, label: str) -> None:
                     f"{where}node {node.name or node.op_type!r} ({domain}::{node.op_type}) uses domain {domain!r}, "
                     f"which the model does not import (opset_import: {sorted(imported)})",
                 )
-            if domain == "ai.onnx" and (node.domain, node.op_type) not in functions:
-                _check_schema(node, versions["ai.onnx"], where, label)
+            if domain in ("ai.onnx", "com.microsoft") and (node.domain, node.op_type) not in functions:
+                _check_schema(node, domain, versions[domain], where, label)
             for attr in node.attribute:
                 for g in [attr.g] if attr.HasField("g") else []:
                     check(g.node, where)
@@ -50,14 +54,31 @@ def check_domains(proto: onnx.ModelProto, label: str) -> None:
         imported = saved
 
 
-def _check_schema(node: onnx.NodeProto, opset: int, where: str, label: str) -> None:
-    """The node's op exists in the model's default-domain opset with this many inputs and outputs (a model
-    stamped with the wrong opset, or a corrupted op_type, fails here instead of deep in ORT or the optimizer)."""
+def _check_schema(node: onnx.NodeProto, domain: str, opset: int, where: str, label: str) -> None:
+    """The node's op exists in the model's opset of its domain with this many inputs and outputs (a model
+    stamped with the wrong opset, or a corrupted op_type, fails here instead of deep in ORT or the optimizer).
+
+    The authority is what ONNX Runtime loads: onnx's registry for ONNX ops, then ONNX Runtime's own registry for
+    its contrib ops (``com.microsoft``) and the ops it registers in the default domain
+    (``SimplifiedLayerNormalization``).
+    """
     name = f"{where}node {node.name or node.op_type!r}"
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opset, "")
-    except onnx.defs.SchemaError:
-        raise InvalidModel(label, f"{name}: op {node.op_type!r} does not exist in ai.onnx opset {opset}") from None
+    schema = None
+    if domain == "ai.onnx":
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+        except onnx.defs.SchemaError:
+            schema = None
+    if schema is None:
+        schema = ort_schema(domain, node.op_type, opset)
+    if schema is None:
+        raise InvalidModel(
+            label,
+            f"{name}: op {node.op_type!r} does not exist in {domain} opset {opset} "
+            "(neither onnx nor ONNX Runtime registers it)",
+        )
+    if domain != "ai.onnx":  # contrib ops: existence only; their signatures are the validator's to judge
+        return
     n_in = len(node.input)
     while n_in and not node.input[n_in - 1]:  # trailing empty names are omitted optional inputs
         n_in -= 1
@@ -67,7 +88,7 @@ def _check_schema(node: onnx.NodeProto, opset: int, where: str, label: str) -> N
     ):
         raise InvalidModel(
             label,
-            f"{name}: {node.op_type} in ai.onnx opset {opset} (since version {schema.since_version}) takes "
+            f"{name}: {node.op_type} in {domain} opset {opset} (since version {schema.since_version}) takes "
             f"{schema.min_input}..{schema.max_input} inputs and {schema.min_output}..{schema.max_output} outputs, "
             f"the node has {n_in} and {len(node.output)} (is the model stamped with the wrong opset?)",
         )

@@ -4,7 +4,8 @@ Every tensor of a model (initializers, sparse initializers, ``Constant``-style a
 functions) declares a known element type, non-negative dims, a byte size that does not overflow int64, and
 inline ``raw_data`` of exactly that size; sizes are Python ints and nothing of that size is allocated. Every
 external-data reference is a relative ``location`` without ``..`` that resolves (symlinks included) to a
-regular file inside the model's folder, with ``offset + size`` inside that file; :func:`inline_external` then
+regular file inside the model's folder (or, for a model in a Hugging Face cache snapshot, in that repository's
+``blobs/``: :func:`resolve_contained`), with ``offset + size`` inside that file; :func:`inline_external` then
 reads the checked bytes into the proto.
 """
 
@@ -22,7 +23,7 @@ import onnx
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["ExternalRef", "check_tensors", "inline_external", "tensor_nbytes"]
+__all__ = ["ExternalRef", "check_tensors", "hf_cache_repo", "inline_external", "resolve_contained", "tensor_nbytes"]
 
 # bytes past which a declared tensor is refused outright: int64 byte counts overflow beyond it in ORT and numpy
 _MAX_TENSOR_BYTES = 2**62
@@ -175,11 +176,9 @@ def _check_external(tensor: onnx.TensorProto, nbytes: int | None, label: str, ba
     offset = _int_entry(entries, "offset", 0, where, label)
     length = _int_entry(entries, "length", None, where, label)
     folder = os.path.realpath(base_dir)
-    target = os.path.realpath(os.path.join(folder, location))  # resolves every symlink on the way
-    if os.path.commonpath([folder, target]) != folder:
-        raise InvalidModel(
-            label, f"{where} location {location!r} resolves to {target}, outside the model's folder {folder}"
-        )
+    target, escape = resolve_contained(folder, location)
+    if escape is not None:
+        raise InvalidModel(label, f"{where} location {location!r} {escape}")
     try:
         st = os.stat(target)
     except OSError:
@@ -195,6 +194,56 @@ def _check_external(tensor: onnx.TensorProto, nbytes: int | None, label: str, ba
             f"{location!r} ({st.st_size} bytes)",
         )
     return ExternalRef(tensor.name, location, Path(target), offset, nbytes)
+
+
+def hf_cache_repo(folder: str) -> str | None:
+    """The Hugging Face cache repository (``.../models--ORG--NAME``, holding ``snapshots/`` and ``blobs/``) whose
+    snapshot ``folder`` (a real path) lies in, or ``None``."""
+    parts = Path(folder).parts
+    for i in range(len(parts) - 3, 0, -1):  # models--X / snapshots / REV [/ sub...]: the innermost match
+        if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
+            repo = os.path.join(*parts[: i + 1])
+            if os.path.isdir(os.path.join(repo, "blobs")):
+                return repo
+    return None
+
+
+def _inside(root: str, path: str) -> bool:
+    path = os.path.normpath(path)
+    return os.path.commonpath([root, path]) == root
+
+
+def resolve_contained(folder: str, location: str) -> tuple[str, str | None]:
+    """Where ``location`` (relative, no ``..``) under the real ``folder`` leads, and ``None`` when ortpa may read
+    it, else why not (one line, for an error message).
+
+    Allowed (docs/reliability.md, "Hostile model files"): a target inside ``folder``; or, when ``folder`` is in
+    a Hugging Face cache snapshot, a file in that repository's ``blobs/`` reached by symlinks that each stay
+    inside the repository.
+    """
+    target = os.path.realpath(os.path.join(folder, location))  # resolves every symlink on the way
+    if _inside(folder, target):
+        return target, None
+    outside = f"resolves to {target}, outside the model's folder {folder}"
+    repo = hf_cache_repo(folder)
+    if repo is None:
+        return target, outside
+    # follow the chain link by link: every hop must stay in this repository, the last one in its blobs/
+    path = os.path.join(folder, location)
+    for _ in range(40):  # the kernel's own limit on nested symlinks
+        parent = os.path.realpath(os.path.dirname(path))
+        path = os.path.join(parent, os.path.basename(path))
+        if not _inside(repo, path):
+            return target, f"leads through {os.path.normpath(path)}, outside its Hugging Face cache repository {repo}"
+        if not os.path.islink(path):
+            break
+        path = os.path.join(parent, os.readlink(path))  # a relative link is relative to its own folder
+    else:
+        return target, f"is a symlink loop in {repo}"
+    blobs = os.path.join(repo, "blobs")
+    if not _inside(blobs, path):
+        return target, f"{outside} and outside its Hugging Face cache repository's {blobs}"
+    return target, None
 
 
 def _int_entry(entries: dict[str, str], key: str, default: int | None, where: str, label: str) -> int | None:

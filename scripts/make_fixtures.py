@@ -6,6 +6,9 @@ Writes ``<name>.onnx`` and ``<name>.json`` (config, versions, I/O) and prints th
 
 Dimensions are chosen for PagedAttention LATENT: head = kv_lora_rank + qk_rope = 64 + 16 = 80 (a multiple of 8)
 or 64 + 32 = 96 (a multiple of 16, needed when RoPE moves into the op: ``do_rotary=1``).
+The ``*_moe_*`` fixtures are the families as they ship (layer 0 dense, layer 1 MoE, transformers' default
+experts implementation; DeepSeek-V2's complex RoPE exported as its real-valued equivalent): each takes ~40-120 s
+on 2 cores and ~1.5 MB.
 """
 
 from __future__ import annotations
@@ -58,6 +61,52 @@ _DSV3 = {
 }
 
 
+# DeepSeek-V2 (complex RoPE, interleaved pairs) with MoE on layer 1.
+_DSV2 = {
+    "model_type": "deepseek_v2",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "topk_method": "greedy",
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "rope_parameters": _DEFAULT_ROPE,
+}
+
+_GLM4_MOE_LITE = {
+    "model_type": "glm4_moe_lite",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 48,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+    "rope_parameters": _DEFAULT_ROPE,
+}
+
+
 def _v(**over):
     cfg = dict(_DSV3)
     cfg.update(over)
@@ -85,26 +134,7 @@ FIXTURES: dict[str, tuple[dict, dict]] = {
     ),
     # Another MLA family: GLM-4.7-Flash (GLM-4-MoE-Lite) with dense MLPs only.
     "glm4moelite_sdpa_op18": (
-        {
-            "model_type": "glm4_moe_lite",
-            "vocab_size": 256,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "q_lora_rank": 48,
-            "kv_lora_rank": 64,
-            "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 48,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "max_position_embeddings": 256,
-            "mlp_layer_types": ["dense", "dense"],
-            "rope_parameters": _DEFAULT_ROPE,
-        },
+        {**_GLM4_MOE_LITE, "mlp_layer_types": ["dense", "dense"]},
         {"opset": 18, "attn_implementation": "sdpa"},
     ),
     # MiniCPM3: MLA with rotate_half RoPE, no q LoRA split, scaled embeddings/residuals, tied lm_head.
@@ -125,6 +155,36 @@ FIXTURES: dict[str, tuple[dict, dict]] = {
             "max_position_embeddings": 256,
             "rope_parameters": _DEFAULT_ROPE,
         },
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # MLA models as they ship, with MoE layers (layer 0 dense, layer 1 MoE) and the default experts
+    # implementation (grouped_mm, exported through transformers' ONNX lowering: ortpa.export_patches).
+    "dsv3_moe_sdpa_op18": (_v(first_k_dense_replace=1), {"opset": 18, "attn_implementation": "sdpa"}),
+    # DeepSeek-V2: complex RoPE (exported as its real-valued equivalent), group-limited greedy routing.
+    "dsv2_moe_sdpa_op18": (
+        {**_DSV2, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # DeepSeek-V2-Lite: no q LoRA, greedy routing, YaRN.
+    "dsv2lite_moe_sdpa_op18": (
+        {**_DSV2, "q_lora_rank": None, "rope_parameters": _YARN},
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # Kimi-K2 / Moonlight: the DeepSeek-V3 architecture, few heads, one expert group, MoE.
+    "kimi_moe_sdpa_op18": (
+        _v(
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            rope_parameters=_DEFAULT_ROPE,
+        ),
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # GLM-4.7-Flash (GLM-4-MoE-Lite) as shipped: dense layer 0, MoE after.
+    "glm4moelite_moe_sdpa_op18": (
+        {**_GLM4_MOE_LITE, "mlp_layer_types": ["dense", "sparse"]},
         {"opset": 18, "attn_implementation": "sdpa"},
     ),
 }

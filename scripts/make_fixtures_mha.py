@@ -7,7 +7,8 @@ no network: random seeded weights. Usage: ``python scripts/make_fixtures_mha.py 
 Dimensions are chosen for PagedAttention SEPARATE: head_size 16 or 32 (multiples of 16, so RoPE can also move
 into the op with ``do_rotary=1``), GQA 4 query heads over 2 KV heads unless the fixture is about MHA.
 The sliding-window fixtures use a window of 4 tokens, smaller than the parity tests' contexts (up to ~17), and
-mix full and sliding layers so that ``local_window_size`` must be read per layer.
+mix full and sliding layers so that ``local_window_size`` must be read per layer. The LongRoPE fixture's original
+length (32 positions) is crossed by the long prompts of ``tests/rewriter/test_per_sequence.py``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ FIXTURES: dict[str, tuple[dict, dict]] = {
             query_pre_attn_scalar=32,
         ),
         {"opset": 18, "attn_implementation": "eager"},
+    ),
+    # Phi-3.5 LongRoPE (packed qkv_proj, MHA): the export picks long or short factors with
+    # Where(ReduceMax(position_ids) + 1 > original_max_position_embeddings, long, short); 32 is short enough for
+    # the parity tests to cross it with one prompt and stay under it with another.
+    "phi3_longrope_sdpa_op18": (
+        _cfg(
+            "phi3",
+            num_key_value_heads=4,
+            original_max_position_embeddings=32,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],  # head_dim / 2 values each, all distinct
+                "long_factor": [2.0 + 1.5 * i for i in range(8)],
+            },
+        ),
+        {"opset": 18, "attn_implementation": "sdpa"},
     ),
 }
 

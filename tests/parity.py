@@ -21,6 +21,7 @@ from tolerances import assert_close, tol_for
 
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
+from ortpa.testing.greedy import open_dense
 
 __all__ = ["DenseModel", "ParityResult", "attrs", "check_near_miss", "near_miss", "paged_nodes", "run_parity"]
 
@@ -34,42 +35,31 @@ def _options() -> ort.SessionOptions:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     opts.log_severity_level = 3
+    # genai fp16 builds declare total-length tensors as sequence_length: with memory reuse on, the first decode
+    # after a prefill can fail with "Shape mismatch attempting to re-use buffer" (ortpa.testing.greedy.open_dense)
+    opts.enable_mem_reuse = False
     return opts
 
 
 class DenseModel:
-    """The dense export, one sequence at a time, feeding present KV back as past KV."""
+    """The dense original, one sequence at a time in its own format, feeding present KV back as past KV."""
 
     def __init__(self, path: Path | str) -> None:
-        self.sess = ort.InferenceSession(str(path), _options(), providers=["CPUExecutionProvider"])
-        inputs = {i.name: i for i in self.sess.get_inputs()}
-        self.names = [o.name for o in self.sess.get_outputs()]
-        self.layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
-        # [batch, heads, past, width] for both families (MLA: one latent "head")
-        self.shapes = [
-            tuple((inputs[f"past_key_values.{i}.{kind}"].shape[1], inputs[f"past_key_values.{i}.{kind}"].shape[3]))
-            for i in range(self.layers)
-            for kind in ("key", "value")
-        ]
+        dense = open_dense(path, threads=2)
+        self.sess, self.io = dense.session, dense.interface
+        self.thresholds = dense.thresholds
 
     def new(self) -> dict:
-        kv = [np.zeros((1, h, 0, w), np.float32) for h, w in self.shapes]
-        return {"len": 0, "kv": kv}
+        return {"len": 0, "kv": self.io.empty_past()}
 
     def step(self, state: dict, ids: list[int]) -> np.ndarray:
         """Run ``ids`` after the sequence's past; return the last token's logits."""
-        past, n = state["len"], len(ids)
-        feed = {
-            "input_ids": np.array([ids], np.int64),
-            "attention_mask": np.ones((1, past + n), np.int64),
-            "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
-        }
-        for j, value in enumerate(state["kv"]):
-            feed[f"past_key_values.{j // 2}.{('key', 'value')[j % 2]}"] = value
-        out = dict(zip(self.names, self.sess.run(None, feed), strict=True))
-        state["kv"] = [out[f"present.{j // 2}.{('key', 'value')[j % 2]}"] for j in range(2 * self.layers)]
-        state["len"] = past + n
-        return out["logits"][0, -1]
+        feed = self.io.feed(list(ids), state["len"], state["kv"])
+        names = [o.name for o in self.sess.get_outputs()]
+        out = dict(zip(names, self.sess.run(None, feed), strict=True))
+        state["kv"] = self.io.next_past(out)
+        state["len"] += len(ids)
+        return np.asarray(out[self.io.logits][0, -1], np.float32)
 
 
 @dataclass
@@ -97,6 +87,7 @@ def run_parity(
     logits: str = "auto",
     providers: list[str] | None = None,
     follow_reference: bool = False,
+    reference=None,
 ) -> ParityResult:
     """Continuous batching on ``converted`` vs the dense model; asserts logits close and greedy tokens equal.
 
@@ -105,7 +96,8 @@ def run_parity(
     paged model's token, so their histories stay identical. Such ties are counted in ``ParityResult.ties``.
     ``allow_ties=False`` demands identical greedy tokens at every step. ``follow_reference`` continues with the
     dense model's token instead, so two runs of this driver (say CUDA and CPU) see identical histories whatever
-    their tie-breaks, and their ``ParityResult.logits`` compare row by row.
+    their tie-breaks, and their ``ParityResult.logits`` compare row by row. ``reference``: another model with
+    :class:`DenseModel`'s ``new()`` / ``step(state, ids)`` (say the PyTorch model itself) instead of ``dense_path``.
 
     ``scatter_blocks`` hands out blocks in a random order (drawn from ``seed`` before the prompts), so the block
     table really is a page table. ``logits``: ``"last"`` requires one logits row per sequence, ``"all"`` one per
@@ -120,7 +112,7 @@ def run_parity(
         sess_options=_options(),
     )
     wanted = {i.name for i in sess.session.get_inputs()}
-    dense = DenseModel(dense_path)
+    dense = reference if reference is not None else DenseModel(dense_path)
     kv = PagedKVCache(NUM_BLOCKS, BLOCK_SIZE)
     rng = np.random.default_rng(seed)
     if scatter_blocks:

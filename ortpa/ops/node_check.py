@@ -17,6 +17,7 @@ import onnx
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
 from ortpa.model_file import read_model
+from ortpa.model_ref import resolve_any
 from ortpa.ops.backends import BACKENDS, available_backends, check_backend
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
@@ -296,14 +297,15 @@ def _dedup(items: list) -> tuple:
     return tuple(dict.fromkeys(items))
 
 
-def validate_model(model: Any, backend: str | None = None) -> ValidationReport:
-    """Validate every PagedAttention node of ``model`` (a path, bytes or ``onnx.ModelProto``).
+def validate_model(model: Any, backend: str | None = None, revision: str | None = None) -> ValidationReport:
+    """Validate every PagedAttention node of ``model`` (a path, a folder or Hugging Face repo id in the local
+    cache with its ``revision``, bytes or ``onnx.ModelProto``).
 
     Raises :class:`InvalidModel` when the model cannot be read; everything about the nodes is in the report.
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {available_backends()}")
-    proto, source = load_model(model)
+    proto, source = load_model(resolve_any(model, revision))
     proto, warnings = _inferred(proto)
     nodes = [_check_node(label, node, types, backend) for label, node, types in _all_nodes(proto)]
     return ValidationReport(source, backend, tuple(nodes), warnings)

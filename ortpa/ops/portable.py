@@ -14,11 +14,12 @@ fresh arrays (a full copy per call). A node without cache outputs still attends 
 written cache is then internal to the call: the caller's cache is not updated (unlike CUDA, which writes
 through a const input).
 
-Memory per call (``B`` sequences, ``max_q``/``max_kv`` the largest query / live KV length among them):
-float32 scores and probabilities ``O(B * max_q * max_kv * num_heads)``; gathered K and V
-``O(B * max_kv * kv_heads * head_size)`` in the cache type plus a float32 copy; padded Q and output
-``O(B * max_q * num_heads * head_size)``; index tensors ``O(B * (max_q + max_kv) + tokens * B)``. Nothing is
-proportional to ``num_blocks``. A long prefill (one sequence of ``L`` tokens) therefore needs
+Decoding sequences (one new token) and prefilling ones attend in separate padded groups, so a mixed step
+costs about its parts. Memory per call (``D`` decodes whose longest live KV length is ``kv_d``; ``P`` prefills
+whose longest query / KV length are ``max_q`` / ``kv_p``): float32 scores and probabilities
+``O((D * kv_d + P * max_q * kv_p) * num_heads)``; gathered K and V ``O((D * kv_d + P * kv_p) * kv_heads *
+head_size)`` in the cache type plus a float32 copy; padded Q and output ``O((D + P * max_q) * num_heads *
+head_size)``. Nothing is proportional to ``num_blocks``. A long prefill (one sequence of ``L`` tokens) therefore needs
 ``num_heads * L * L * 4`` bytes of scores: chunk prefills on CPU.
 
 Unsupported (raise :class:`~ortpa.errors.NotImplementedByBackend` before any run): float8e4m3fn caches (ONNX

@@ -2,7 +2,8 @@
 
 :func:`build_function` traces the op with onnxscript's graph builder into an ``onnx_ir.Function`` whose formal
 inputs are the node's present inputs (schema order) and whose outputs are the node's present outputs. The
-graph has no loops and no custom ops; it follows the oracle (``ortpa.ops.oracle``) step by step:
+graph has no loops and no custom ops (one ``If`` skips an empty group); it follows the oracle
+(``ortpa.ops.oracle``) step by step:
 
 1. sanitize ``block_table`` / ``cumulative_sequence_length`` / ``past_seqlens`` (reference §3.4(a));
 2. prologue: split packed QKV, QK RMSNorm in float32 rounded to T, RoPE in T arithmetic (§3.4(b));
@@ -11,15 +12,16 @@ graph has no loops and no custom ops; it follows the oracle (``ortpa.ops.oracle`
    oracle; ``ScatterND`` with repeated indices is unspecified and races in ONNX Runtime) and stored by one
    ``ScatterND`` whose data input IS the cache graph input, so that ONNX Runtime updates an IO-bound,
    aliased cache in place (§3.4(c), §3.5);
-4. attention over a padded ``[batch, max_q, max_kv]`` grid: only the attended positions are gathered from the
-   ScatterND output through the block table, one row per (sequence, kv head, position) (§3.4(d)/(e)); rows
-   of padding and unmapped pages are zeroed, so another block's NaN/Inf cannot leak in through ``0 * NaN``.
+4. attention in two padded groups (§3.4(d)/(e)): decoding sequences over ``[D, 1, kv_d]``, prefilling ones
+   over ``[P, max_q, kv_p]`` (each padded to its own group's longest query and KV length), so a step costs
+   about the sum of its parts; only the attended positions are gathered from the ScatterND output through the
+   block table, one row per (sequence, kv head, position); rows of padding and unmapped pages are zeroed, so
+   another block's NaN/Inf cannot leak in through ``0 * NaN``; every token then gathers its row back.
 
-Memory per call (float32 unless said): scores/probabilities ``B * max_q * max_kv * num_heads`` (a few live
-copies), gathered K and V ``B * max_kv * kv_heads * head_size`` in the cache type plus a float32 copy each,
-padded Q ``B * max_q * num_heads * head_size`` and padded output ``B * max_q * num_heads * v_head_size``,
-where ``max_q``/``max_kv`` are the largest per-sequence query / live KV lengths of the call. Nothing scales
-with ``num_blocks``.
+Memory per call (float32 unless said): scores/probabilities ``(D * kv_d + P * max_q * kv_p) * num_heads`` (a
+few live copies), gathered K and V ``(D * kv_d + P * kv_p) * kv_heads * head_size`` in the cache type plus a
+float32 copy each, padded Q and output ``(D + P * max_q) * num_heads * head_size``. Nothing scales with
+``num_blocks``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 import onnxscript
 
@@ -305,50 +308,146 @@ class _Body:
 
     # ------------------------------------------------------------------ §3.4(d)/(e) attention
     def attend(self, q, k_cache, v_cache):
+        """Attention of every token, in two padded groups so that a step costs what its sequences need.
+
+        One grid for the whole batch would pad every sequence to the step's longest query: a 256-token prompt
+        chunk next to 15 decodes would make each decode compute 256 query rows. Instead the decoding sequences
+        (one query each) share a ``[D, 1, max_kv]`` grid padded over their keys only, and the prefilling ones
+        (more than one query) a ``[P, max_q, max_kv]`` grid padded to the longest chunk among them; each token
+        then gathers its row from the group its sequence is in. Empty sequences own no token and join neither.
+        """
+        op = self.op
+        is_dec = op.Equal(self.q_len, 1)
+        is_pre = op.Greater(self.q_len, 1)
+        # each group runs under an If on its being non-empty: a decode-only step then costs what one group did
+        # before the split, instead of also dispatching ~100 kernels on empty tensors for the other group
+        o_dec = self.attend_group(q, k_cache, v_cache, is_dec, one_query=True)  # [D, N * vh]
+        o_pre, maxq_pre = self.unless_empty(
+            is_pre,
+            "prefills",
+            lambda: list(self.attend_group(q, k_cache, v_cache, is_pre, one_query=False)),
+            with_maxq=True,
+        )  # [P * max_q, N * vh]
+
+        # each sequence's first row in Concat(o_dec, o_pre): its rank within its group, times the group's max_q
+        rank_dec = op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0))  # rank + 1 where is_dec
+        rank_pre = op.CumSum(op.Cast(is_pre, to=_I64), op.Constant(value_int=0))
+        first_pre = op.Add(op.Mul(op.Sub(rank_pre, 1), maxq_pre), self.dim(o_dec, 0))
+        first = op.Where(is_dec, op.Sub(rank_dec, 1), first_pre)
+        row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
+        out = op.Gather(op.Concat(o_dec, o_pre, axis=0), row)
+        # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
+        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
+        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
+        return op.Cast(op.Where(has_keys, out, 0.0), to=self.t_dtype)
+
+    def unless_empty(self, member, name: str, trace, *, with_maxq: bool = False) -> list:
+        """``trace()`` (the group's outputs) inside ``If(any(member))``; else an empty ``[0, N * vh]`` output
+        (and ``max_q = [0]``). The branches read the body's values from the enclosing scope."""
+        op, c = self.op, self.c
+        outer = op
+        count = 2 if with_maxq else 1
+
+        def then_branch(sub):
+            self.op = sub
+            try:
+                return trace()
+            finally:
+                self.op = outer
+
+        def else_branch(sub):
+            empty = np.zeros((0, c.num_heads * c.v_head_size), np.float32)
+            outs = [sub.Constant(value=ir.tensor(empty))]
+            if with_maxq:
+                outs.append(sub.Constant(value_ints=[0]))
+            return outs
+
+        branches = {
+            key: outer.builder.subgraph(
+                fn, [], [ir.Value(name=f"{name}_{key}_{k}") for k in range(count)], name=f"{name}_{key}"
+            )
+            for key, fn in (("then", then_branch), ("else", else_branch))
+        }
+        for key, graph in branches.items():
+            # the sub-builders number their values from 0 again: rename, or they would shadow the body's names
+            declared = {id(v) for v in graph.outputs}
+            for node in graph:
+                node.name = f"{name}_{key}/{node.name}"
+                for v in node.outputs:
+                    if id(v) not in declared:
+                        v.name = f"{name}_{key}/{v.name}"
+        any_member = op.Greater(op.ReduceSum(op.Cast(member, to=_I64), keepdims=0), 0)
+        outs = op.If(any_member, then_branch=branches["then"], else_branch=branches["else"], _outputs=count)
+        return list(outs) if count > 1 else [outs]
+
+    def attend_group(self, q, k_cache, v_cache, member, *, one_query: bool):
+        """Attention of the sequences where ``member`` holds, padded to their own longest query and KV length.
+
+        ``one_query``: every member has exactly one query (decodes); the grid is then ``[S, 1, max_kv]`` with
+        static query shapes, and the causal mask is implied by the KV length: a valid sequence has
+        ``kvlen == past + 1`` and its query sits at ``past``; an invalid one has ``kvlen == 0``.
+        Returns the float32 output ``[S * max_q, N * vh]`` (row ``s * max_q + i``: query ``i`` of the group's
+        ``s``-th sequence, in batch order), with ``max_q`` (1-D [1]) unless ``one_query``.
+        """
         op, c = self.op, self.c
         n, kvh, g, h, vh = c.num_heads, c.kv_num_heads, c.group, c.head_size, c.v_head_size
-        B = self.B
-        maxq = op.ReduceMax(self.q_len, [0], keepdims=1)
-        maxkv = op.ReduceMax(self.kvlen, [0], keepdims=1)
-        i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+        sel = op.Reshape(op.NonZero(member), self.ints([-1]))
+        S = self.dim(sel, 0)
+        kvlen, past, c_lo = op.Gather(self.kvlen, sel), op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
+        bt = op.Gather(self.bt, sel, axis=0)
+        zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
+        maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
         j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
 
-        # padded queries [B, max_q] -> Q^T per kv head [B, kvh, H, G*max_q] (column g*max_q + i)
-        tok = op.Add(op.Unsqueeze(self.c_lo, [1]), op.Unsqueeze(i, [0]))
-        tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, masked below
-        qp = op.Mul(self.f32(op.Gather(q, tok)), c.scale)  # [B, max_q, N, H]
-        # dynamic shapes: allowzero because max_q / max_kv may be 0, and no -1 next to a possible 0
-        gq = op.Mul(maxq, g)
-        qp = op.Reshape(qp, op.Concat(B, maxq, self.ints([kvh, g, h]), axis=0), allowzero=1)
-        qt = op.Reshape(
-            op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(B, self.ints([kvh, h]), gq, axis=0), allowzero=1
-        )
+        # dynamic shapes: allowzero because S / max_q / max_kv may be 0, and no -1 next to a possible 0
+        if one_query:
+            # [S, N, H] -> Q^T per kv head [S, kvh, H, G]
+            qp = op.Mul(self.f32(op.Gather(q, c_lo)), c.scale)
+            qt = op.Transpose(op.Reshape(qp, self.ints([0, kvh, g, h])), perm=[0, 1, 3, 2])
+            maxq = i = None
+        else:
+            # padded queries [S, max_q] -> Q^T per kv head [S, kvh, H, G*max_q] (column g*max_q + i)
+            maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
+            i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+            tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
+            tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
+            qp = op.Mul(self.f32(op.Gather(q, tok)), c.scale)  # [S, max_q, N, H]
+            gq = op.Mul(maxq, g)
+            qp = op.Reshape(qp, op.Concat(S, maxq, self.ints([kvh, g, h]), axis=0), allowzero=1)
+            qt = op.Reshape(
+                op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(S, self.ints([kvh, h]), gq, axis=0), allowzero=1
+            )
 
-        # kv rows through the sanitized block table; one gathered row per (b, kv head, j): no transposes of KV
+        # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
         blk_j = op.Div(j, self.BS)
-        pages = op.Gather(self.bt, blk_j, axis=1)  # [B, max_kv]; max_kv <= capacity keeps blk_j in range
+        pages = op.Gather(bt, blk_j, axis=1)  # [S, max_kv]; max_kv <= capacity keeps blk_j in range
         mapped = op.GreaterOrEqual(pages, 0)
         slot = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))
-        row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [B,kvh,kv]
+        row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [S,kvh,kv]
         # rows past a sequence's live length or on an unmapped page read some other block (page 0), which may
         # belong to another sequence or hold garbage: zero them, or NaN/Inf there would reach this sequence's
         # output through 0 * NaN in the probability-weighted sum
-        self.row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(self.kvlen, [1]))), [1, 3])
+        row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))), [1, 3])
         # in LATENT the key rows are also the values, so they are zeroed like values (see `read`)
-        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h, zero_masked=c.latent)  # [B,kvh,kv,H]
+        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h, row_ok if c.latent else None)
 
-        # scores transposed: [B, kvh, max_kv, G*max_q] viewed as [B, kvh, max_kv, G, max_q]; softmax over axis 2
+        # scores transposed: [S, kvh, max_kv, G*max_q] viewed as [S, kvh, max_kv, G, max_q]; softmax over axis 2
         s = op.MatMul(kf, qt)
         if c.softcap > 0:
             s = op.Mul(op.Tanh(op.Div(s, c.softcap)), c.softcap)
-        s = op.Reshape(s, op.Concat(B, self.ints([kvh]), maxkv, self.ints([g]), maxq, axis=0), allowzero=1)
-        allowed = self.mask(i, j, mapped)  # [B, max_kv, max_q]
-        allowed = op.Unsqueeze(allowed, [1, 3])
+        if one_query:
+            allowed = row_ok  # [S, 1, max_kv, 1]; the query sits at past, so j < kvlen is the causal mask too
+            if c.local_window_size > 0:
+                near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, c.local_window_size), [1]))
+                allowed = op.And(allowed, op.Unsqueeze(near, [1, 3]))
+        else:
+            s = op.Reshape(s, op.Concat(S, self.ints([kvh]), maxkv, self.ints([g]), maxq, axis=0), allowzero=1)
+            allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]
         s = op.Where(allowed, s, float("-inf"))
         m = op.ReduceMax(s, [2], keepdims=1)
         sink = None
         if "head_sink" in self.x:
-            sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints([1, kvh, 1, g, 1]))
+            sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints([1, kvh, 1, g] + ([] if one_query else [1])))
             m = op.Max(m, sink)
         m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
         e = op.Exp(op.Sub(s, m))
@@ -357,26 +456,25 @@ class _Body:
             den = op.Add(den, op.Exp(op.Sub(sink, m)))
         p = op.Div(e, op.Where(op.Greater(den, 0.0), den, 1.0))  # empty key range: a zero row, never NaN
 
-        p = op.Reshape(p, op.Concat(B, self.ints([kvh]), maxkv, gq, axis=0), allowzero=1)
-        p = op.Transpose(p, perm=[0, 1, 3, 2])
+        if not one_query:
+            p = op.Reshape(p, op.Concat(S, self.ints([kvh]), maxkv, gq, axis=0), allowzero=1)
+        p = op.Transpose(p, perm=[0, 1, 3, 2])  # [S, kvh, G*max_q, max_kv]
         if c.latent:
             o = op.Slice(op.MatMul(p, kf), [0], [vh], [3])  # V is the leading v_head_size channels of K
         else:
-            o = op.MatMul(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h, zero_masked=True))
-        o = op.Reshape(o, op.Concat(B, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
-        o = op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [B*max_q, N*vh]
-        out = op.Gather(o, op.Add(op.Mul(self.seq, maxq), self.s_in))
-        # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of the call has a key,
-        # max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
-        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
-        return op.Cast(op.Where(has_keys, out, 0.0), to=self.t_dtype)
+            o = op.MatMul(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h, row_ok))
+        if one_query:
+            return op.Reshape(o, self.ints([0, n * vh]))  # [S, kvh, G, vh] -> [S, N*vh]
+        o = op.Reshape(o, op.Concat(S, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
+        o = op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [S*max_q, N*vh]
+        return o, maxq
 
-    def read(self, cache, row, quant: str, scale, width: int, *, zero_masked: bool):
-        """Gather ``row`` ([B, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32.
+    def read(self, cache, row, quant: str, scale, width: int, row_ok):
+        """Gather ``row`` ([S, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32.
 
-        ``zero_masked``: rows past the live length or on unmapped pages become 0. Needed for values only:
-        masked scores are replaced by -inf with ``Where``, which drops a NaN key, but a NaN value reaches the
-        output through ``0 * NaN`` in ``P @ V``.
+        ``row_ok`` (or None): rows where it is false (past the live length, unmapped pages) become 0. Needed
+        for values only: masked scores are replaced by -inf with ``Where``, which drops a NaN key, but a NaN
+        value reaches the output through ``0 * NaN`` in ``P @ V``.
         """
         op = self.op
         flat = op.Reshape(cache, self.ints([-1, width]))  # a view of the written cache, not a copy
@@ -384,18 +482,18 @@ class _Body:
         if quant != "NONE":
             s = self.scale_for(scale, quant, [self.c.kv_num_heads, width])
             if quant == "PER_CHANNEL":
-                s = op.Unsqueeze(s, [1])  # [kvh, 1, H] against [B, kvh, max_kv, H]
+                s = op.Unsqueeze(s, [1])  # [kvh, 1, H] against [S, kvh, max_kv, H]
             rows = op.Mul(rows, s)
         # in float32: ONNX Runtime's CPU Where has no bfloat16 kernel
-        return op.Where(self.row_ok, rows, 0.0) if zero_masked else rows
+        return rows if row_ok is None else op.Where(row_ok, rows, 0.0)
 
-    def mask(self, i, j, mapped):
-        """[B, max_kv, max_q]: key j is attended by query i of sequence b (oracle `_attend`)."""
+    def mask(self, i, j, mapped, past, kvlen):
+        """[S, max_kv, max_q]: key j is attended by query i of the group's sequence s (oracle `_attend`)."""
         op, c = self.op, self.c
         jj = op.Reshape(j, self.ints([1, -1, 1]))
-        qpos = op.Unsqueeze(op.Add(op.Unsqueeze(self.past, [1]), op.Unsqueeze(i, [0])), [1])  # [B, 1, max_q]
+        qpos = op.Unsqueeze(op.Add(op.Unsqueeze(past, [1]), op.Unsqueeze(i, [0])), [1])  # [S, 1, max_q]
         # padding query rows (i >= q_len) are not masked: they are computed, never gathered into the output
-        ok = op.And(op.Less(jj, op.Reshape(self.kvlen, self.ints([-1, 1, 1]))), op.Unsqueeze(mapped, [2]))
+        ok = op.And(op.Less(jj, op.Reshape(kvlen, self.ints([-1, 1, 1]))), op.Unsqueeze(mapped, [2]))
         if c.is_causal:
             ok = op.And(ok, op.LessOrEqual(jj, qpos))
         if c.local_window_size > 0:

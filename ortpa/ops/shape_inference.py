@@ -16,6 +16,7 @@ import onnx.defs
 from onnx import helper
 
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
+from ortpa.ort_schemas import register_ort_default_domain_schemas
 
 __all__ = ["infer_shapes", "register_paged_attention_schema"]
 
@@ -109,6 +110,7 @@ def infer_shapes(model: onnx.ModelProto, *, strict: bool = False) -> onnx.ModelP
     the declared types are then all there is, unless ``strict`` asks for the exception.
     """
     register_paged_attention_schema()
+    register_ort_default_domain_schemas()
     try:
         return onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:

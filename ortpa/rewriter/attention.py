@@ -60,10 +60,22 @@ __all__ = [
 
 
 def _packed(b: Builder, value: ir.Value, heads: int, d: int, *, bshd: bool = False) -> ir.Value:
-    """[1,heads,T,D] (or [1,T,heads,D] when ``bshd``) -> [T, heads*D]."""
+    """[1,heads,T,D] (or [1,T,heads,D] when ``bshd``, or [1,T,heads*D]) -> [T, heads*D]."""
     if not bshd:
         value = b.op("Transpose", [value], {"perm": [0, 2, 1, 3]})
     return b.op("Reshape", [value, b.ints([-1, heads * d])])
+
+
+def _source_rotary_tables(b: Builder, m: AttentionLayer, op_dtype: ir.DataType) -> tuple[ir.Value, ir.Value]:
+    """The source op's cos / sin tables as initializers of the op's type (PagedAttention takes T for them)."""
+    assert m.rotary is not None
+    out = []
+    for what, table in (("cos_cache", m.rotary.cos), ("sin_cache", m.rotary.sin)):
+        array = table.const_value.numpy() if table.const_value is not None else None
+        if array is None:
+            raise ValueError(f"layer {m.layer}: the {what} of the source op is not a constant ({table.name})")
+        out.append(b.initializer(array.astype(op_dtype.numpy()), what))
+    return out[0], out[1]
 
 
 def rewrite_attention_layer(
@@ -81,13 +93,24 @@ def rewrite_attention_layer(
     When the model computes in another float type than ``op_dtype`` q/k/v are cast to it and the output back.
     The dense nodes become dead; the caller's dead-code pass removes them.
     """
+    if m.rotary is not None:
+        rope_in_op = False  # the source op's own RoPE moves into the op whatever rope_in_op says
     if rope_in_op and rope_in_op_problems(m):
         raise ValueError(f"layer {m.layer}: RoPE cannot move into the op: {rope_in_op_problems(m)}")
     b = Builder(graph, f"/attention/layers.{m.layer}")
     h, kvh, d = m.num_heads, m.kv_num_heads, m.head_size
-    model_dtype = m.value.dtype or ir.DataType.FLOAT
+    model_dtype = m.query.dtype or ir.DataType.FLOAT
     q_norm_w = k_norm_w = None
-    if rope_in_op and m.q_norm is not None and m.k_norm is not None:
+    key: ir.Value | None
+    value: ir.Value | None
+    if m.layout == "bsd":  # [B,S,H*D]: the com.microsoft attention ops' layout, already what the op packs
+        if m.packed_qkv:
+            query, key, value = _packed(b, m.query, h + 2 * kvh, d, bshd=True), None, None
+        else:
+            assert m.key is not None and m.value is not None
+            query, key = _packed(b, m.query, h, d, bshd=True), _packed(b, m.key, kvh, d, bshd=True)
+            value = _packed(b, m.value, kvh, d, bshd=True)
+    elif rope_in_op and m.q_norm is not None and m.k_norm is not None:
         query = _packed(b, m.q_norm.input, h, d, bshd=True)
         key = _packed(b, m.k_norm.input, kvh, d, bshd=True)
         q_norm_w = b.initializer(m.q_norm.weight.astype(op_dtype.numpy()), "q_norm_weight")
@@ -96,13 +119,18 @@ def rewrite_attention_layer(
         assert m.query_raw is not None and m.key_raw is not None
         query, key = _packed(b, m.query_raw, h, d), _packed(b, m.key_raw, kvh, d)
     else:
+        assert m.key is not None
         query, key = _packed(b, m.query, h, d), _packed(b, m.key, kvh, d)
-    value = _packed(b, m.value, kvh, d)
+    if m.layout != "bsd":
+        assert m.value is not None
+        value = _packed(b, m.value, kvh, d)
     if model_dtype != op_dtype:
-        query, key, value = (b.op("Cast", [x], {"to": op_dtype}) for x in (query, key, value))
+        query, key, value = (None if x is None else b.op("Cast", [x], {"to": op_dtype}) for x in (query, key, value))
     # Static widths on the op's inputs: validators and the portable lowering read head sizes from them.
-    for x, width in ((query, h * d), (key, kvh * d), (value, kvh * d)):
-        x.shape, x.type = ir.Shape(["num_tokens", width]), ir.TensorType(op_dtype)
+    q_width = (h + 2 * kvh) * d if m.packed_qkv else h * d
+    for x, width in ((query, q_width), (key, kvh * d), (value, kvh * d)):
+        if x is not None:
+            x.shape, x.type = ir.Shape(["num_tokens", width]), ir.TensorType(op_dtype)
 
     attrs: dict = {"num_heads": h, "kv_num_heads": kvh, "kv_cache_layout": "SEPARATE"}
     if not math.isclose(m.scale, 1.0 / math.sqrt(d), rel_tol=1e-6):
@@ -112,7 +140,10 @@ def rewrite_attention_layer(
     if m.local_window_size > 0:
         attrs["local_window_size"] = int(m.local_window_size)
     cos = sin = None
-    if rope_in_op:
+    if m.rotary is not None:
+        attrs.update(do_rotary=1, rotary_interleaved=int(m.rotary.interleaved))
+        cos, sin = _source_rotary_tables(b, m, op_dtype)
+    elif rope_in_op:
         attrs.update(do_rotary=1, rotary_interleaved=0)
         cos, sin = paged.cos_cache, paged.sin_cache
         if q_norm_w is not None:
@@ -144,8 +175,11 @@ def rewrite_attention_layer(
     out.shape, out.type = ir.Shape(["num_tokens", h * d]), ir.TensorType(op_dtype)
     if model_dtype != op_dtype:
         out = b.op("Cast", [out], {"to": model_dtype})
-    o = b.op("Reshape", [out, b.ints([1, -1, h, d])])
-    o = b.op("Transpose", [o], {"perm": [0, 2, 1, 3]}, hint="attn_out")  # [1,H,T,D] as the dense attention
+    if m.layout == "bsd":
+        o = b.op("Reshape", [out, b.ints([1, -1, h * d])], hint="attn_out")  # [1,T,H*D] as the source op
+    else:
+        o = b.op("Reshape", [out, b.ints([1, -1, h, d])])
+        o = b.op("Transpose", [o], {"perm": [0, 2, 1, 3]}, hint="attn_out")  # [1,H,T,D] as the dense attention
     m.attn_out.replace_all_uses_with(o)
-    m.notes.append(f"PagedAttention SEPARATE (do_rotary={int(rope_in_op)})")
+    m.notes.append(f"PagedAttention SEPARATE (do_rotary={int(rope_in_op or m.rotary is not None)})")
     return key_out, value_out

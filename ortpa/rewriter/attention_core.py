@@ -146,12 +146,35 @@ def attention_core(present_v: ir.Value) -> AttentionCore:
                 key, kf = strip_scales(s.matmul.inputs[1], through_layout=True)
                 # factors on q / k scale q.k inside the tanh too: they belong to scale, not to softcap
                 return AttentionCore(
-                    query, key, v, node.outputs[0], s.scale * qf * kf, s.softcap, s.masks, "matmul-softmax"
+                    query,
+                    key,
+                    v,
+                    _past_row_zeroing(node.outputs[0]),
+                    s.scale * qf * kf,
+                    s.softcap,
+                    s.masks,
+                    "matmul-softmax",
                 )
     raise MatchFail(
         f"no attention (MatMul(p, v) or ONNX Attention) reads the value cache; consumers: {consumer_ops(present_v)}",
         present_v,
     )
+
+
+def _past_row_zeroing(attn_out: ir.Value) -> ir.Value:
+    """The attention output after transformers' ``Where(row fully masked, 0, out)`` when there is one.
+
+    transformers 5.x's SDPA export zeroes query rows that see no key. Under a causal mask every query sees
+    itself, so no row is fully masked and the Where is the identity; the rewrite replaces its output, which
+    also frees the mask it reads (otherwise the mask, and the cache shapes it reads, would stay alive).
+    """
+    users = attn_out.consumers()
+    if len(users) == 1:
+        node = users[0]
+        zero = const_array(node.inputs[1]) if node.op_type == "Where" and len(node.inputs) == 3 else None
+        if zero is not None and node.inputs[2] is attn_out and zero.size <= 1 and not zero.any():
+            return node.outputs[0]
+    return attn_out
 
 
 def _ancestors(values: list[ir.Value], limit: int = _MAX_MASK_NODES) -> list[ir.Node]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from ortpa.rewriter._graph import static_dim
+from ortpa.rewriter._graph import static_dim, static_width
 from ortpa.rewriter._match import LayerFailure, cache_concat, cache_inputs, cache_layers, match_or_failure, need
 from ortpa.rewriter.attention_core import attention_core, sliding_window
 from ortpa.rewriter.attention_qk import QkNorm, before_transpose_norm, rope_input
@@ -27,15 +27,33 @@ __all__ = [
     "AttentionLayer",
     "LayerFailure",
     "QkNorm",
+    "SourceRotary",
     "match_attention_layer",
     "match_attention_layers",
+    "recognise_decomposed",
     "rope_in_op_problems",
 ]
 
 
+@dataclass(frozen=True)
+class SourceRotary:
+    """RoPE the source op applies itself (``GroupQueryAttention`` ``do_rotary=1``, ``RotaryEmbedding``): its
+    ``[max_positions, rotary_dim / 2]`` cos / sin tables become the PagedAttention node's own rotary inputs."""
+
+    cos: ir.Value
+    sin: ir.Value
+    interleaved: int
+
+
 @dataclass
 class AttentionLayer:
-    """One matched dense MHA / GQA attention; values refer to the graph it was matched in."""
+    """One dense MHA / GQA attention layer, as every recogniser describes it (the emitter's one input).
+
+    ``layout`` says how ``query`` / ``key`` / ``value`` / ``attn_out`` are laid out: ``"bhsd"`` ``[B,H,S,D]`` (the
+    decomposed and SDPA forms) or ``"bsd"`` ``[B,S,H*D]`` (the ``com.microsoft`` attention ops). ``packed_qkv``:
+    ``query`` holds q, k and v side by side (``[B,S,(H+2*KVH)*D]``) and ``key`` / ``value`` are None.
+    ``rotary``: RoPE applied inside the source op to ``query`` / ``key`` (None: they are already rotated).
+    """
 
     layer: int
     num_heads: int  # H
@@ -45,14 +63,18 @@ class AttentionLayer:
     softcap: float  # 0 = none
     local_window_size: int  # -1 = none; else the window including the current token
     query: ir.Value  # [B,H,S,D] as the attention reads it (rotated, scale factors stripped)
-    key: ir.Value  # [B,KVH,S,D] new keys as cached (rotated)
-    value: ir.Value  # [B,KVH,S,D] new values
+    key: ir.Value | None  # [B,KVH,S,D] new keys as cached (rotated); None when packed_qkv
+    value: ir.Value | None  # [B,KVH,S,D] new values; None when packed_qkv
     attn_out: ir.Value  # [B,H,S,D]
     query_raw: ir.Value | None = None  # [B,H,S,D] before RoPE (and after q_norm), when RoPE was recognised
     key_raw: ir.Value | None = None
     q_norm: QkNorm | None = None
     k_norm: QkNorm | None = None
     notes: list[str] = field(default_factory=list)
+    layout: str = "bhsd"
+    packed_qkv: bool = False
+    rotary: SourceRotary | None = None
+    source: str = "decomposed"  # the recogniser that described the layer
 
     @property
     def rope_recognised(self) -> bool:
@@ -72,6 +94,28 @@ def _reaches(start: ir.Value, target: ir.Value, max_nodes: int = 60) -> bool:
         seen.add(id(node))
         queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
     return False
+
+
+def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40) -> int | None:
+    """Query heads = width of the projection the query was reshaped from / head size.
+
+    Walks back from the attention's query (through RoPE's element-wise ops and the head transpose) to the first
+    ``Reshape`` whose input has a known last dimension (a MatMul weight's width when shapes are symbolic).
+    """
+    seen: set[int] = set()
+    queue = deque([query])
+    while queue and len(seen) < max_nodes:
+        node = queue.popleft().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "Reshape":
+            width = static_width(node.inputs[0])
+            if width is not None and width % head_size == 0:
+                return width // head_size
+            continue
+        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
+    return None
 
 
 def match_attention_layer(graph: ir.Graph, layer: int) -> AttentionLayer | LayerFailure:
@@ -99,7 +143,9 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     core = attention_core(present_v)
     need(_reaches(core.key, present_k), f"attention key does not come from the key cache {present_k.name}", core.key)
     h = static_dim(core.query, 1)
-    need(h is not None, f"query heads are not static: {core.query.shape}", core.query)
+    if h is None:  # TorchScript-era exports reshape with Concat(batch, seq, -1, head): heads from the projection
+        h = _heads_from_projection(core.query, d)
+    need(h is not None, f"query heads are not static and no projection states them: {core.query.shape}", core.query)
     assert h is not None
     need(
         static_dim(core.query, -1) in (None, d),
@@ -136,6 +182,9 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
         m.query_raw, m.key_raw = q_raw, k_raw
         m.q_norm, m.k_norm = before_transpose_norm(q_raw), before_transpose_norm(k_raw)
     return m
+
+
+recognise_decomposed = _match  # the recogniser of the decomposed / SDPA / ONNX Attention forms (raises MatchFail)
 
 
 def match_attention_layers(graph: ir.Graph) -> list[AttentionLayer | LayerFailure]:

@@ -2,14 +2,17 @@
 
 A plain cast of the graph: it does not keep sensitive ops (norms, softmax) in float32. For best accuracy
 export the model in the target precision instead; this exists so a float32 export can run on the op, whose
-activations must be float16 or bfloat16.
+activations must be float16 or bfloat16. The one exception: an op whose schema at the model's opset does not
+accept the target type (``Sin`` / ``Cos`` take no bfloat16 before opset 22) computes in float32 between Casts,
+so the converted model stays a valid model.
 """
 
 from __future__ import annotations
 
+import onnx
 import onnx_ir as ir
 
-__all__ = ["convert_float_type"]
+__all__ = ["convert_float_type", "keep_unsupported_in_float32"]
 
 _FLOAT = ir.DataType.FLOAT
 
@@ -46,3 +49,67 @@ def convert_float_type(model: ir.Model, target: ir.DataType) -> None:
     for value in [*graph.inputs, *graph.outputs, *graph.initializers.values()]:
         if value.dtype == _FLOAT:
             value.type = ir.TensorType(target)
+    keep_unsupported_in_float32(model, target)
+
+
+def _accepts(schema: onnx.defs.OpSchema, index: int, type_str: str, *, output: bool = False) -> bool:
+    params = schema.outputs if output else schema.inputs
+    if not params:
+        return True
+    param = params[min(index, len(params) - 1)]
+    allowed = {tc.type_param_str: set(tc.allowed_type_strs) for tc in schema.type_constraints}
+    return param.type_str not in allowed or type_str in allowed[param.type_str]
+
+
+def keep_unsupported_in_float32(model: ir.Model, target: ir.DataType) -> list[str]:
+    """In place: default-domain nodes whose schema refuses ``target`` compute in float32 between Casts; the
+    names of the nodes changed."""
+    graph = model.graph
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    type_str = f"tensor({'bfloat16' if target == ir.DataType.BFLOAT16 else 'float16'})"
+    changed = []
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+        except onnx.defs.SchemaError:
+            continue
+        bad_in = [
+            i
+            for i, v in enumerate(node.inputs)
+            if v is not None and v.dtype == target and not _accepts(schema, i, type_str)
+        ]
+        if not bad_in:
+            continue
+        for i in bad_in:
+            cast = ir.Node(
+                "", "Cast", [node.inputs[i]], [ir.AttrInt64("to", _FLOAT)], name=f"{node.name}/to_float32_{i}"
+            )
+            cast.outputs[0].name = f"{node.name}/input{i}_float32"
+            cast.outputs[0].type = ir.TensorType(_FLOAT)
+            graph.insert_before(node, cast)
+            node.replace_input_with(i, cast.outputs[0])
+        for j, out in enumerate(node.outputs):
+            if out.dtype != target:
+                continue
+            uses = list(out.uses())
+            is_output = out in graph.outputs
+            out.type = ir.TensorType(_FLOAT)
+            back = ir.Node(
+                "", "Cast", [out], [ir.AttrInt64("to", target)], name=f"{node.name}/to_{target.name.lower()}_{j}"
+            )
+            back.outputs[0].type = ir.TensorType(target)
+            back.outputs[0].shape = out.shape
+            graph.insert_after(node, back)
+            for user, index in uses:
+                user.replace_input_with(index, back.outputs[0])
+            if is_output:
+                name = out.name
+                out.name = f"{name}/float32"
+                back.outputs[0].name = name
+                graph.outputs[graph.outputs.index(out)] = back.outputs[0]
+            else:
+                back.outputs[0].name = f"{out.name}/{target.name.lower()}"
+        changed.append(node.name or node.op_type)
+    return changed

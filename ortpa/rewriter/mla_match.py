@@ -36,6 +36,8 @@ from ortpa.rewriter._match import (
     softmax_of,
     strip_scales,
 )
+from ortpa.rewriter.quantized import OP_TYPE as OP_NBITS
+from ortpa.rewriter.quantized import dequantized_weight, is_matmul_nbits
 
 __all__ = ["LayerFailure", "MlaLayer", "match_mla_layer", "match_mla_layers"]
 
@@ -255,14 +257,21 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
     latent_all, latent = cache_concat(past_k)
     _, k_pe = cache_concat(past_v)
 
-    kvb = next((n for n in consumers(latent_all, "MatMul") if n.inputs[0] is latent_all), None)
+    kvb = next(
+        (
+            n
+            for n in consumers(latent_all, "MatMul", OP_NBITS)
+            if n.inputs[0] is latent_all and (n.op_type == "MatMul" or is_matmul_nbits(n))
+        ),
+        None,
+    )
     need(
         kvb is not None,
         f"present latent is not expanded by a MatMul (kv_b_proj); consumers {consumer_ops(latent_all)}",
         latent_all,
     )
     assert kvb is not None
-    w_kv_b = const_array(kvb.inputs[1])
+    w_kv_b = dequantized_weight(kvb) if is_matmul_nbits(kvb) else const_array(kvb.inputs[1])
     need(
         w_kv_b is not None and w_kv_b.ndim == 2 and w_kv_b.shape[0] == L, "kv_b_proj weight not a constant [L, N]", kvb
     )

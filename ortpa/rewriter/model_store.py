@@ -35,6 +35,7 @@ import onnx_ir as ir
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model_file import read_model
+from ortpa.model_ref import ModelRef
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
@@ -67,9 +68,9 @@ def _say(progress: Progress | None, message: str) -> None:
 def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
     """A private ir.Model: the caller's model object is never modified.
 
-    Paths: checked by the shared loader without reading the weights, checked by onnx.checker from the path,
-    external tensors left lazy (memory-mapped from the input folder when read). ModelProtos go through the
-    same loader with their data inline. The input must pass onnx.checker, which the converted model has to pass
+    Paths: checked by the shared loader without reading the weights, by onnx.checker on the graph (weights as
+    typed inputs), external tensors left lazy (memory-mapped from the input folder when read). ModelProtos go
+    through the same loader with their data inline. The input must pass onnx.checker, which the converted model has to pass
     anyway: a model it rejects would otherwise fail somewhere deep in the optimizer with an unrelated message.
     """
     if isinstance(model, ir.Model):  # the caller's own in-memory object: a private copy, as before
@@ -79,7 +80,10 @@ def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
     from_path = not isinstance(model, onnx.ModelProto)
     loaded = read_model(model, load_external_data=not from_path)
     try:
-        onnx.checker.check_model(os.fspath(model) if from_path else loaded.proto, full_check=False)
+        # the graph with its large weights as typed inputs: the checker neither reads the weights nor follows
+        # external references itself (it would resolve them against the working directory, and refuses the
+        # symlinks of a Hugging Face cache that read_model has already checked)
+        onnx.checker.check_model(weightless(loaded.proto) if from_path else loaded.proto, full_check=False)
     except onnx.checker.ValidationError as exc:
         reason = " ".join(str(exc).split())
         raise InvalidModel(loaded.label, f"fails onnx.checker: {reason[:500]}") from None
@@ -373,7 +377,9 @@ def check_session_from_path(proto: onnx.ModelProto) -> None:
         ort.InferenceSession(weightless(proto).SerializeToString(), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:
         text = str(exc)
-        if "NOT_IMPLEMENTED" in text and "PagedAttention" in text:
+        if "NOT_IMPLEMENTED" in text and ("PagedAttention" in text or "Could not find an implementation" in text):
+            # kernel lookup runs after the whole graph resolved: a missing CPU kernel (PagedAttention's, or any
+            # bfloat16 kernel the CPU EP lacks) is the same verdict for the graph
             return
         # The CPU EP finds no PagedAttention kernel for float16 and wraps the node in float32 Casts
         # (InsertCastTransformer), which the op's type constraint then rejects: the same "no CPU kernel" verdict,
@@ -388,16 +394,26 @@ def check_session_from_path(proto: onnx.ModelProto) -> None:
 
 
 # ------------------------------------------------------------------------------------------ files
-def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **options) -> onnx.ModelProto:
+def convert_file(
+    in_path: str | os.PathLike | ModelRef, out_path: str | os.PathLike, revision: str | None = None, **options
+) -> onnx.ModelProto:
     """:func:`ortpa.convert` a model file into ``out_path``: streamed, checked from the written files, then
     moved into place (the output and its ``.data`` are complete or absent; the input is never modified).
+
+    ``in_path`` may be a folder or a Hugging Face repo id in the local cache (:mod:`ortpa.model_ref`); the
+    tokenizer and config files of such a model's folder are then copied beside ``out_path``, as regular files.
 
     Returns the written model: the whole model when it is inline; when its weights are in ``<out>.data``,
     the graph with external references relative to the output's folder (``onnx.load(out_path)`` or
     ``onnx.load_external_data_for_model(model, out_dir)`` read them in; sessions take ``out_path`` itself).
     """
+    from ortpa.model_ref import companion_files, copy_companion_files, locate_model
     from ortpa.rewriter.pipeline import convert
 
+    ref = locate_model(in_path, revision)
+    # a plain file keeps the caller's spelling, which the loader's messages name
+    in_path = in_path if isinstance(in_path, (str, os.PathLike)) and ref.path == Path(in_path) else ref.path
+    companions = companion_files(ref.folder) if ref.folder is not None else []  # refused before the work
     if Path(in_path).resolve() == Path(out_path).resolve():
         raise ConversionError("refusing to overwrite the input model", [("out_path", str(out_path))])
     if Path(out_path).is_dir():  # found before the work, not after it
@@ -405,9 +421,11 @@ def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **opti
     try:
         with writing_to(out_path, options.get("progress")) as sink:
             sink.inputs = frozenset({Path(in_path).resolve()})
-            return convert(in_path, **options)
+            result = convert(in_path, **options)
     except OSError as exc:
         raise ConversionError(f"cannot write {os.fspath(out_path)}: {exc.strerror or exc}") from exc
+    copy_companion_files(companions, Path(out_path).parent)
+    return result
 
 
 def save_model(proto: onnx.ModelProto, out_path: str | os.PathLike) -> None:

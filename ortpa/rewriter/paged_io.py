@@ -22,6 +22,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ortpa.errors import ConversionError
+from ortpa.rewriter import per_sequence  # circular by design: it reads PagedIO, finish() calls it
 from ortpa.rewriter._graph import Builder, const_array, int_attr
 from ortpa.rewriter.mla import PagedAttentionInputs
 
@@ -34,6 +35,7 @@ __all__ = [
     "add_separate_caches",
     "begin",
     "finish",
+    "positions",
     "set_present",
     "set_present_value",
 ]
@@ -57,6 +59,7 @@ class PagedIO:
     dense_outputs: dict[str, ir.Value] = field(default_factory=dict)
     cos_cache: ir.Value | None = None
     sin_cache: ir.Value | None = None
+    derived_positions: ir.Value | None = None  # built once by :func:`positions` (PositionMode "derive")
 
     def op_inputs(self) -> PagedAttentionInputs:
         return PagedAttentionInputs(
@@ -137,8 +140,22 @@ def set_present_value(graph: ir.Graph, layer: int, value_cache_out: ir.Value, li
     graph.outputs.append(value_cache_out)
 
 
-def _positions(b: Builder, io: PagedIO) -> ir.Value:
-    """pos[t] = past[s] + t - cu[s] where s is the sequence owning packed token t (no runtime help needed)."""
+def positions(b: Builder, io: PagedIO) -> ir.Value:
+    """Per-token positions ``[num_tokens]`` int64: the ``position_ids`` input, else derived once in-graph.
+
+    pos[t] = past[s] + t - cu[s] where s is the sequence owning packed token t (no runtime help needed).
+    """
+    if io.position_ids is not None:
+        return io.position_ids
+    if io.derived_positions is None:
+        io.derived_positions = _derive_positions(b, io)
+    return io.derived_positions
+
+
+_positions = positions  # the name finish() uses
+
+
+def _derive_positions(b: Builder, io: PagedIO) -> ir.Value:
     t_count = b.op("Shape", [io.input_ids])
     zero, one = b.initializer(np.array(0, np.int64), "zero"), b.initializer(np.array(1, np.int64), "one")
     t = b.op("Range", [zero, b.op("Squeeze", [t_count]), one])
@@ -212,6 +229,7 @@ def finish(model: ir.Model, io: PagedIO, *, logits: LogitsMode = "last") -> None
     if dense_pos is not None and dense_pos.uses():
         pos = io.position_ids if io.position_ids is not None else _positions(b, io)
         dense_pos.replace_all_uses_with(b.op("Unsqueeze", [pos, b.ints([0])], hint="position_ids_packed"))
+    per_sequence.per_sequence_reductions(graph, io)  # batched = alone: step-wide reductions -> per sequence, or refuse
     _select_logits(graph, b, io, logits)
     for value in io.dense_outputs.values():
         graph.outputs.remove(value)

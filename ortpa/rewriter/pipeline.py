@@ -18,16 +18,14 @@ import onnx_ir as ir
 import onnxscript.optimizer
 
 from ortpa.errors import ConversionError
+from ortpa.model_ref import resolve_any
 from ortpa.rewriter import kv_quant, model_store, paged_io
-from ortpa.rewriter.attention import (
-    AttentionLayer,
-    match_attention_layers,
-    rewrite_attention_layer,
-    rope_in_op_problems,
-)
+from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
 from ortpa.rewriter.model_store import convert_file, save_model
+from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
+from ortpa.rewriter.recognisers.caches import canonicalise_cache_io
 from ortpa.rewriter.rope import rope_caches
 
 __all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file", "save_model"]
@@ -88,8 +86,8 @@ def _attention_family(
     """
     if not mla_results or any(isinstance(r, MlaLayer) for r in mla_results):
         return None
-    results = match_attention_layers(graph)
-    if any(isinstance(r, AttentionLayer) for r in results):
+    results = recognise_separate_layers(graph)
+    if any(isinstance(r, AttentionLayer) for r in results) or any(source_op(graph, r.layer) for r in mla_results):
         return results
     key = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.key"), None)
     value = next((v for v in graph.inputs if v.name == f"past_key_values.{mla_results[0].layer}.value"), None)
@@ -123,10 +121,12 @@ def _convert_separate(
         )
     layers = [r for r in results if isinstance(r, AttentionLayer)]
     graph = irm.graph
-    op_dtype = _op_dtype(layers[0].value.dtype or ir.DataType.FLOAT, dtype, kv_cache_dtype)
+    op_dtype = _op_dtype(layers[0].query.dtype or ir.DataType.FLOAT, dtype, kv_cache_dtype)
     cos = sin = None
     if rope_in_op:
-        problems = [(f"layer {m.layer}", "; ".join(p)) for m in layers if (p := rope_in_op_problems(m))]
+        problems = [
+            (f"layer {m.layer}", "; ".join(p)) for m in layers if m.rotary is None and (p := rope_in_op_problems(m))
+        ]
         if problems:
             raise ConversionError("RoPE cannot move into PagedAttention (rope_in_op=True)", problems)
         _progress(progress, "computing cos/sin caches from the model's RoPE")
@@ -193,6 +193,7 @@ def convert(
     kv_scale: kv_quant.KVScaleMode = "per-channel",
     kv_scale_margin: float = kv_quant.DEFAULT_MARGIN,
     calibration_prompts: Sequence[Sequence[int]] | None = None,
+    revision: str | None = None,
 ) -> onnx.ModelProto:
     """Convert a dense MLA model (DeepSeek-V2/V3 style export with past/present KV) to PagedAttention LATENT.
 
@@ -206,7 +207,10 @@ def convert(
     * ``kv_cache_dtype="int8"``: int8 caches with static scales (``kv_scale`` per-channel or per-tensor, times
       ``kv_scale_margin``) calibrated by running the dense model on ``calibration_prompts`` (token-id lists;
       default: seeded random prompts); see :mod:`ortpa.rewriter.kv_quant`. float8e4m3fn is rejected.
+    * ``model`` may also be a folder or a Hugging Face repo id in the local cache (``revision``: branch, tag or
+      commit), found offline by :mod:`ortpa.model_ref`.
     """
+    model = resolve_any(model, revision)
     kv_plan = kv_quant.plan(
         kv_cache_dtype, kv_scale=kv_scale, margin=kv_scale_margin, calibration_prompts=calibration_prompts
     )
@@ -216,6 +220,7 @@ def convert(
     irm = model_store.load_ir(model)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
         kv_plan.dense = model_store.inline_copy(irm)
+    canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     graph = irm.graph

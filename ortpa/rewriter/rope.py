@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from ortpa.errors import ConversionError
 from ortpa.rewriter._graph import consumers, scalar
+from ortpa.rewriter.per_sequence import TOKEN_REDUCTIONS
 
 __all__ = ["rope_caches"]
 
@@ -60,6 +61,20 @@ def rope_caches(model: ir.Model, rope_dim: int, rows: int) -> tuple[np.ndarray, 
         raise ConversionError(
             "cannot move RoPE into the op", [("graph", f"cos/sin do not depend on position_ids alone: {exc}")]
         ) from exc
+    reductions = sorted({n.op_type for n in sub if n.op_type in TOKEN_REDUCTIONS})
+    if reductions:
+        # e.g. LongRoPE: long or short factors picked from max(position_ids) + 1. A table evaluated for positions
+        # 0..rows-1 in one run would give every sequence the factors of the longest one.
+        raise ConversionError(
+            "cannot move RoPE into the op",
+            [
+                (
+                    "graph",
+                    f"cos/sin depend on a reduction over positions ({', '.join(reductions)}): the table "
+                    "depends on each sequence's length (LongRoPE); keep RoPE in the graph (rope_in_op=False)",
+                )
+            ],
+        )
     sub.opset_imports.update(graph.opset_imports)
     sub_model = ir.Model(sub, ir_version=model.ir_version)
     proto = ir.serde.serialize_model(sub_model)

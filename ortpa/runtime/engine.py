@@ -98,10 +98,11 @@ class Engine:
     ``max_num_batched_tokens`` bounds the tokens of one step (a longer prompt is prefilled in chunks),
     ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime.
 
-    On CPU (the portable PagedAttention) a step costs about batch x longest query x longest KV, since every
-    sequence is padded to the step's longest query, so a long prompt chunk next to many decodes is slow. There,
-    ``mixed_steps=False`` (prompt chunks and decodes in separate steps, prompts first) or a small
-    ``max_num_batched_tokens`` (32) is several times faster than the defaults, which suit the native kernels.
+    Every step mixes decodes and prompt chunks (chunked prefill), on the native kernels and on the portable
+    PagedAttention alike: the portable op attends decodes and prompt chunks in separate groups, so a step
+    costs about what its parts would cost apart, and decodes keep their pace while prompts arrive.
+    ``mixed_steps=False`` runs prompt chunks and decodes in separate steps instead (prompts first, vLLM v0's
+    policy).
 
     Threads: one thread drives the engine (:meth:`step`, :meth:`generate`, :meth:`stream`); a second thread
     calling :meth:`step` or :meth:`generate` while it does gets :class:`~ortpa.errors.ConcurrentUse`.
@@ -122,7 +123,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         kv_budget_bytes: int | None = None,
         sess_options: ort.SessionOptions | None = None,
-        mixed_steps: bool | None = None,
+        mixed_steps: bool = True,
     ) -> None:
         loaded = read_for_session(model)  # once: the session takes it as is, keeping the file's name for errors
         proto = loaded.proto
@@ -136,8 +137,6 @@ class Engine:
         self.session = PagedSession(
             loaded, num_blocks=num_blocks, block_size=block_size, providers=providers, sess_options=sess_options
         )
-        if mixed_steps is None:
-            mixed_steps = not self.session.session.portable_nodes
         self.mixed_steps = mixed_steps
         self.kv = PagedKVCache(num_blocks, self.session.block_size)
         self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None

@@ -10,7 +10,7 @@ One step packs every running request's next tokens and newly admitted prompts un
 2. only if nobody was preempted, waiting requests in order, each adopting its cached prefix blocks first.
 
 With ``mixed_steps=False`` a step takes either prompt chunks (running and admitted) or decodes, never both:
-prompts first while any are pending (vLLM v0's policy), which suits backends that pad to the longest query.
+prompts first while any are pending (vLLM v0's policy); decodes then wait while prompts keep arriving.
 
 Token layout of one request (``bs`` = block size; ``cached`` ⊆ ``computed``)::
 
@@ -131,8 +131,7 @@ class Scheduler:
         max_model_len: int | None = None,
     ) -> None:
         """``mixed_steps=False`` never puts prompt chunks and decodes in one step: prompt chunks go first while
-        any are pending (vLLM v0's policy). Backends that pad every sequence to the step's longest query (the
-        portable op on CPU) run such steps several times faster; decodes wait while prompts keep arriving.
+        any are pending (vLLM v0's policy); decodes wait while prompts keep arriving.
         ``max_model_len`` (positions the model can take, ``None`` = unbounded) refuses longer requests.
         """
         if max_num_batched_tokens < 1 or max_num_seqs < 1:

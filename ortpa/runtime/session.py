@@ -25,6 +25,7 @@ import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument, InvalidModel, KVPoolTooLarge, NotImplementedByBackend
 from ortpa.model_file import LoadedModel, ort_message_line, read_model
+from ortpa.model_ref import resolve_any
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
@@ -134,6 +135,7 @@ def read_for_session(model: Any) -> LoadedModel:
     memory-mapped by ONNX Runtime; bytes and ModelProtos are read as before (external data needs a folder)."""
     if isinstance(model, LoadedModel):
         return model
+    model = resolve_any(model)  # a folder or a cached Hugging Face repo id: its ONNX file
     if isinstance(model, (str, os.PathLike)):
         return read_model(model, load_external_data=False)
     return read_model(model)

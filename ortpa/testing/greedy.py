@@ -1,8 +1,8 @@
 """Greedy decoding loops that record every step's logits, for parity between a dense model and its paged form.
 
-* :func:`dense_greedy` runs a dense export (``input_ids [B,S]``, ``attention_mask``, ``position_ids``,
-  ``past_key_values.{i}.key/.value`` -> ``logits``, ``present.*``) one prompt at a time, feeding each step's
-  present KV back as the next step's past.
+* :func:`dense_greedy` runs a dense past/present model one prompt at a time, in the model's own format
+  (:mod:`ortpa.formats`: dynamo, onnxruntime-genai, optimum, transformers' OnnxExporter), feeding each step's
+  present KV back as the next step's past; :func:`dense_forward` runs a whole sequence in one step.
 * :func:`paged_greedy` runs a converted model through a :class:`~ortpa.runtime.session.PagedSession` with a
   :class:`~ortpa.runtime.kv.PagedKVCache`: every prompt's prefill in one packed step, then one packed decode
   step per new token for all prompts together.
@@ -15,6 +15,7 @@ still what it reports as its tokens.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,10 +24,12 @@ import numpy as np
 import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument
+from ortpa.formats import DenseInterface, dense_interface, length_thresholds, session_interface
+from ortpa.model_file import read_model
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
 
-__all__ = ["GreedyRun", "dense_greedy", "paged_greedy"]
+__all__ = ["DenseModel", "GreedyRun", "dense_forward", "dense_greedy", "open_dense", "paged_greedy"]
 
 
 @dataclass
@@ -50,41 +53,82 @@ def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Non
         raise InvalidArgument("greedy.max_new_tokens", "max_new_tokens", f"expected >= 1, got {max_new_tokens}")
 
 
+@dataclass(frozen=True)
+class DenseModel:
+    """A dense original opened for reference runs: its onnxruntime CPU session and how to feed it."""
+
+    session: ort.InferenceSession
+    interface: DenseInterface
+    thresholds: tuple[int, ...]  # ortpa.formats.length_thresholds: a parity prompt should pass each
+
+
+def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> DenseModel:
+    """Open the dense model at ``model`` (a path: the session reads its external data) on ONNX Runtime CPU.
+
+    The graph is read through :func:`ortpa.model_file.read_model` (without weights) to find its format and
+    interface. Memory reuse is off: onnxruntime-genai's fp16 builder declares the repeated K/V after the cache
+    ``Concat`` with ``sequence_length`` where it holds ``total_sequence_length``, so ONNX Runtime's planner
+    reuses a buffer of the wrong size on the first decode step ("Shape mismatch attempting to re-use buffer";
+    onnxruntime-genai itself fails the same way on these files); without reuse the file runs as written.
+    """
+    proto = read_model(model, load_external_data=False).proto
+    options = ort.SessionOptions()
+    options.enable_mem_reuse = False
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(os.fspath(model), options, providers=["CPUExecutionProvider"])
+    return DenseModel(session, dense_interface(proto), tuple(length_thresholds(proto)))
+
+
+def _interface(session: ort.InferenceSession, interface: DenseInterface | None) -> DenseInterface:
+    return interface if interface is not None else session_interface(session)
+
+
+def dense_forward(
+    session: ort.InferenceSession, tokens: Sequence[int], *, interface: DenseInterface | None = None
+) -> np.ndarray:
+    """One run of the whole token sequence on an empty cache: ``[len(tokens), vocab]`` float32 logits."""
+    io = _interface(session, interface)
+    out = session.run([io.logits], io.feed(list(tokens), 0, io.empty_past()))[0]
+    return np.asarray(out[0], np.float32)
+
+
 def dense_greedy(
     session: ort.InferenceSession,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
     follow: Sequence[Sequence[int]] | None = None,
+    interface: DenseInterface | None = None,
 ) -> GreedyRun:
-    """Greedy decoding of each prompt alone on a dense past/present model (float32 caches)."""
+    """Greedy decoding of each prompt alone on a dense past/present model, fed in its own format.
+
+    ``interface`` (from :func:`ortpa.formats.dense_interface` of the model) says which inputs the model takes
+    (onnxruntime-genai: ``attention_mask`` only, or with ``position_ids``; optimum and dynamo exports: both;
+    transformers' OnnxExporter: ``position_ids`` only) and how its caches are named, shaped and typed. Without
+    it, the session's declared I/O is enough for models whose cache dims are all fixed.
+    """
     _check_prompts(prompts, max_new_tokens)
-    inputs = {i.name: i for i in session.get_inputs()}
-    caches = sorted(n for n in inputs if n.startswith("past_key_values."))
+    io = _interface(session, interface)
     outputs = [o.name for o in session.get_outputs()]
     start = time.perf_counter()
     tokens: list[list[int]] = []
     logits: list[np.ndarray] = []
     runs = 0
     for p, prompt in enumerate(prompts):
-        past = {n: np.zeros((1, int(inputs[n].shape[1]), 0, int(inputs[n].shape[3])), np.float32) for n in caches}
+        past = io.empty_past()
         feed_ids, length, mine, rows = list(prompt), 0, [], []
         for step in range(max_new_tokens):
-            n = len(feed_ids)
-            feed = {
-                "input_ids": np.array([feed_ids], np.int64),
-                "attention_mask": np.ones((1, length + n), np.int64),
-                "position_ids": np.arange(length, length + n, dtype=np.int64)[None],
-                **past,
-            }
-            out = dict(zip(outputs, session.run(None, feed), strict=True))
+            out = dict(zip(outputs, session.run(None, io.feed(feed_ids, length, past)), strict=True))
             runs += 1
-            row = np.asarray(out["logits"][0, -1], np.float32)
+            row = np.asarray(out[io.logits][0, -1], np.float32)
             rows.append(row)
             mine.append(int(row.argmax()))
-            past = {n_: out[n_.replace("past_key_values", "present")] for n_ in caches}
-            length += n
-            feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
+            past = io.next_past(out)
+            length += len(feed_ids)
+            if step + 1 < max_new_tokens:  # ``follow`` needs no token past the last step
+                feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
         tokens.append(mine)
         logits.append(np.stack(rows))
     return GreedyRun(tokens, logits, time.perf_counter() - start, runs)

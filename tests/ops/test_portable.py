@@ -228,6 +228,18 @@ MATRIX = {
     "explicit_scale": dict(scale=0.3),
     "zero_length_sequence": dict(q_lens=(2, 0, 3, 0), pasts=(5, 9, 0, 16)),
     "block_32_long": dict(block_size=32, q_lens=(40, 1), pasts=(30, 95)),
+    # decodes and prompt chunks interleaved (they attend in separate groups), empty sequences between them,
+    # decodes with longer contexts than the chunks and chunks of different lengths
+    "mixed_interleaved": dict(q_lens=(1, 7, 0, 1, 3, 1, 0), pasts=(60, 0, 5, 2, 33, 17, 0)),
+    "mixed_gqa_rope_window": dict(
+        num_heads=8,
+        kv_num_heads=2,
+        q_lens=(5, 1, 1, 12),
+        pasts=(40, 3, 77, 0),
+        rotary=(32, False, 0),
+        local_window_size=9,
+    ),
+    "prefill_only_unequal": dict(q_lens=(5, 2, 9), pasts=(0, 30, 4)),
     "latent": dict(latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=48, rotary=(16, False, 48)),
     "latent_equal_v": dict(latent=True, num_heads=2, kv_num_heads=1, head_size=32),
     "latent_noncausal_softcap": dict(
@@ -355,6 +367,59 @@ def test_cache_outputs_omitted() -> None:
     case = make_case(rng, np.float16, cache_outputs=False, q_lens=(4, 1), pasts=(0, 20))
     got = check(case)
     assert set(got) == {"output"}
+
+
+def _matmul_elements(model: onnx.ModelProto, inputs: dict) -> int:
+    """Output elements of every MatMul the call runs (scores and P @ V), read from ONNX Runtime's profile."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = f"{tmp}/profile"
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        run(sess, inputs)
+        with open(sess.end_profiling()) as f:
+            events = json.load(f)
+    total = 0
+    for e in events:
+        args = e.get("args", {})
+        if e.get("cat") == "Node" and args.get("op_name") in ("MatMul", "FusedMatMul"):
+            for out in args["output_type_shape"]:
+                total += int(np.prod(next(iter(out.values()))))
+    return total
+
+
+def test_mixed_step_work_follows_the_real_work() -> None:
+    """A prompt chunk next to decodes costs about the chunk alone plus the decodes alone, not batch x chunk.
+
+    Counted as MatMul output elements (no timing): padding every decode to the chunk's 64 query rows would
+    make the mixed step ~6x its parts.
+    """
+    rng = np.random.default_rng(14)
+    q_lens, pasts = (64, 1, 1, 1, 1, 1, 1), (36, 90, 92, 94, 96, 98, 99)
+    case = make_case(rng, np.float16, q_lens=q_lens, pasts=pasts)
+    model = portable_single_node_model(case.inputs, case.attrs)
+    check(case, model=model)  # exact as well as cheap
+    width = {"_width": case.attrs["num_heads"] * 32}
+
+    def part(sel: slice) -> dict:
+        x = dict(case.inputs)
+        lens = np.array(q_lens[sel])
+        first, last = int(np.sum(q_lens[: sel.start])), int(np.sum(q_lens[: sel.stop]))
+        for name in ("query", "key", "value"):
+            x[name] = x[name][first:last]
+        x["cumulative_sequence_length"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        x["past_seqlens"] = x["past_seqlens"][sel]
+        x["block_table"] = x["block_table"][sel]
+        return {**x, **width}
+
+    mixed = _matmul_elements(model, {**case.inputs, **width})
+    prefill = _matmul_elements(model, part(slice(0, 1)))
+    decode = _matmul_elements(model, part(slice(1, len(q_lens))))
+    assert prefill > 0 and decode > 0
+    assert mixed <= 1.05 * (prefill + decode), f"mixed step {mixed} elements vs {prefill} + {decode} apart"
 
 
 # ------------------------------------------------------------------------------------------------ in place

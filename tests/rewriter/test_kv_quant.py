@@ -111,8 +111,8 @@ def _calibration_amax(fixture: str, prompts: list[list[int]]) -> dict[str, np.nd
     for ids in prompts:
         state = dense.new()
         dense.step(state, ids)
-        for j, kv in enumerate(state["kv"]):
-            name = f"{j // 2}.{('key', 'value')[j % 2]}"
+        for past_name, kv in state["kv"].items():
+            name = past_name.removeprefix("past_key_values.")
             amax = np.abs(kv).max(axis=(0, 2))
             out[name] = np.maximum(out[name], amax) if name in out else amax
     return out

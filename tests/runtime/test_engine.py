@@ -295,12 +295,17 @@ def test_abort_frees_blocks_and_the_rest_still_finish(alone):
         engine.abort(ids[2])
 
 
-def test_step_mode_defaults_to_separate_prompt_steps_on_the_portable_path():
-    # the portable op pads every sequence to a step's longest query, so mixing a long prompt chunk with
-    # decodes is slow there; native kernels keep mixed steps
-    engine = _engine()
-    assert engine.session.session.portable_nodes and engine.mixed_steps is False
-    assert _engine(mixed_steps=True).mixed_steps is True
+def test_steps_mix_prompt_chunks_and_decodes_by_default_on_the_portable_path():
+    # the portable op attends decodes and prompt chunks in separate groups, so mixing costs no padding there
+    engine = _engine(enable_prefix_caching=False, max_num_batched_tokens=24)
+    assert engine.session.session.portable_nodes and engine.mixed_steps is True
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=4)) for p in ([1, 2, 3], [4, 5, 6, 7, 8])]
+    engine.step()  # both prompts
+    engine.add_request(list(range(10, 30)), SamplingParams(max_new_tokens=2))
+    plan = engine.scheduler.schedule()  # peek at the next step: two decodes and the new prompt
+    assert sorted(c.num_tokens for c in plan.chunks) == [1, 1, 20]
+    assert {c.request.request_id for c in plan.chunks} >= set(ids)
+    assert _engine(mixed_steps=False).mixed_steps is False
 
 
 def test_requests_past_the_rotary_table_are_refused():

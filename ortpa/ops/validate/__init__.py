@@ -55,11 +55,11 @@ __all__ = [
 ]
 
 
-def validate_model(model: Any, backend: str | None = None):
+def validate_model(model: Any, backend: str | None = None, revision: str | None = None):
     """Validate every PagedAttention node of ``model``; see :func:`ortpa.ops.node_check.validate_model`."""
     from ortpa.ops.node_check import validate_model as _validate_model  # node_check imports this package
 
-    return _validate_model(model, backend=backend)
+    return _validate_model(model, backend=backend, revision=revision)
 
 
 validate = validate_model

@@ -1,0 +1,224 @@
+"""onnxruntime-genai vs ortpa on the same genai builder model, on CPU: tokens/s at 1 and 16 concurrent requests.
+
+The model is built at run time (never committed): a Llama config of ~58M parameters (hidden 512, 8 layers,
+8 query / 4 KV heads of 64, vocab 32000, seeded random weights), made by the onnxruntime-genai builder at fp32
+(``-p fp32 -e cpu``: GroupQueryAttention). onnxruntime-genai depends on the ``onnxruntime`` CPU wheel, which
+cannot share an environment with ortpa's ``onnxruntime-gpu``, so everything genai does (build the Hugging Face
+folder, run the builder, generate) runs in a subprocess of the python given by ``--genai-python`` (or the
+``ORTPA_GENAI_PYTHON`` environment variable under ``ortpa bench``): a venv with onnxruntime-genai, onnx-ir,
+torch 2.13.0 CPU and transformers 5.x (see ``scripts/make_fixtures_formats.py``).
+
+The same file is converted by ``ortpa convert`` and run by :class:`ortpa.Engine` (CPU, portable
+PagedAttention). Workloads, greedy, the same for both: 1 request, and 16 requests submitted together
+(onnxruntime-genai: one generator over a batch of 16; ortpa: continuous batching), prompts of 64 tokens, 32 new
+tokens each (``--quick``: 16 and 8). Both sides run with 2 intra-op threads; times are wall seconds of the
+generation alone (build, conversion and session creation excluded). Target: ortpa / genai >= 1.0 at 16.
+
+Rows say "not available" (value ``nan``) instead of failing when genai's python is not given or cannot build
+the model, or when ``ortpa convert`` refuses the model (the reason is in the notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+__all__ = ["run"]
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+THREADS = 2
+CONCURRENCY = (1, 16)
+
+# Runs in genai's python: build the seeded Hugging Face folder (weights and tokenizer, as the fixture script
+# does) and call the builder.
+_BUILD = textwrap.dedent(
+    """
+    import json, subprocess, sys
+    sys.path.insert(0, {scripts!r})
+    import make_fixtures_formats as mf
+    cfg, hf, out = json.loads({cfg!r}), {hf!r}, {out!r}
+    mf.build_hf_dir(cfg, __import__("pathlib").Path(hf))
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf, "-o", out, "-p", "fp32", "-e", "cpu",
+           "-c", out + "_cache"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit("builder failed: " + (proc.stderr or proc.stdout)[-2000:])
+    """
+)
+
+# Runs in genai's python: greedy generation of a batch of prompts; prints JSON {seconds, tokens}.
+_GENERATE = textwrap.dedent(
+    """
+    import json, time
+    import onnxruntime_genai as og
+    prompts, new_tokens, threads = json.loads({prompts!r}), {new_tokens}, {threads}
+    config = og.Config({model_dir!r})
+    model = og.Model(config)
+
+    def once(batch):
+        params = og.GeneratorParams(model)
+        length = len(batch[0]) + new_tokens
+        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=len(batch))
+        gen = og.Generator(model, params)
+        gen.append_tokens(batch)
+        while not gen.is_done():
+            gen.generate_next_token()
+        return sum(len(gen.get_sequence(i)) - len(batch[i]) for i in range(len(batch)))
+
+    once(prompts[:1])  # warm-up
+    t = time.perf_counter()
+    tokens = once(prompts)
+    print(json.dumps({{"seconds": time.perf_counter() - t, "tokens": tokens}}))
+    """
+)
+
+
+def _genai_options(model_dir: Path) -> None:
+    """Give genai the same thread count as ortpa (session options in genai_config.json)."""
+    path = model_dir / "genai_config.json"
+    cfg = json.loads(path.read_text())
+    opts = cfg["model"]["decoder"].setdefault("session_options", {})
+    opts["intra_op_num_threads"] = THREADS
+    opts["inter_op_num_threads"] = 1
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def _subprocess(python: str, code: str, timeout: float) -> str:
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1][:500])
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _prompts(n: int, length: int) -> list[list[int]]:
+    return [[3 + (17 * i + 31 * j) % (CONFIG["vocab_size"] - 3) for j in range(length)] for i in range(n)]
+
+
+def _ortpa_tokens_per_s(converted: Path, prompts: list[list[int]], new_tokens: int) -> float:
+    import onnxruntime as ort
+
+    from ortpa.runtime.engine import Engine, SamplingParams
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = THREADS
+    opts.inter_op_num_threads = 1
+    engine = Engine(
+        converted,
+        num_blocks=512,
+        block_size=16,
+        providers=["CPUExecutionProvider"],
+        sess_options=opts,
+        enable_prefix_caching=False,
+        mixed_steps=False,
+    )
+    params = SamplingParams(max_new_tokens=new_tokens)
+    engine.generate(prompts[:1], params)  # warm-up
+    t = time.perf_counter()
+    out = engine.generate(prompts, params)
+    return sum(len(o) for o in out) / (time.perf_counter() - t)
+
+
+def _row(name: str, metric: str, value: float, unit: str, notes: str) -> dict:
+    return {"name": name, "metric": metric, "value": value, "unit": unit, "notes": notes}
+
+
+def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
+    genai_python = genai_python or os.environ.get("ORTPA_GENAI_PYTHON")
+    prompt_len, new_tokens = (16, 8) if quick else (64, 32)
+    params = sum(
+        [
+            2 * CONFIG["vocab_size"] * CONFIG["hidden_size"],
+            CONFIG["num_hidden_layers"]
+            * (
+                2 * CONFIG["hidden_size"] * CONFIG["num_attention_heads"] * CONFIG["head_dim"]
+                + 2 * CONFIG["hidden_size"] * CONFIG["num_key_value_heads"] * CONFIG["head_dim"]
+                + 3 * CONFIG["hidden_size"] * CONFIG["intermediate_size"]
+            ),
+        ]
+    )
+    dims = f"genai builder fp32 Llama ~{params / 1e6:.0f}M params; prompts {prompt_len}, {new_tokens} new"
+    dims += f"; {THREADS} threads"
+    if not genai_python:
+        return [
+            _row("vs_genai", "throughput_ratio", math.nan, "x", "not available: no --genai-python / ORTPA_GENAI_PYTHON")
+        ]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="ortpa_vs_genai_") as tmp:
+        hf, out = str(Path(tmp) / "hf"), str(Path(tmp) / "genai")
+        try:
+            code = _BUILD.format(scripts=str(ROOT / "scripts"), cfg=json.dumps(CONFIG), hf=hf, out=out)
+            subprocess.run([genai_python, "-c", code], check=True, capture_output=True, text=True, timeout=1800)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            return [
+                _row("vs_genai", "throughput_ratio", math.nan, "x", f"not available: build failed: {detail[-300:]}")
+            ]
+        _genai_options(Path(out))
+        genai: dict[int, float] = {}
+        for n in CONCURRENCY:
+            code = _GENERATE.format(
+                prompts=json.dumps(_prompts(n, prompt_len)), new_tokens=new_tokens, threads=THREADS, model_dir=out
+            )
+            result = json.loads(_subprocess(genai_python, code, timeout=1800))
+            genai[n] = result["tokens"] / result["seconds"]
+            rows.append(_row(f"vs_genai.genai.{n}", "throughput", round(genai[n], 1), "tokens/s", dims))
+        converted = Path(tmp) / "paged.onnx"
+        try:
+            from ortpa.rewriter.pipeline import convert_file
+
+            convert_file(Path(out) / "model.onnx", converted)
+        except Exception as exc:  # the recogniser's reason, reported instead of a crash
+            reason = str(exc).splitlines()[0][:300]
+            rows.append(_row("vs_genai", "throughput_ratio", math.nan, "x", f"conversion not available: {reason}"))
+            return rows
+        for n in CONCURRENCY:
+            ours = _ortpa_tokens_per_s(converted, _prompts(n, prompt_len), new_tokens)
+            rows.append(_row(f"vs_genai.ortpa.{n}", "throughput", round(ours, 1), "tokens/s", dims))
+            ratio = ours / genai[n]
+            target = f"; target >= 1.0: {ratio >= 1.0}" if n == 16 else ""
+            rows.append(_row(f"vs_genai.{n}", "throughput_ratio", round(ratio, 2), "x", f"ortpa / genai{target}"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ortpa.bench import format_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--genai-python", default=None, help="python of a venv with onnxruntime-genai (and torch, transformers)"
+    )
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = run(quick=args.quick, genai_python=args.genai_python)
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())

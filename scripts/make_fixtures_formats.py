@@ -1,0 +1,443 @@
+"""Regenerate the source-format fixtures under tests/fixtures/formats/ with the exporters people actually use.
+
+Each fixture is a tiny random-weight LLM (hidden 64, 2 layers, vocab 256, seeded) exported by a real tool, saved as
+one self-contained ``<name>.onnx`` (external data folded in, < 3 MB) plus ``<name>.json``: the source format, the
+tool and library versions that made it, the Hugging Face config, the numbers a test needs (vocab size, layers,
+heads, head size, dtype) and the thresholds a long prompt must cross (LongRoPE's
+``original_max_position_embeddings``). genai builder fixtures also keep ``<name>.genai_config.json``.
+
+The tools cannot share one environment, so each runs in its own venv (no network: weights are random, the
+tokenizer is built offline with ``tokenizers``); pass the tool as the first argument:
+
+* ``genai``: onnxruntime-genai 0.18.0 model builder (``python -m onnxruntime_genai.models.builder``), in a venv
+  with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), onnx-ir (the builder imports it
+  but does not declare it), torch 2.13.0 CPU, transformers 5.24 (the 0.18 builder does not import with 4.x),
+  onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
+  MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32.
+* ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
+  optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
+* ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
+  environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7).
+* ``ortpa``: ``ortpa.export.export_hf`` (``torch.onnx.export(dynamo=True)``), ortpa's environment, for the
+  Phi-3.5-style LongRoPE model.
+
+Usage: ``python scripts/make_fixtures_formats.py TOOL [--only NAME ...] [--out tests/fixtures/formats]``.
+A fixture whose tool fails is reported with the tool's own error and the others still run (exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.metadata
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = 0
+GENAI_NEW_TOKENS = 6  # greedy tokens recorded from onnxruntime-genai's own run of each genai fixture
+VOCAB = 256
+BOS, EOS, PAD, UNK = 1, 2, 0, 3
+
+# Tiny configs in the legacy (transformers 4.x) spelling, which transformers 5.x also reads: each venv builds
+# the Hugging Face folder with its own transformers, from these dicts, with the same seeded weights.
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
+    "pad_token_id": PAD,
+}
+LLAMA = {**_COMMON, "model_type": "llama", "head_dim": 16}
+# Qwen3: per-head q/k RMSNorm, head_dim 32 decoupled from hidden / heads (4 x 32 = 128 != 64).
+QWEN3 = {**_COMMON, "model_type": "qwen3", "head_dim": 32}
+# Phi-3.5-style LongRoPE: a prompt longer than original_max_position_embeddings (32) switches to long factors.
+_HALF = 8  # head_dim 16 / 2 rotary frequencies
+PHI3_LONGROPE = {
+    **_COMMON,
+    "model_type": "phi3",
+    "original_max_position_embeddings": 32,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(_HALF)],
+        "long_factor": [1.5 + 0.5 * i for i in range(_HALF)],
+    },
+}
+
+# Gemma-2: attention logit softcapping (GroupQueryAttention's softcap), query_pre_attn_scalar, alternating
+# sliding / full layers (local_window_size on layer 0 only). A Mistral with sliding_window 8 was tried too: the
+# 0.18 builder writes local_window_size=-1 for it (no window in the graph), so it adds nothing over Llama.
+GEMMA2 = {
+    **_COMMON,
+    "model_type": "gemma2",
+    "head_dim": 16,
+    "sliding_window": 8,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "query_pre_attn_scalar": 16,
+}
+
+# name -> (tool, config, tool options)
+FIXTURES: dict[str, tuple[str, dict, dict]] = {
+    "genai_llama_fp32": ("genai", LLAMA, {"precision": "fp32"}),
+    "genai_llama_fp16": ("genai", LLAMA, {"precision": "fp16"}),
+    "genai_llama_int4": ("genai", LLAMA, {"precision": "int4"}),
+    "genai_qwen3_fp32": ("genai", QWEN3, {"precision": "fp32"}),
+    "genai_qwen3_fp16": ("genai", QWEN3, {"precision": "fp16"}),
+    "genai_qwen3_int4": ("genai", QWEN3, {"precision": "int4"}),
+    "genai_phi3_longrope_fp32": ("genai", PHI3_LONGROPE, {"precision": "fp32"}),
+    "genai_gemma2_fp32": ("genai", GEMMA2, {"precision": "fp32"}),
+    "optimum_llama": ("optimum", LLAMA, {}),
+    "optimum_qwen3": ("optimum", QWEN3, {}),
+    "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
+    "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
+}
+
+# What a test or a reader must know about a fixture beyond its config (measured when the fixture was made).
+NOTES: dict[str, str] = {
+    "genai_llama_fp16": "the builder declares the repeated K/V after the cache Concat with sequence_length where it "
+    "holds total_sequence_length: ONNX Runtime 1.31/1.32 CPU (and onnxruntime-genai itself) fail the first decode "
+    "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.testing.greedy."
+    "open_dense turns it off)",
+    "genai_qwen3_fp16": "same value_info defect as genai_llama_fp16 (memory reuse must be off to decode)",
+    "genai_llama_int4": "MatMulNBits accuracy_level 4 quantizes activations to int8: incremental and one-shot runs "
+    "differ by up to ~0.06 in logits where a rounding flips",
+    "genai_qwen3_int4": "as genai_llama_int4",
+    "genai_phi3_longrope_fp32": "builder defect (0.18.0 with transformers 5.24, Phi-3 only): lm_head reads "
+    "/model/layers.0/post_attention_layernorm/output_0 instead of the final norm, so layer 0's MLP, layer 1 and the "
+    "final norm are dead code (present.1.* are still computed) and the logits differ from Phi3ForCausalLM on the "
+    "same weights (~3.3); layer 0 itself matches torch to 1e-6. LongRoPE: If(Greater(attention_mask width, 32), "
+    "long caches, short caches) -> cos_cache/sin_cache of every GroupQueryAttention",
+    "genai_gemma2_fp32": "layer 0 is sliding: GroupQueryAttention local_window_size 8 with sliding_window_cache=1, "
+    "its past/present a ring buffer of 8 rows (past_sliding_length / total_sliding_length) fed as zeros from the "
+    "first step and returned at the same size; softcap 50 on both layers; final logit softcap as Div, Tanh, Mul; "
+    "matches Gemma2ForCausalLM on the same weights to 2e-5",
+    "ortpa_phi3_longrope": "LongRoPE: Where(Greater(ReduceMax(position_ids) + 1, 32), long_inv_freq, "
+    "original_inv_freq): a max over the whole batch",
+    "onnxexporter_llama": "batch is fixed at 1 (the sample had one prompt); caches input.cache.layers.{i}.keys/"
+    ".values -> output.cache.layers.{i}.*, dims as digit strings, no attention_mask",
+}
+
+# Ops that carry attention, per source form (counted per layer into the fixture's JSON).
+_ATTENTION_OPS = {
+    "GroupQueryAttention",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "Attention",
+    "Softmax",
+    "MatMulNBits",
+    "SimplifiedLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+}
+
+
+# ------------------------------------------------------------------------------------------------ HF folder
+def _randomise(model) -> None:
+    """The weight draw of ``ortpa.export.build_model``: unit-scale activations, so greedy tokens are not ties."""
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
+
+
+def _tokenizer():
+    """A word-level tokenizer over VOCAB tokens, built offline (the genai builder copies one beside the model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, "<unk>": UNK}
+    vocab.update({f"t{i}": i for i in range(4, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def build_hf_dir(cfg: dict, out: Path, *, attn_implementation: str | None = None) -> None:
+    """Save a seeded random-weight causal LM (float32 safetensors) and a tokenizer to ``out``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(cfg)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(SEED)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, **kwargs).float().eval()
+    _randomise(model)
+    model.save_pretrained(str(out))
+    _tokenizer().save_pretrained(str(out))
+
+
+# ---------------------------------------------------------------------------------------------- the tools
+def _run(cmd: list[str], log: Path) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")
+
+
+def _export_genai(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
+    out, cache = work / "out", work / "cache"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+    cmd += ["-p", opts["precision"], "-e", "cpu", "-c", str(cache)]
+    _run(cmd, work / "builder.log")
+    (work / "genai_runtime.json").write_text(
+        json.dumps(_genai_runtime_greedy(out, reference_prompts(opts["config"]), GENAI_NEW_TOKENS))
+    )
+    return out / "model.onnx", cmd, {"genai_config.json": out / "genai_config.json"}
+
+
+def reference_prompts(cfg: dict) -> list[list[int]]:
+    """A short prompt and one longer than every threshold of the config (as tests/test_formats.py builds them)."""
+    thresholds = [cfg[k] for k in ("original_max_position_embeddings", "sliding_window") if cfg.get(k)]
+    length = max([40, *(t + 8 for t in thresholds)])
+    return [[5, 6, 7, 8, 9], [4 + (7 * i) % (cfg["vocab_size"] - 4) for i in range(length)]]
+
+
+def _genai_runtime_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy tokens of onnxruntime-genai itself on the built model (each prompt alone), or the error it gave."""
+    import onnxruntime_genai as og
+
+    try:
+        model = og.Model(str(model_dir))
+        tokens = []
+        for prompt in prompts:
+            params = og.GeneratorParams(model)
+            length = len(prompt) + new_tokens  # min_length too: an EOS pick must not end the run early
+            params.set_search_options(max_length=length, min_length=length, do_sample=False)
+            gen = og.Generator(model, params)
+            gen.append_tokens([prompt])
+            while not gen.is_done():
+                gen.generate_next_token()
+            tokens.append([int(t) for t in gen.get_sequence(0)][len(prompt) :])
+        return {"prompts": prompts, "new_tokens": tokens}
+    except Exception as exc:  # recorded: the fp16 builds do not decode in onnxruntime-genai 0.18 on CPU
+        return {"prompts": prompts, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"}
+
+
+def _export_optimum(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
+    out = work / "out"
+    cli = Path(sys.executable).with_name("optimum-cli")
+    cmd = [str(cli), "export", "onnx", "--model", str(hf), "--task", "text-generation-with-past", str(out)]
+    _run(cmd, work / "optimum.log")
+    return out / "model.onnx", cmd, {}
+
+
+def _export_onnx_exporter(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.exporters import OnnxExporter
+    from transformers.exporters.configs import OnnxConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True).float().eval()
+    # The documented call: generate-style sample inputs (one prompt), a dynamic-shape export, multi-token decode
+    # so that the decode model also prefills (on an empty cache).
+    sample = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "attention_mask": torch.ones((1, 5), dtype=torch.long)}
+    exported = OnnxExporter().export_for_generation(
+        model, sample, OnnxConfig(dynamic=True, ort_fusions=None), multi_token_decode=True
+    )
+    out = work / "out"
+    exported.save_pretrained(str(out))
+    cmd = [
+        "OnnxExporter().export_for_generation(model, {input_ids [1,5], attention_mask}, "
+        "OnnxConfig(dynamic=True, ort_fusions=None), multi_token_decode=True).save_pretrained(out)  # decode.onnx"
+    ]
+    return out / "decode.onnx", cmd, {}
+
+
+def _export_ortpa(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
+    sys.path.insert(0, str(ROOT))
+    from ortpa.export import export_hf
+
+    path = work / "model.onnx"
+    # random_weights=False: load the seeded folder, so this fixture has the same weights as the genai one.
+    export_hf(str(hf), path, random_weights=False, opset=18, attn_implementation="sdpa")
+    return path, ["ortpa.export.export_hf(hf_dir, random_weights=False, opset=18, attn_implementation='sdpa')"], {}
+
+
+_TOOLS = {
+    "genai": (_export_genai, ["onnxruntime-genai", "onnxruntime", "torch", "transformers", "onnx"]),
+    "optimum": (_export_optimum, ["optimum-onnx", "optimum", "onnxruntime", "torch", "transformers", "onnx"]),
+    "onnx_exporter": (_export_onnx_exporter, ["transformers", "torch", "onnxscript", "onnx"]),
+    "ortpa": (_export_ortpa, ["torch", "transformers", "onnxscript", "onnx"]),
+}
+
+
+# ------------------------------------------------------------------------------------------- description
+def _dims(value) -> list:
+    out = []
+    for d in value.type.tensor_type.shape.dim:
+        out.append(d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else None))
+    return out
+
+
+def _layer_of(name: str) -> str:
+    """The layer a node belongs to, from the exporters' node names (``/model/layers.0/...``, ``layers.0.``)."""
+    import re
+
+    m = re.search(r"layers[./_](\d+)", name)
+    return m.group(1) if m else "-"
+
+
+def describe(path: Path) -> dict:
+    """Graph facts the recognisers are written against: opsets, I/O with shapes, attention ops per layer."""
+    import onnx
+
+    model = onnx.load(str(path))
+    ops = collections.Counter(f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node)
+    per_layer: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for n in model.graph.node:
+        if n.op_type in _ATTENTION_OPS:
+            per_layer[_layer_of(n.name)][f"{n.domain or 'ai.onnx'}::{n.op_type}"] += 1
+    attention_nodes = []
+    for n in model.graph.node:
+        if n.op_type in ("GroupQueryAttention", "MultiHeadAttention", "RotaryEmbedding", "Attention"):
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            attention_nodes.append(
+                {
+                    "name": n.name,
+                    "op": f"{n.domain or 'ai.onnx'}::{n.op_type}",
+                    "inputs": list(n.input),
+                    "outputs": list(n.output),
+                    "attributes": {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()},
+                }
+            )
+    elem = onnx.TensorProto.DataType.Name
+    return {
+        "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        "ir_version": model.ir_version,
+        "producer": f"{model.producer_name} {model.producer_version}".strip(),
+        "inputs": [
+            {"name": v.name, "dtype": elem(v.type.tensor_type.elem_type), "shape": _dims(v)} for v in model.graph.input
+        ],
+        "outputs": [
+            {"name": v.name, "dtype": elem(v.type.tensor_type.elem_type), "shape": _dims(v)} for v in model.graph.output
+        ],
+        "op_counts": dict(sorted(ops.items())),
+        "attention_ops_per_layer": {k: dict(sorted(v.items())) for k, v in sorted(per_layer.items())},
+        "attention_nodes": attention_nodes[:8],
+    }
+
+
+def _numbers(cfg: dict) -> dict:
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    thresholds = {}
+    if "original_max_position_embeddings" in cfg:
+        thresholds["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if cfg.get("sliding_window"):
+        thresholds["sliding_window"] = cfg["sliding_window"]
+    return {
+        "model_type": cfg["model_type"],
+        "vocab_size": cfg["vocab_size"],
+        "num_layers": cfg["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "head_size": head,
+        "max_position_embeddings": cfg["max_position_embeddings"],
+        "thresholds": thresholds,
+    }
+
+
+def _source_format(tool: str, opts: dict) -> str:
+    """The format a reader should detect (``ortpa.formats.SourceFormat``), from how the file was made."""
+    if tool == "genai":  # on CPU the builder writes GroupQueryAttention, except at fp16: RotaryEmbedding + MHA
+        return "genai_mha" if opts["precision"] == "fp16" else "genai_gqa"
+    return {"optimum": "optimum", "onnx_exporter": "onnx_exporter", "ortpa": "ortpa_dynamo"}[tool]
+
+
+def _versions(packages: list[str]) -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for p in packages:
+        try:
+            out[p] = importlib.metadata.version(p)
+        except importlib.metadata.PackageNotFoundError:
+            out[p] = "not installed"
+    return out
+
+
+def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
+    import onnx
+
+    tool, cfg, opts = FIXTURES[name]
+    export, packages = _TOOLS[tool]
+    with tempfile.TemporaryDirectory(prefix=f"fx_{name}_") as tmp:
+        work = Path(tmp)
+        hf = work / "hf"
+        build_hf_dir(cfg, hf)
+        model_path, cmd, extras = export(hf, work, {**opts, "config": cfg})
+        runtime = work / "genai_runtime.json"
+        genai_runtime = json.loads(runtime.read_text()) if runtime.exists() else None
+        model = onnx.load(str(model_path))  # folds external data in: one self-contained file
+        dst = out_dir / f"{name}.onnx"
+        onnx.save_model(model, str(dst), save_as_external_data=False)
+        for suffix, src in extras.items():
+            shutil.copyfile(src, out_dir / f"{name}.{suffix}")
+        if keep is not None:
+            shutil.copytree(work, keep / name, dirs_exist_ok=True)
+    info = {
+        "name": name,
+        "source_format": _source_format(tool, opts),
+        "tool": tool,
+        "command": cmd,
+        "options": opts,
+        "seed": SEED,
+        "versions": _versions(packages),
+        "config": cfg,
+        **_numbers(cfg),
+        "dtype": "float16" if opts.get("precision") == "fp16" else "float32",
+        "weights": {"fp16": "float16", "int4": "int4 (MatMulNBits)"}.get(opts.get("precision", ""), "float32"),
+        "notes": NOTES.get(name, ""),
+        **({"genai_runtime_greedy": genai_runtime} if genai_runtime is not None else {}),
+        "graph": describe(dst),
+    }
+    (out_dir / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("tool", choices=sorted(_TOOLS))
+    ap.add_argument("--only", nargs="*", default=None, help="fixture names (default: every fixture of the tool)")
+    ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "formats"))
+    ap.add_argument("--keep", default=None, help="also copy each tool's raw output and logs to this folder")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    keep = Path(args.keep) if args.keep else None
+    names = [n for n, (tool, _, _) in FIXTURES.items() if tool == args.tool and (not args.only or n in args.only)]
+    print(json.dumps(_versions(_TOOLS[args.tool][1])))
+    failed = []
+    for name in names:
+        t = time.time()
+        try:
+            dst = make(name, out, keep)
+        except Exception as exc:  # report every fixture, keep going
+            failed.append(name)
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")
+            continue
+        print(f"ok   {name}: {dst.stat().st_size / 1e6:.2f} MB, {time.time() - t:.1f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

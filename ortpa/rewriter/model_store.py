@@ -70,8 +70,9 @@ def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
 
     Paths: checked by the shared loader without reading the weights, by onnx.checker on the graph (weights as
     typed inputs), external tensors left lazy (memory-mapped from the input folder when read). ModelProtos go
-    through the same loader with their data inline. The input must pass onnx.checker, which the converted model has to pass
-    anyway: a model it rejects would otherwise fail somewhere deep in the optimizer with an unrelated message.
+    through the same loader with their data inline. The input must pass onnx.checker, which the converted model
+    has to pass anyway: a model it rejects would otherwise fail somewhere deep in the optimizer with an unrelated
+    message.
     """
     if isinstance(model, ir.Model):  # the caller's own in-memory object: a private copy, as before
         return ir.serde.deserialize_model(ir.serde.serialize_model(model))

@@ -93,11 +93,35 @@ def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
     irm = ir.serde.deserialize_model(loaded.proto)
     if loaded.base_dir is not None:
         ir.external_data.set_base_dir(irm.graph, loaded.base_dir)
+        _point_at_checked_targets(irm, loaded.external)
     sink = _SINK.get()
     layers = getattr(sink.progress, "layers", None) if sink is not None else None
     if layers is not None:  # a progress display that shows "layer i/n"
         layers(layer_count(irm))
     return irm
+
+
+def _point_at_checked_targets(irm: ir.Model, refs) -> None:
+    """External tensors whose file is a symlink read_model accepted (a Hugging Face cache's ``blobs/``) are
+    pointed at the resolved file: onnx_ir refuses any symlink that leaves the model's folder, the loader has
+    already decided which ones may."""
+    targets = {ref.location: Path(ref.path) for ref in refs}
+    for value in irm.graph.initializers.values():
+        tensor = value.const_value
+        if not isinstance(tensor, ir.ExternalTensor) or tensor.location not in targets:
+            continue
+        target = targets[tensor.location]
+        if Path(os.path.realpath(tensor.base_dir)) == target.parent:
+            continue
+        value.const_value = ir.ExternalTensor(
+            target.name,
+            tensor.offset,
+            tensor.length,
+            tensor.dtype,
+            shape=tensor.shape,
+            name=tensor.name,
+            base_dir=target.parent,
+        )
 
 
 def layer_count(irm: ir.Model) -> int:

@@ -96,6 +96,15 @@ def _progress_printer(args: argparse.Namespace) -> Callable[[str], None] | None:
     return lambda message: print(f"  {message}", file=sys.stderr, flush=True)
 
 
+def _convert_progress(args: argparse.Namespace):
+    """A bar on a terminal, plain lines otherwise, nothing with --quiet (ortpa.cli_progress)."""
+    if args.quiet:
+        return None
+    from ortpa.cli_progress import ConvertProgress
+
+    return ConvertProgress(sys.stderr)
+
+
 def _export_first(args: argparse.Namespace, folder: Path) -> str:
     """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``OUT.dense.onnx`` first; that file's path."""
     try:
@@ -139,20 +148,25 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             ref = ModelRef(Path(_export_first(args, exc.folder)), exc.folder)
         except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
             raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
-    proto = convert_file(
-        ref,
-        args.output,
-        dtype=args.dtype,
-        rope_in_op=args.rope_in_op,
-        logits=args.logits,
-        kv_cache_dtype=args.kv_cache_dtype,
-        absorb=args.absorb,
-        attention_metadata=not args.no_attention_metadata,
-        position_ids=args.position_ids,
-        max_positions=args.max_positions,
-        progress=_progress_printer(args),
-        kv_scale=args.kv_scale,
-    )
+    progress = _convert_progress(args)
+    try:
+        proto = convert_file(
+            ref,
+            args.output,
+            dtype=args.dtype,
+            rope_in_op=args.rope_in_op,
+            logits=args.logits,
+            kv_cache_dtype=args.kv_cache_dtype,
+            absorb=args.absorb,
+            attention_metadata=not args.no_attention_metadata,
+            position_ids=args.position_ids,
+            max_positions=args.max_positions,
+            progress=progress,
+            kv_scale=args.kv_scale,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
     nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
     copied = [name for name, _ in companion_files(ref.folder)] if ref.folder is not None else []
     result = {"input": str(ref.path), "output": args.output, "paged_attention_nodes": nodes, "copied": copied}

@@ -2,7 +2,7 @@
 # One command for a GPU machine: every `cuda` test (the native kernel vs the oracle and the portable op; the aliased
 # PagedSession on the device; every converted fixture model natively on CUDA with IO-bound caches vs the portable
 # CPU run, tests/gpu/test_cuda_fixtures.py), then the GPU-relevant benchmarks, then one summary.
-# Needs: a CUDA device, `pip install ".[test,cuda]"` (onnxruntime-gpu is a core dependency). Under 5 minutes.
+# Needs: a CUDA device, `pip install ".[test,cuda]"` (onnxruntime-gpu is a core dependency). Under 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=$(mktemp)
@@ -15,6 +15,10 @@ PY
 timeout 240 python -m pytest -q -s -m cuda -p no:cacheprovider tests/gpu 2>&1 | tee "$log"
 tests_rc=${PIPESTATUS[0]}
 timeout 60 python benchmarks/portable.py --quick 2>&1 | tail -15 || true
+# DeepSeek-V3 attention dims natively on CUDA: LATENT vs SEPARATE, achieved HBM bandwidth vs the device's peak.
+# (`python benchmarks/decode_dsv3_cuda.py --dry-run` checks the same code on CPU at a tiny size.)
+echo "== decode at DeepSeek-V3 dims (128 heads, 576/512 LATENT vs SEPARATE, block 64)"
+timeout 300 python benchmarks/decode_dsv3_cuda.py 2>&1 | tail -70 || echo "decode_dsv3_cuda: failed or timed out"
 echo "== summary"
 tail -1 "$log"
 if grep -q "skipped" "$log" && ! grep -q "passed" "$log"; then

@@ -177,7 +177,9 @@ def test_api_takes_repo_ids_and_revisions(cache, tmp_path):
     assert ortpa.resolve_model(REPO, revision="main") == resolve_model(REPO)
     assert resolve_model(REPO, revision=OLD).relative_to(cache).parts[-2:] == ("onnx", "model.onnx")
     # the paged model, itself in the cache, runs and validates by repo id
-    add_snapshot(cache, "tiny-org/paged", MAIN, {"model.onnx": out.read_bytes()}, ref="main")
+    # an input with external data gives an output with external data (ortpa.rewriter.model_store)
+    files = {"model.onnx": out.read_bytes(), "paged.onnx.data": (tmp_path / "paged.onnx.data").read_bytes()}
+    add_snapshot(cache, "tiny-org/paged", MAIN, files, ref="main")
     report = ortpa.validate("tiny-org/paged")
     assert report.ok and len(report.nodes) == 2
     engine = ortpa.Engine("tiny-org/paged", num_blocks=16, block_size=4)

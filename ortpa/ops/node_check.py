@@ -10,7 +10,17 @@ from ortpa.ops.validate.model import (
     check_schema,
     load_model,
     validate,
+    validate_backends,
     validate_model,
 )
 
-__all__ = ["SCHEMA_RULES", "NodeReport", "ValidationReport", "check_schema", "load_model", "validate", "validate_model"]
+__all__ = [
+    "SCHEMA_RULES",
+    "NodeReport",
+    "ValidationReport",
+    "check_schema",
+    "load_model",
+    "validate",
+    "validate_backends",
+    "validate_model",
+]

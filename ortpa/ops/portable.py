@@ -52,6 +52,7 @@ __all__ = [
     "paged_attention_model",
     "portable_config",
     "portable_single_node_model",
+    "value_types",
 ]
 
 BACKEND = "portable"
@@ -82,7 +83,12 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
 
 
 def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    g = infer_shapes(model).graph  # knows PagedAttention, so later layers' queries get shapes too
+    return value_types(infer_shapes(model))  # knows PagedAttention, so later layers' queries get shapes too
+
+
+def value_types(inferred: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Declared and inferred types of every value of a model that went through shape inference already."""
+    g = inferred.graph
     types = {v.name: v.type for v in [*g.input, *g.value_info, *g.output]}
     for init in g.initializer:
         types.setdefault(init.name, helper.make_tensor_type_proto(init.data_type, list(init.dims)))
@@ -184,12 +190,18 @@ def _dim(shape: tuple | None, i: int) -> int | None:
     return shape[i]
 
 
-def lower_to_portable(model: onnx.ModelProto, node_names: Collection[str] | None = None) -> onnx.ModelProto:
+def lower_to_portable(
+    model: onnx.ModelProto,
+    node_names: Collection[str] | None = None,
+    *,
+    types: Mapping[str, onnx.TypeProto] | None = None,
+) -> onnx.ModelProto:
     """A copy of ``model`` whose (selected) PagedAttention nodes call portable local functions.
 
     ``node_names`` selects nodes by name (``None``: all). Raises :class:`~ortpa.errors.InvalidArgument` for a
     node ONNX Runtime would reject and :class:`~ortpa.errors.NotImplementedByBackend` for an unsupported mode;
-    ``model`` is never mutated.
+    ``model`` is never mutated. ``types`` (:func:`value_types` of the model after shape inference) spares a
+    second shape inference when the caller ran one.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -203,7 +215,7 @@ def lower_to_portable(model: onnx.ModelProto, node_names: Collection[str] | None
         )
     # the function imports the model's own default-domain version, as local functions must
     fn_opset = main_opset
-    types = _value_infos(out)
+    types = _value_infos(out) if types is None else types
     wanted = None if node_names is None else set(node_names)
     functions: dict[PortableConfig, onnx.FunctionProto] = {}
     for i, node in enumerate(out.graph.node):

@@ -17,8 +17,14 @@ __all__ = ["convert_float_type", "keep_unsupported_in_float32"]
 _FLOAT = ir.DataType.FLOAT
 
 
-def _cast_tensor(tensor: ir.TensorProtocol, target: ir.DataType) -> ir.Tensor:
-    return ir.tensor(tensor.numpy().astype(target.numpy()), name=tensor.name)
+def _cast_tensor(tensor: ir.TensorProtocol, target: ir.DataType) -> ir.TensorProtocol:
+    """The cast, computed when the tensor is written (lazily, one tensor at a time): casting every weight up
+    front would hold the whole converted model in memory at once."""
+
+    def cast() -> ir.Tensor:
+        return ir.tensor(tensor.numpy().astype(target.numpy()), name=tensor.name)
+
+    return ir.LazyTensor(cast, dtype=target, shape=tensor.shape, name=tensor.name)
 
 
 def convert_float_type(model: ir.Model, target: ir.DataType) -> None:

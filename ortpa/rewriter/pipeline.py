@@ -9,9 +9,7 @@ node, check that ONNX Runtime loads the graph on CPU up to the op's missing CPU 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -19,52 +17,27 @@ import onnx
 import onnx_ir as ir
 import onnxscript.optimizer
 
-from ortpa.errors import ConversionError, InvalidModel
-from ortpa.model_file import read_model
-from ortpa.model_ref import ModelRef, companion_files, copy_companion_files, locate_model, resolve_any
-from ortpa.rewriter import kv_quant, paged_io
+from ortpa.errors import ConversionError
+from ortpa.model_ref import resolve_any
+from ortpa.rewriter import kv_quant, model_store, paged_io
 from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
+from ortpa.rewriter.model_store import convert_file, save_model
 from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
 from ortpa.rewriter.recognisers.caches import canonicalise_cache_io
 from ortpa.rewriter.rope import rope_caches
 
-__all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file"]
+__all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file", "save_model"]
 
 DType = Literal["float16", "bfloat16"]
 DEFAULT_MAX_POSITIONS = 4096  # cos/sin rows when RoPE moves into the op and the model does not say otherwise
-_EXTERNAL_DATA_THRESHOLD = 2**31 - 2**20  # protobuf's 2 GB limit, with headroom for the graph itself
 _IR_DTYPES = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
 
 def _progress(progress: Callable[[str], None] | None, message: str) -> None:
     if progress is not None:
         progress(message)
-
-
-def _to_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
-    """A private ir.Model: the caller's model object is never modified.
-
-    Files and ModelProtos go through the shared loader (:func:`ortpa.model_file.read_model`), which checks
-    external data and reads it in: onnx_ir's lazy external tensors would stay references to the input's
-    folder, which the serialized result cannot resolve (onnx.checker and ORT would look in the working
-    directory). The input must also pass onnx.checker, which the converted model has to pass anyway: a model
-    it rejects would otherwise fail somewhere deep in the optimizer with an unrelated message.
-    """
-    if isinstance(model, ir.Model):  # the caller's own in-memory object: a private copy, as before
-        return ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    if not isinstance(model, (onnx.ModelProto, str, os.PathLike)):
-        raise TypeError(f"expected onnx.ModelProto, onnx_ir.Model or a path, got {type(model).__name__}")
-    loaded = read_model(model)
-    try:
-        onnx.checker.check_model(loaded.proto, full_check=False)
-    except onnx.checker.ValidationError as exc:
-        reason = " ".join(str(exc).split())
-        raise InvalidModel(loaded.label, f"fails onnx.checker: {reason[:500]}") from None
-    except ValueError:  # over 2 GB in memory: the checker needs a path; ONNX Runtime checks it at the end
-        pass
-    return ir.serde.deserialize_model(loaded.proto)
 
 
 def _op_dtype(model_dtype: ir.DataType, dtype: DType | None, kv_cache_dtype: str | None) -> ir.DataType:
@@ -100,51 +73,6 @@ def _check_layers(results: list[MlaLayer | LayerFailure]) -> list[MlaLayer]:
             [f.as_pair() for f in failures],
         )
     return [r for r in results if isinstance(r, MlaLayer)]
-
-
-def _validate(proto: onnx.ModelProto) -> None:
-    """Every PagedAttention node against ONNX Runtime's rules (ortpa.ops.validate), for the CUDA backend."""
-    from ortpa.ops.validate import validate_model
-
-    report = validate_model(proto, backend="cuda")
-    if not report.ok:
-        raise ConversionError("the converted model has invalid PagedAttention nodes", _report_pairs(report))
-
-
-def _report_pairs(report) -> list[tuple[str, str]]:
-    """(node, problem) pairs from an ortpa.ops.validate report: rule errors and backend gaps."""
-    pairs = []
-    for node in getattr(report, "nodes", ()):
-        pairs += [(node.node, f"[{rule}] {name}: {msg}") for rule, name, msg in node.errors]
-        pairs += [(node.node, f"not implemented by {b}: {f}: {d}") for b, f, d in node.backend_errors]
-    return pairs or [("model", report.format() if hasattr(report, "format") else str(report))]
-
-
-def _check_session(proto: onnx.ModelProto) -> None:
-    """ORT on CPU must get as far as kernel lookup and fail only on PagedAttention's missing CPU kernel."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        text = str(exc)
-        if "NOT_IMPLEMENTED" in text and ("PagedAttention" in text or "Could not find an implementation" in text):
-            # kernel lookup runs after the whole graph resolved: a missing CPU kernel (PagedAttention's, or any
-            # bfloat16 kernel the CPU EP lacks) is the same verdict for the graph
-            return
-        # The CPU EP finds no PagedAttention kernel for float16 and wraps the node in float32 Casts
-        # (InsertCastTransformer), which the op's type constraint then rejects: the same "no CPU kernel" verdict,
-        # reached after the whole graph resolved.
-        if "InsertedPrecisionFreeCast" in text and "PagedAttention" in text:
-            return
-        raise ConversionError("ONNX Runtime rejects the converted model", [("session (CPU)", text[:2000])]) from exc
-    raise ConversionError(
-        "ONNX Runtime loaded the converted model on CPU; expected NOT_IMPLEMENTED for PagedAttention",
-        [("session (CPU)", "no PagedAttention node reached kernel lookup")],
-    )
 
 
 def _attention_family(
@@ -219,6 +147,7 @@ def _convert_separate(
         )
         paged_io.set_present(graph, m.layer, key_out, key_cache)
         paged_io.set_present_value(graph, m.layer, value_out, value_cache)
+        model_store.after_layer(irm)
     # present.{i}.key / .value next to each other, in layer order, after logits (as the inputs are ordered)
     _finish(
         irm,
@@ -288,9 +217,9 @@ def convert(
     if kv_plan is not None:
         kv_cache_dtype = None  # the op's T follows dtype / the model as for a float cache; the cache is int8
     _progress(progress, "loading")
-    irm = _to_ir(model)
+    irm = model_store.load_ir(model)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
-        kv_plan.dense = ir.serde.serialize_model(irm)
+        kv_plan.dense = model_store.inline_copy(irm)
     canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
@@ -312,7 +241,7 @@ def convert(
             progress=progress,
             kv_plan=kv_plan,
         )
-        return _serialize_checked(irm, progress, check_session)
+        return model_store.finish(irm, progress, check_session)
     layers = _check_layers(mla_results)
     model_dtype = layers[0].q_nope.dtype or ir.DataType.FLOAT
     op_dtype = _op_dtype(model_dtype, dtype, kv_cache_dtype)
@@ -351,6 +280,7 @@ def convert(
             graph, m, cache, io.op_inputs(), rope_in_op=rope_in_op, absorb=absorb, op_dtype=op_dtype
         )
         paged_io.set_present(graph, m.layer, out, cache)
+        model_store.after_layer(irm)
     _finish(
         irm,
         io,
@@ -361,22 +291,7 @@ def convert(
         progress=progress,
         kv_plan=kv_plan,
     )
-    return _serialize_checked(irm, progress, check_session)
-
-
-def _serialize_checked(irm: ir.Model, progress: Callable[[str], None] | None, check_session: bool) -> onnx.ModelProto:
-    """Serialize, then onnx.checker, ortpa's node validation and (optionally) ORT's session check."""
-    proto = ir.serde.serialize_model(irm)
-    _progress(progress, "checking")
-    try:
-        onnx.checker.check_model(proto, full_check=False)
-    except Exception as exc:
-        raise ConversionError("the converted model fails onnx.checker", [("model", str(exc)[:2000])]) from exc
-    _validate(proto)
-    if check_session:
-        _check_session(proto)
-    _progress(progress, "done")
-    return proto
+    return model_store.finish(irm, progress, check_session)
 
 
 def _const(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
@@ -384,65 +299,3 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) ->
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(dtype), const_value=tensor)
     graph.register_initializer(value)
     return value
-
-
-def save_model(proto: onnx.ModelProto, out_path: str | os.PathLike) -> None:
-    """Write atomically: a temp file next to the target, then os.replace; external data when over 2 GB."""
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    big = proto.ByteSize() > _EXTERNAL_DATA_THRESHOLD
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    data_name = out.name + ".data"
-    tmp_data = None
-    try:
-        if big:
-            tmp_data = Path(tmp).name + ".data"
-            onnx.save_model(proto, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=tmp_data)
-            # the external file name is recorded inside the model: rewrite it to the final name before the move
-            written = onnx.load(tmp, load_external_data=False)
-            for tensor in _external_tensors(written):
-                for entry in tensor.external_data:
-                    if entry.key == "location":
-                        entry.value = data_name
-            onnx.save_model(written, tmp)
-            os.replace(out.parent / tmp_data, out.parent / data_name)
-        else:
-            onnx.save_model(proto, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        for leftover in (tmp, out.parent / tmp_data if tmp_data else None):
-            if leftover and os.path.exists(leftover):
-                os.unlink(leftover)
-        raise
-
-
-def _external_tensors(proto: onnx.ModelProto):
-    for init in proto.graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            yield init
-
-
-def convert_file(
-    in_path: str | os.PathLike | ModelRef, out_path: str | os.PathLike, revision: str | None = None, **options
-) -> onnx.ModelProto:
-    """:func:`convert` a model file; the input is never modified; the output is written atomically.
-
-    ``in_path`` may be a folder or a Hugging Face repo id in the local cache (:mod:`ortpa.model_ref`); the
-    tokenizer and config files of such a model's folder are then copied beside ``out_path``, as regular files.
-    """
-    ref = locate_model(in_path, revision)
-    # a plain file keeps the caller's spelling, which the loader's messages name
-    in_path = in_path if isinstance(in_path, (str, os.PathLike)) and ref.path == Path(in_path) else ref.path
-    companions = companion_files(ref.folder) if ref.folder is not None else []  # refused before the work
-    if Path(in_path).resolve() == Path(out_path).resolve():
-        raise ConversionError("refusing to overwrite the input model", [("out_path", str(out_path))])
-    if Path(out_path).is_dir():  # found before the work, not after it
-        raise ConversionError(f"cannot write {os.fspath(out_path)}: it is a directory")
-    proto = convert(in_path, **options)
-    try:
-        save_model(proto, out_path)  # removes its temp files on failure
-    except OSError as exc:
-        raise ConversionError(f"cannot write {os.fspath(out_path)}: {exc.strerror or exc}") from exc
-    copy_companion_files(companions, Path(out_path).parent)
-    return proto

@@ -32,8 +32,7 @@ import onnx
 import onnxruntime as ort
 
 from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
-from ortpa.model_file import LoadedModel, read_model
-from ortpa.model_ref import resolve_any
+from ortpa.model_file import LoadedModel
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
@@ -48,7 +47,7 @@ from ortpa.runtime.scheduler import (
     Scheduler,
     UnknownRequest,
 )
-from ortpa.runtime.session import PagedSession, find_cache_aliases
+from ortpa.runtime.session import PagedSession, find_cache_aliases, read_for_session
 
 __all__ = [
     "DEFAULT_KV_BUDGET_BYTES",
@@ -126,7 +125,7 @@ class Engine:
         sess_options: ort.SessionOptions | None = None,
         mixed_steps: bool = True,
     ) -> None:
-        loaded = read_model(resolve_any(model))  # once: the session takes it as is, keeping the file's name for errors
+        loaded = read_for_session(model)  # once: the session takes it as is, keeping the file's name for errors
         proto = loaded.proto
         caches = {a.input_name for a in find_cache_aliases(proto)}
         self.io = model_io(proto, caches)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -25,11 +26,20 @@ import onnxruntime as ort
 from ortpa.errors import InvalidArgument, InvalidModel, KVPoolTooLarge, NotImplementedByBackend
 from ortpa.model_file import LoadedModel, ort_message_line, read_model
 from ortpa.model_ref import resolve_any
+from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
+from ortpa.runtime.ort_session import external_initializers, open_ort_session
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
 
-__all__ = ["CacheAlias", "InferenceSession", "PagedSession", "find_cache_aliases", "load_model"]
+__all__ = [
+    "CacheAlias",
+    "InferenceSession",
+    "PagedSession",
+    "find_cache_aliases",
+    "load_model",
+    "read_for_session",
+]
 
 _NATIVE_BACKEND = {"CUDAExecutionProvider": "cuda", "WebGpuExecutionProvider": "webgpu"}
 _ORT_DEVICE = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
@@ -54,13 +64,17 @@ def _paged_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
 
 
-def _name_nodes(model: onnx.ModelProto) -> None:
-    """Give every PagedAttention node a unique name: diagnostics and per-node decisions need one."""
+def _name_nodes(model: onnx.ModelProto) -> bool:
+    """Give every PagedAttention node a unique name: diagnostics and per-node decisions need one.
+    True when a name changed (the graph then differs from the file)."""
     seen: set[str] = set()
+    changed = False
     for i, node in enumerate(_paged_nodes(model)):
         if not node.name or node.name in seen:
             node.name = f"PagedAttention_{i}"
+            changed = True
         seen.add(node.name)
+    return changed
 
 
 @dataclass(frozen=True)
@@ -86,33 +100,45 @@ def find_cache_aliases(model: onnx.ModelProto) -> list[CacheAlias]:
     return aliases
 
 
-def _plan_nodes(model: onnx.ModelProto, providers: list[str]) -> tuple[list[str], list[str]]:
-    """Validate every node; return (native node names, portable node names). Raises before any session.
+def _plan_nodes(loaded: LoadedModel, providers: list[str]) -> tuple[list[str], list[str]]:
+    """Validate every node once; return (native node names, portable node names). Raises before any session.
 
     A node runs natively when the first provider has a PagedAttention kernel whose gate accepts it; any other
     node (no kernel, or a mode the kernel lacks) goes to the portable implementation, whose own gate must
-    accept it or :class:`~ortpa.errors.NotImplementedByBackend` is raised.
+    accept it or :class:`~ortpa.errors.NotImplementedByBackend` is raised. ``loaded.proto`` is the model with
+    shapes inferred already: one shape inference and one check of each node's rules per session.
     """
-    from ortpa.ops.validate import validate_model
+    from ortpa.ops.validate.model import validate_backends
 
-    if not _paged_nodes(model):
+    if not _paged_nodes(loaded.proto):
         return [], []
-    report = validate_model(model)
+    native_backend = _NATIVE_BACKEND.get(providers[0]) if providers else None
+    reports = validate_backends(loaded, [b for b in (native_backend, "portable") if b], shapes_inferred=True)
+    report = reports[None]
     if not report.ok:
         raise _report_error(report)
     names = [n.node for n in report.nodes]
     native: list[str] = []
-    native_backend = _NATIVE_BACKEND.get(providers[0]) if providers else None
     if native_backend is not None:
-        gated = validate_model(model, backend=native_backend)
-        native = [n.node for n in gated.nodes if n.status in ("valid", "unchecked")]
+        native = [n.node for n in reports[native_backend].nodes if n.status in ("valid", "unchecked")]
     portable = [name for name in names if name not in native]
     if portable:
-        gated = validate_model(model, backend="portable")
+        gated = reports["portable"]
         failing = [n for n in gated.nodes if n.node in portable and n.status not in ("valid", "unchecked")]
         if failing:
             raise _report_error(gated, failing[0].node)
     return native, portable
+
+
+def read_for_session(model: Any) -> LoadedModel:
+    """Read and check ``model`` for a session: a file's external data stays on disk (checked, not read), to be
+    memory-mapped by ONNX Runtime; bytes and ModelProtos are read as before (external data needs a folder)."""
+    if isinstance(model, LoadedModel):
+        return model
+    model = resolve_any(model)  # a folder or a cached Hugging Face repo id: its ONNX file
+    if isinstance(model, (str, os.PathLike)):
+        return read_model(model, load_external_data=False)
+    return read_model(model)
 
 
 def _report_error(report: Any, name: str | None = None) -> Exception:
@@ -150,25 +176,31 @@ class InferenceSession:
         provider_options: Sequence[dict] | None = None,
         **kwargs: Any,
     ) -> None:
-        loaded = read_model(resolve_any(model))  # a folder or a cached Hugging Face repo id: its ONNX file
-        proto, self.label = loaded.proto, loaded.label
-        _name_nodes(proto)
+        loaded = read_for_session(model)
+        self.label = loaded.label
+        # the graph with its weights as references (memory-mapped or views): every step below is weight-free
+        graph_only, external = external_initializers(loaded.proto, loaded.base_dir)
+        renamed = _name_nodes(graph_only)
         self._providers_requested = list(providers) if providers else _provider_names(None)
         names = _provider_names(self._providers_requested)
-        self.native_nodes, self.portable_nodes = _plan_nodes(proto, names)
+        inferred = infer_shapes(graph_only) if _paged_nodes(graph_only) else graph_only  # once per session
+        self.native_nodes, self.portable_nodes = _plan_nodes(dataclasses.replace(loaded, proto=inferred), names)
         # found on the op nodes, before the portable lowering replaces them by function calls
-        self.aliases = find_cache_aliases(proto)
+        self.aliases = find_cache_aliases(graph_only)
         if self.portable_nodes:
-            from ortpa.ops.portable import lower_to_portable
+            from ortpa.ops.portable import lower_to_portable, value_types
 
-            proto = lower_to_portable(proto, self.portable_nodes)
-        self.model = proto
+            graph_only = lower_to_portable(graph_only, self.portable_nodes, types=value_types(inferred))
+        self.model = graph_only
         self._native_aliases = [a for a in self.aliases if a.node in self.native_nodes and a.output_name]
         self._device = _ORT_DEVICE.get(names[0], "cpu")
         try:
-            self._sess = ort.InferenceSession(
-                proto.SerializeToString(),
-                sess_options,
+            opened = open_ort_session(
+                loaded,
+                graph_only,
+                external,
+                unchanged=not renamed and not self.portable_nodes,
+                sess_options=sess_options,
                 providers=self._providers_requested,
                 provider_options=provider_options,
                 **kwargs,
@@ -179,6 +211,8 @@ class InferenceSession:
             if not type(exc).__module__.startswith("onnxruntime."):
                 raise
             raise InvalidModel(self.label, f"ONNX Runtime rejected it: {ort_message_line(str(exc))}") from None
+        self._sess = opened.session
+        self._keep_alive = opened.keep_alive  # the arrays behind the external initializers
         self._output_types = {o.name: o.type for o in self._sess.get_outputs()}
 
     # -- the onnxruntime.InferenceSession surface ---------------------------------------------------------

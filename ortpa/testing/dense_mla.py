@@ -354,7 +354,15 @@ def build_dense_mla(config: DenseMlaConfig | None = None, weights: DenseMlaWeigh
     """The dense model as an opset-18 ``onnx.ModelProto`` with inferred intermediate shapes (as exports carry)."""
     c = config or DenseMlaConfig()
     w = weights or dense_mla_weights(c)
-    g = _Graph()
+    model = _graph_model(c, w, _Graph())
+    # Exports carry value_info for every intermediate; the matcher reads static widths from it.
+    model = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _graph_model(c: DenseMlaConfig, w: DenseMlaWeights, g: _Graph) -> onnx.ModelProto:
+    """The model before shape inference; ``g.init`` decides where the weights go (see dense_mla_file)."""
     dims, rope = _mask_and_rope(g, c)
     g.scope = "/model/embed_tokens"
     x = g.op("Gather", [g.init("model.embed_tokens.weight", w.embed), "input_ids"], axis=0)
@@ -399,7 +407,4 @@ def build_dense_mla(config: DenseMlaConfig | None = None, weights: DenseMlaWeigh
             "max_position_embeddings": str(c.max_position_embeddings),
         },
     )
-    # Exports carry value_info for every intermediate; the matcher reads static widths from it.
-    model = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    onnx.checker.check_model(model)
     return model

@@ -155,9 +155,9 @@ def test_convert_file_is_atomic(tmp_path):
 
 def test_external_data_over_threshold(tmp_path, monkeypatch):
     """Models over protobuf's 2 GB limit are saved with external data (threshold lowered to exercise it)."""
-    import ortpa.rewriter.pipeline as pipeline
+    import ortpa.rewriter.model_store as model_store
 
-    monkeypatch.setattr(pipeline, "_EXTERNAL_DATA_THRESHOLD", 1)
+    monkeypatch.setattr(model_store, "EXTERNAL_DATA_THRESHOLD", 1)
     out = tmp_path / "paged.onnx"
     convert_file(FIXTURES / "dsv3_sdpa_op18.onnx", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["paged.onnx", "paged.onnx.data"]

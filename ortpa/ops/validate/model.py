@@ -12,7 +12,7 @@ imports them, they never import it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "check_schema",
     "load_model",
     "validate",
+    "validate_backends",
     "validate_model",
 ]
 
@@ -247,6 +248,15 @@ class ValidationReport:
 
 
 def _check_node(label: str, node: onnx.NodeProto, types: Mapping[str, TensorInfo], backend: str | None) -> NodeReport:
+    mtpb = BACKENDS[backend].max_threads_per_block if backend else 1024
+    report, params, cache_outputs = _check_rules(label, node, types, mtpb)
+    return _gate(report, params, cache_outputs, backend)
+
+
+def _check_rules(
+    label: str, node: onnx.NodeProto, types: Mapping[str, TensorInfo], mtpb: int
+) -> tuple[NodeReport, Any, tuple[bool, bool]]:
+    """ONNX Runtime's rules for one node: its report, its parameters (None when invalid), its cache outputs."""
     names = list(node.input)
     inputs: dict[str, Any] = {}
     for formal, actual in zip(PAGED_ATTENTION.input_names, names, strict=False):
@@ -256,31 +266,36 @@ def _check_node(label: str, node: onnx.NodeProto, types: Mapping[str, TensorInfo
     unchecked: list = []
     outs = list(node.output)
     cache_outputs = (len(outs) > 1 and bool(outs[1]), len(outs) > 2 and bool(outs[2]))
-    mtpb = BACKENDS[backend].max_threads_per_block if backend else 1024
     try:
         attr_types = {a.name: onnx.AttributeProto.AttributeType.Name(a.type) for a in node.attribute}
         check_signature(names, outs, attr_types, node=label)
         check_types(inputs, node=label, unchecked=unchecked)
         check_schema(inputs, attrs, len(outs), node=label)
-        params = check_inputs(inputs, attrs, node=label, max_threads_per_block=mtpb, unchecked=[])
+        check_inputs(inputs, attrs, node=label, max_threads_per_block=mtpb, unchecked=[])
     except InvalidArgument as exc:
-        return NodeReport(label, "invalid", errors=((exc.rule, exc.name, exc.message),), unchecked=_dedup(unchecked))
+        report = NodeReport(label, "invalid", errors=((exc.rule, exc.name, exc.message),), unchecked=_dedup(unchecked))
+        return report, None, cache_outputs
     # check_inputs repeats the type rules: collect its unchecked list once, from a clean run
     unchecked = []
-    check_inputs(inputs, attrs, node=label, max_threads_per_block=mtpb, unchecked=unchecked)
-    notes: tuple[str, ...] = ()
-    if backend:
-        try:
-            notes = check_backend(params, {"cache_outputs": cache_outputs}, backend, node=label)
-        except NotImplementedByBackend as exc:
-            return NodeReport(
-                label,
-                "unsupported",
-                unchecked=_dedup(unchecked),
-                backend_errors=((exc.backend, exc.feature, exc.detail),),
-            )
+    params = check_inputs(inputs, attrs, node=label, max_threads_per_block=mtpb, unchecked=unchecked)
     status = "unchecked" if unchecked else "valid"
-    return NodeReport(label, status, unchecked=_dedup(unchecked), notes=notes)
+    return NodeReport(label, status, unchecked=_dedup(unchecked)), params, cache_outputs
+
+
+def _gate(report: NodeReport, params: Any, cache_outputs: tuple[bool, bool], backend: str | None) -> NodeReport:
+    """``report`` (the rules) with ``backend``'s feature gate applied; invalid nodes stay as they are."""
+    if backend is None or params is None:
+        return report
+    try:
+        notes = check_backend(params, {"cache_outputs": cache_outputs}, backend, node=report.node)
+    except NotImplementedByBackend as exc:
+        return NodeReport(
+            report.node,
+            "unsupported",
+            unchecked=report.unchecked,
+            backend_errors=((exc.backend, exc.feature, exc.detail),),
+        )
+    return NodeReport(report.node, report.status, unchecked=report.unchecked, notes=notes)
 
 
 def _dedup(items: list) -> tuple:
@@ -296,18 +311,47 @@ def validate_model(model: Any, backend: str | None = None, revision: str | None 
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {available_backends()}")
     proto, source = load_model(resolve_any(model, revision))
-    warnings = []
+    proto, warnings = _inferred(proto)
+    nodes = [_check_node(label, node, types, backend) for label, node, types in _all_nodes(proto)]
+    return ValidationReport(source, backend, tuple(nodes), warnings)
+
+
+def validate_backends(
+    model: Any, backends: Sequence[str], *, shapes_inferred: bool = False
+) -> dict[str | None, ValidationReport]:
+    """One report without a backend gate (key ``None``) and one per backend in ``backends``, from a single
+    shape inference and a single check of each node's rules (sessions need all three; they used to cost three
+    validations and three shape inferences). ``shapes_inferred``: the caller ran shape inference already."""
+    for backend in backends:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {available_backends()}")
+    proto, source = load_model(model)
+    proto, warnings = (proto, ()) if shapes_inferred else _inferred(proto)
+    nodes: dict[str | None, list[NodeReport]] = {None: [], **{b: [] for b in backends}}
+    for label, node, types in _all_nodes(proto):
+        report, params, cache_outputs = _check_rules(label, node, types, 1024)
+        nodes[None].append(report)
+        for backend in backends:
+            # the rules ran with CUDA's thread limit (rule 1.1.1); a backend with another limit re-checks them
+            if BACKENDS[backend].max_threads_per_block in (0, 1024):
+                nodes[backend].append(_gate(report, params, cache_outputs, backend))
+            else:
+                nodes[backend].append(_check_node(label, node, types, backend))
+    return {b: ValidationReport(source, b, tuple(n), warnings) for b, n in nodes.items()}
+
+
+def _inferred(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[str, ...]]:
     try:
         # shape inference fills value_info for intermediate values; com.microsoft ops it does not know are skipped
-        proto = infer_shapes(proto, strict=True)
+        return infer_shapes(proto, strict=True), ()
     except Exception as exc:  # a model it cannot handle (> 2 GB, unknown ops in strict paths) keeps its declared types
-        warnings.append(f"onnx shape inference failed ({type(exc).__name__}); using declared value_info only")
-    nodes = [_check_node(label, node, types, backend) for label, node, types in _walk(proto.graph, "", {})]
+        return proto, (f"onnx shape inference failed ({type(exc).__name__}); using declared value_info only",)
+
+
+def _all_nodes(proto: onnx.ModelProto) -> Iterator[tuple]:
+    yield from _walk(proto.graph, "", {})
     for fn in proto.functions:
-        nodes += [
-            _check_node(label, node, types, backend) for label, node, types in _walk(_fn_graph(fn), f"{fn.name}/", {})
-        ]
-    return ValidationReport(source, backend, tuple(nodes), tuple(warnings))
+        yield from _walk(_fn_graph(fn), f"{fn.name}/", {})
 
 
 def _fn_graph(fn: onnx.FunctionProto) -> onnx.GraphProto:

@@ -1,0 +1,76 @@
+"""``ortpa convert``'s progress: a bar on a terminal, plain lines otherwise, nothing with --quiet."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from ortpa.cli import main
+from ortpa.cli_progress import ConvertProgress
+
+FIXTURE = Path(__file__).parent / "fixtures" / "dsv3_sdpa_op18.onnx"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_terminal_bar_shows_layers_bytes_and_eta():
+    stream, clock = io.StringIO(), _Clock()
+    p = ConvertProgress(stream, tty=True, clock=clock)
+    p.layers(4)
+    for i in range(3):
+        clock.t = 2.0 * i
+        p(f"absorbing layer {i}")
+    line = p.line()
+    assert "layer 3/4" in line and "[###############-----]" in line
+    assert "ETA 0:04" in line  # 2 s per layer, 2 layers left counting the current one
+    clock.t = 10.0
+    p.bytes(0, 4_000_000_000)
+    clock.t = 12.0
+    p.bytes(1_000_000_000, 4_000_000_000)
+    line = p.line()
+    assert "1.0/4.0 GB" in line and "500 MB/s" in line and "ETA 0:06" in line
+    assert "\r" in stream.getvalue() and "\n" not in stream.getvalue()  # redrawn in place
+    p("done")
+    assert stream.getvalue().endswith("\n")
+
+
+def test_plain_lines_when_not_a_terminal():
+    stream = io.StringIO()
+    p = ConvertProgress(stream, tty=False)
+    p("loading")
+    for done in range(0, 101, 5):
+        p.bytes(done, 100)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "  loading"
+    assert sum("written" in line for line in lines) == 11  # 0 %, 10 %, ..., 100 %
+    assert "\r" not in stream.getvalue()
+
+
+def test_cli_convert_progress_and_quiet(tmp_path, capsys):
+    assert main(["convert", str(FIXTURE), str(tmp_path / "a.onnx")]) == 0
+    err = capsys.readouterr().err
+    assert "absorbing layer 0" in err and "checking" in err  # stderr is not a terminal under pytest
+    assert main(["convert", str(FIXTURE), str(tmp_path / "b.onnx"), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_convert_file_feeds_the_bar_layers_and_bytes(tmp_path, monkeypatch):
+    """The converter tells the display how many layers there are and how many bytes are written."""
+    import ortpa.rewriter.model_store as model_store
+    from ortpa.rewriter.pipeline import convert_file
+
+    monkeypatch.setattr(model_store, "EXTERNAL_DATA_THRESHOLD", 1)  # external data: bytes are reported
+    stream = io.StringIO()
+    p = ConvertProgress(stream, tty=True)
+    convert_file(FIXTURE, tmp_path / "paged.onnx", progress=p)
+    assert p.total_layers == 2 and p.layer == 2
+    data = (tmp_path / "paged.onnx.data").stat().st_size
+    assert p.total_bytes >= data and p.done_bytes == p.total_bytes
+    assert "layer 2/2" in stream.getvalue()

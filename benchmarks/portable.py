@@ -27,6 +27,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from ortpa.bench import format_table
+from ortpa.bench._timing import aliased_step
 from ortpa.ops.portable import portable_single_node_model
 
 __all__ = ["run"]
@@ -114,24 +115,6 @@ def _interleaved_ms(fns: dict, repeats: int, clock=time.perf_counter) -> dict[st
     return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
 
 
-def _portable_step(sess: ort.InferenceSession, x: dict, *, alias: bool):
-    io = sess.io_binding()
-    caches = {}
-    for name, a in x.items():
-        if name in ("key_cache", "value_cache"):
-            caches[name] = ort.OrtValue.ortvalue_from_numpy(a)
-            io.bind_ortvalue_input(name, caches[name])
-        else:
-            io.bind_cpu_input(name, a)
-    io.bind_output("output")
-    for out, src in (("key_cache_out", "key_cache"), ("value_cache_out", "value_cache")):
-        if alias:
-            io.bind_ortvalue_output(out, caches[src])
-        else:
-            io.bind_output(out)
-    return lambda: sess.run_with_iobinding(io)
-
-
 def _gqa_model():
     f16 = TensorProto.FLOAT16
 
@@ -195,7 +178,7 @@ def run(quick: bool = False) -> list[dict]:
     per_k: dict[int, float] = {}
     for ctx in contexts:
         blocks = batch * (-(-(ctx + 1) // BS)) + 8
-        p_ms = _median_ms(_portable_step(portable, _paged_inputs(batch, ctx, blocks, rng), alias=True), repeats)
+        p_ms = _median_ms(aliased_step(portable, _paged_inputs(batch, ctx, blocks, rng), alias=True), repeats)
         g_ms = _median_ms(_gqa_step(gqa, batch, ctx, rng), repeats)
         per_k[ctx] = p_ms / (ctx / 1024)
         shape = f"batch {batch}, GQA {N}/{KVH}x{H}, fp16, block {BS}"
@@ -209,7 +192,7 @@ def run(quick: bool = False) -> list[dict]:
     fns = {}
     for ctx in contexts:
         blocks = batch * (-(-(ctx + 1) // BS)) + 8
-        fns[("portable", ctx)] = _portable_step(portable1, _paged_inputs(batch, ctx, blocks, rng), alias=True)
+        fns[("portable", ctx)] = aliased_step(portable1, _paged_inputs(batch, ctx, blocks, rng), alias=True)
         fns[("gqa", ctx)] = _gqa_step(gqa1, batch, ctx, rng)
     ms1 = _interleaved_ms(fns, repeats, time.process_time)
     for ctx in contexts:
@@ -221,10 +204,10 @@ def run(quick: bool = False) -> list[dict]:
     )
 
     ctx = 512
-    small = _median_ms(_portable_step(portable, _paged_inputs(1, ctx, 64, rng), alias=True), repeats)
+    small = _median_ms(aliased_step(portable, _paged_inputs(1, ctx, 64, rng), alias=True), repeats)
     big_x = _paged_inputs(1, ctx, 4096, rng)
-    big = _median_ms(_portable_step(portable, big_x, alias=True), repeats)
-    big_copy = _median_ms(_portable_step(portable, big_x, alias=False), max(3, repeats // 4))
+    big = _median_ms(aliased_step(portable, big_x, alias=True), repeats)
+    big_copy = _median_ms(aliased_step(portable, big_x, alias=False), max(3, repeats // 4))
     note = f"ctx {ctx}, same step, 64 vs 4096 blocks of {BS}"
     rows.append(_row("pool/64_blocks", "step_time", small, "ms", note + ", aliased"))
     rows.append(_row("pool/4096_blocks", "step_time", big, "ms", note + ", aliased"))
@@ -233,7 +216,7 @@ def run(quick: bool = False) -> list[dict]:
 
     ctx, chunk, decodes = 2048, 256, 15
     steps = _mixed_inputs(decodes, ctx, chunk, rng)
-    ms = _interleaved_ms({k: _portable_step(portable, x, alias=True) for k, x in steps.items()}, repeats)
+    ms = _interleaved_ms({k: aliased_step(portable, x, alias=True) for k, x in steps.items()}, repeats)
     shape = f"GQA {N}/{KVH}x{H}, fp16, block {BS}"
     rows.append(_row("mixed_ms/mixed", "step_time", ms["mixed"], "ms", f"{chunk}-token chunk + {decodes} decodes "
                      f"at context {ctx}, one step; {shape}"))  # fmt: skip

@@ -5,6 +5,7 @@ from a cache input to the attention core. Nothing here mutates the graph.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -26,6 +27,7 @@ __all__ = [
     "graph_input",
     "match_or_failure",
     "need",
+    "reaches",
     "softmax_of",
     "strip_scales",
 ]
@@ -137,6 +139,22 @@ def cache_inputs(graph: ir.Graph, i: int) -> tuple[ir.Value, ir.Value]:
     need(past_k is not None and past_v is not None, f"graph inputs past_key_values.{i}.key/.value not found", None)
     assert past_k is not None and past_v is not None
     return past_k, past_v
+
+
+def reaches(start: ir.Value, target: ir.Value, max_nodes: int = 60) -> bool:
+    """Whether ``target`` is among the non-constant values ``start`` is computed from (at most ``max_nodes``)."""
+    seen: set[int] = set()
+    queue = deque([start])
+    while queue and len(seen) < max_nodes:
+        value = queue.popleft()
+        if value is target:
+            return True
+        node = value.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
+    return False
 
 
 def match_or_failure(match: Callable[[ir.Graph, int], T], graph: ir.Graph, layer: int) -> T | LayerFailure:

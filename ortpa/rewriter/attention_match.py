@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import static_dim, static_width
-from ortpa.rewriter._match import LayerFailure, cache_concat, cache_inputs, cache_layers, match_or_failure, need
+from ortpa.rewriter._match import (
+    LayerFailure,
+    cache_concat,
+    cache_inputs,
+    cache_layers,
+    match_or_failure,
+    need,
+    reaches,
+)
 from ortpa.rewriter.attention_core import attention_core, sliding_window
 from ortpa.rewriter.attention_qk import QkNorm, before_transpose_norm, rope_input
 
@@ -81,21 +89,6 @@ class AttentionLayer:
         return self.query_raw is not None and self.key_raw is not None
 
 
-def _reaches(start: ir.Value, target: ir.Value, max_nodes: int = 60) -> bool:
-    seen: set[int] = set()
-    queue = deque([start])
-    while queue and len(seen) < max_nodes:
-        value = queue.popleft()
-        if value is target:
-            return True
-        node = value.producer()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
-    return False
-
-
 def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40) -> int | None:
     """Query heads = width of the projection the query was reshaped from / head size.
 
@@ -141,7 +134,7 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     present_k, k_new = cache_concat(past_k)
     present_v, v_new = cache_concat(past_v)
     core = attention_core(present_v)
-    need(_reaches(core.key, present_k), f"attention key does not come from the key cache {present_k.name}", core.key)
+    need(reaches(core.key, present_k), f"attention key does not come from the key cache {present_k.name}", core.key)
     h = static_dim(core.query, 1)
     if h is None:  # TorchScript-era exports reshape with Concat(batch, seq, -1, head): heads from the projection
         h = _heads_from_projection(core.query, d)

@@ -83,6 +83,14 @@ def test_genai_longrope_is_refused_with_the_reason():
     assert len(rest) == 1 and where.startswith("layer 0") and "whole batch" in why
 
 
+def _refused_at_layer_1(model: onnx.ModelProto, reason: str) -> None:
+    """``convert`` refuses the model, naming layer 1 only, with ``reason`` in its words."""
+    with pytest.raises(ConversionError) as info:
+        convert(model, check_session=False)
+    (where, why), *rest = info.value.failures
+    assert not rest and where.startswith("layer 1") and reason in why, info.value.failures
+
+
 def _gqa_node(model: onnx.ModelProto, layer: int) -> onnx.NodeProto:
     return [n for n in model.graph.node if n.op_type == "GroupQueryAttention"][layer]
 
@@ -90,10 +98,7 @@ def _gqa_node(model: onnx.ModelProto, layer: int) -> onnx.NodeProto:
 def test_genai_near_miss_reported_by_layer():
     model = onnx.load(str(FORMATS / "genai_llama_fp32.onnx"))
     _gqa_node(model, 1).attribute.append(onnx.helper.make_attribute("smooth_softmax", 1))
-    with pytest.raises(ConversionError) as info:
-        convert(model, check_session=False)
-    (where, why), *rest = info.value.failures
-    assert not rest and where.startswith("layer 1") and "smooth_softmax" in why
+    _refused_at_layer_1(model, "smooth_softmax")
 
 
 def test_optimum_near_miss_reported_by_layer():
@@ -101,10 +106,7 @@ def test_optimum_near_miss_reported_by_layer():
     softmaxes = [n for n in model.graph.node if n.op_type == "Softmax"]
     softmaxes[1].op_type = "Sigmoid"
     del softmaxes[1].attribute[:]
-    with pytest.raises(ConversionError) as info:
-        convert(model, check_session=False)
-    (where, why), *rest = info.value.failures
-    assert not rest and where.startswith("layer 1") and "not a Softmax" in why
+    _refused_at_layer_1(model, "not a Softmax")
 
 
 def test_symbolic_heads_come_from_the_projection():
@@ -130,10 +132,7 @@ def test_genai_fp16_mask_that_is_not_attention_mask_is_refused():
     bias = onnx.numpy_helper.from_array(np.zeros((1, 4, 1, 1), np.float16), "constant_bias")
     model.graph.initializer.append(bias)
     node.input[5] = "constant_bias"
-    with pytest.raises(ConversionError) as info:
-        convert(model, check_session=False)
-    (where, why), *rest = info.value.failures
-    assert not rest and where.startswith("layer 1") and "more than attention_mask" in why
+    _refused_at_layer_1(model, "more than attention_mask")
 
 
 def test_onnx_exporter_near_miss_reported_by_layer():
@@ -142,7 +141,4 @@ def test_onnx_exporter_near_miss_reported_by_layer():
     assert len(softmaxes) == 2
     softmaxes[1].op_type = "Sigmoid"
     del softmaxes[1].attribute[:]
-    with pytest.raises(ConversionError) as info:
-        convert(model, check_session=False)
-    (where, why), *rest = info.value.failures
-    assert not rest and where.startswith("layer 1") and "not a Softmax" in why
+    _refused_at_layer_1(model, "not a Softmax")

@@ -19,7 +19,7 @@ from collections import deque
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import ints_attr, producer_op, static_dim, static_width
-from ortpa.rewriter._match import MatchFail, cache_concat, cache_inputs, consumer_ops, need
+from ortpa.rewriter._match import MatchFail, cache_concat, cache_inputs, consumer_ops, need, reaches
 from ortpa.rewriter.attention_match import AttentionLayer
 
 __all__ = ["OP_TYPE", "forward_op", "recognise_mha"]
@@ -107,8 +107,8 @@ def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
     query, key, value = ins[0], ins[1], ins[2]
     need(query is not None and key is not None and value is not None, "packed or missing q / k / v", node)
     assert query is not None and key is not None and value is not None
-    need(_reaches(key, present_k), "the op's key does not come from the key cache", key)
-    need(_reaches(value, present_v), "the op's value does not come from the value cache", value)
+    need(reaches(key, present_k, 80), "the op's key does not come from the key cache", key)
+    need(reaches(value, present_v, 80), "the op's value does not come from the value cache", value)
     width = static_width(query)
     need(width is not None and width % h == 0, f"query width {width} is not {h} heads x head size", query)
     assert width is not None
@@ -139,18 +139,3 @@ def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
         layout="bsd",
         source=OP_TYPE,
     )
-
-
-def _reaches(start: ir.Value, target: ir.Value, max_nodes: int = 80) -> bool:
-    seen: set[int] = set()
-    queue = deque([start])
-    while queue and len(seen) < max_nodes:
-        value = queue.popleft()
-        if value is target:
-            return True
-        producer = value.producer()
-        if producer is None or id(producer) in seen:
-            continue
-        seen.add(id(producer))
-        queue.extend(x for x in producer.inputs if x is not None and x.const_value is None)
-    return False

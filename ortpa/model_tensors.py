@@ -21,6 +21,7 @@ from typing import Any
 
 import onnx
 
+from ortpa.dtypes import bits
 from ortpa.errors import InvalidModel
 
 __all__ = ["ExternalRef", "check_tensors", "hf_cache_repo", "inline_external", "resolve_contained", "tensor_nbytes"]
@@ -28,38 +29,16 @@ __all__ = ["ExternalRef", "check_tensors", "hf_cache_repo", "inline_external", "
 # bytes past which a declared tensor is refused outright: int64 byte counts overflow beyond it in ORT and numpy
 _MAX_TENSOR_BYTES = 2**62
 
-# bits per element of every fixed-size ONNX element type (STRING has no fixed size)
-_BITS: dict[int, int] = {
-    onnx.TensorProto.FLOAT: 32,
-    onnx.TensorProto.UINT8: 8,
-    onnx.TensorProto.INT8: 8,
-    onnx.TensorProto.UINT16: 16,
-    onnx.TensorProto.INT16: 16,
-    onnx.TensorProto.INT32: 32,
-    onnx.TensorProto.INT64: 64,
-    onnx.TensorProto.BOOL: 8,
-    onnx.TensorProto.FLOAT16: 16,
-    onnx.TensorProto.DOUBLE: 64,
-    onnx.TensorProto.UINT32: 32,
-    onnx.TensorProto.UINT64: 64,
-    onnx.TensorProto.COMPLEX64: 64,
-    onnx.TensorProto.COMPLEX128: 128,
-    onnx.TensorProto.BFLOAT16: 16,
-}
-for _name, _bits in [
-    ("FLOAT8E4M3FN", 8),
-    ("FLOAT8E4M3FNUZ", 8),
-    ("FLOAT8E5M2", 8),
-    ("FLOAT8E5M2FNUZ", 8),
-    ("FLOAT8E8M0", 8),
-    ("UINT4", 4),
-    ("INT4", 4),
-    ("FLOAT4E2M1", 4),
-    ("UINT2", 2),
-    ("INT2", 2),
-]:
-    if hasattr(onnx.TensorProto, _name):  # newer element types exist only in newer onnx releases
-        _BITS[getattr(onnx.TensorProto, _name)] = _bits
+
+def _bits(data_type: int) -> int | None:
+    """Bits per element of a fixed-size ONNX element type (:func:`ortpa.dtypes.bits`); None for STRING / unknown."""
+    if data_type == onnx.TensorProto.STRING:
+        return None
+    try:
+        n = bits(data_type)
+    except (TypeError, ValueError):
+        return None
+    return n if n > 0 else None
 
 
 @dataclass(frozen=True)
@@ -77,7 +56,7 @@ class ExternalRef:
 def tensor_nbytes(tensor: onnx.TensorProto, label: str) -> int | None:
     """Declared byte size of ``tensor`` from dims and element type (``None`` for strings), checked."""
     where = f"tensor {tensor.name!r}"
-    if tensor.data_type not in _BITS and tensor.data_type != onnx.TensorProto.STRING:
+    if _bits(tensor.data_type) is None and tensor.data_type != onnx.TensorProto.STRING:
         raise InvalidModel(label, f"{where}: unknown element type {tensor.data_type}")
     count = 1
     for d in tensor.dims:
@@ -86,7 +65,7 @@ def tensor_nbytes(tensor: onnx.TensorProto, label: str) -> int | None:
         count *= d  # a Python int: no overflow, and nothing of this size is allocated
     if tensor.data_type == onnx.TensorProto.STRING:
         return None
-    nbytes = (count * _BITS[tensor.data_type] + 7) // 8
+    nbytes = (count * (_bits(tensor.data_type) or 0) + 7) // 8
     if nbytes > _MAX_TENSOR_BYTES:
         raise InvalidModel(
             label, f"{where}: dims {list(tensor.dims)} declare {nbytes} bytes, more than any machine holds"

@@ -14,7 +14,7 @@ print("onnxruntime", ort.__version__, ort.get_available_providers(), "cuda devic
 PY
 timeout 240 python -m pytest -q -s -m cuda -p no:cacheprovider tests/gpu 2>&1 | tee "$log"
 tests_rc=${PIPESTATUS[0]}
-timeout 60 python benchmarks/portable.py --quick 2>&1 | tail -15 || true
+timeout 60 python -m ortpa.bench.portable --quick 2>&1 | tail -15 || true
 # DeepSeek-V3 attention dims natively on CUDA: LATENT vs SEPARATE, achieved HBM bandwidth vs the device's peak.
 # (`python benchmarks/decode_dsv3_cuda.py --dry-run` checks the same code on CPU at a tiny size.)
 echo "== decode at DeepSeek-V3 dims (128 heads, 576/512 LATENT vs SEPARATE, block 64)"

@@ -36,6 +36,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper
 
+from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS
 from ortpa.ops.params import PagedAttentionParams
@@ -63,15 +64,8 @@ PORTABLE_FEATURES: frozenset[str] = BACKENDS[BACKEND].supported
 
 _MIN_OPSET = 18  # ReduceMax/ReduceMean with axes as an input, Split num_outputs
 _FUNCTION_OPSET = 21
-_ELEM = {
-    "float16": onnx.TensorProto.FLOAT16,
-    "bfloat16": onnx.TensorProto.BFLOAT16,
-    "int8": onnx.TensorProto.INT8,
-    "float8e4m3fn": onnx.TensorProto.FLOAT8E4M3FN,
-    "uint8": onnx.TensorProto.UINT8,
-    "int32": onnx.TensorProto.INT32,
-    "float32": onnx.TensorProto.FLOAT,
-}
+# the element types a PagedAttention model's inputs may have (activations, caches, scales, index tensors)
+_ELEMENT_TYPES = frozenset({"float16", "bfloat16", "int8", "float8e4m3fn", "uint8", "int32", "float32"})
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
@@ -160,8 +154,8 @@ def portable_config(
     return PortableConfig(
         present_inputs=present,
         present_outputs=present_outputs,
-        act_dtype=int(ir.DataType(_ELEM[act])),
-        cache_dtype=int(ir.DataType(_ELEM[storage])),
+        act_dtype=onnx_elem_type(act),
+        cache_dtype=onnx_elem_type(storage),
         num_heads=p.num_heads,
         kv_num_heads=p.kv_num_heads,
         head_size=int(p.head_size),
@@ -247,9 +241,9 @@ def lower_to_portable(
 
 def _elem(array: Any) -> int:
     name = dtype_name(array.dtype)
-    if name not in _ELEM:
-        raise TypeError(f"paged_attention_model: expected an element type in {sorted(_ELEM)}, found {name}")
-    return _ELEM[name]
+    if name not in _ELEMENT_TYPES:
+        raise TypeError(f"paged_attention_model: expected an element type in {sorted(_ELEMENT_TYPES)}, found {name}")
+    return onnx_elem_type(name)
 
 
 def paged_attention_model(

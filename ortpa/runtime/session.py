@@ -23,9 +23,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import InvalidArgument, InvalidModel, KVPoolTooLarge, NotImplementedByBackend
+from ortpa.errors import InvalidArgument, InvalidModel, InvalidParameter, KVPoolTooLarge, NotImplementedByBackend
 from ortpa.model_file import LoadedModel, ort_message_line, read_model
 from ortpa.model_ref import resolve_any
+from ortpa.ops.backends import backend_for_provider
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
@@ -41,7 +42,6 @@ __all__ = [
     "read_for_session",
 ]
 
-_NATIVE_BACKEND = {"CUDAExecutionProvider": "cuda", "WebGpuExecutionProvider": "webgpu"}
 _ORT_DEVICE = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
 
 
@@ -112,7 +112,7 @@ def _plan_nodes(loaded: LoadedModel, providers: list[str]) -> tuple[list[str], l
 
     if not _paged_nodes(loaded.proto):
         return [], []
-    native_backend = _NATIVE_BACKEND.get(providers[0]) if providers else None
+    native_backend = backend_for_provider(providers[0]) if providers else None
     reports = validate_backends(loaded, [b for b in (native_backend, "portable") if b], shapes_inferred=True)
     report = reports[None]
     if not report.ok:
@@ -435,24 +435,26 @@ def _concrete_shape(
         if dim.HasField("dim_value"):
             value = dim.dim_value
             if axis == 0 and value != num_blocks:
-                raise InvalidArgument(
-                    "session.num_blocks", name, f"model declares {value} blocks, session asked for {num_blocks}"
+                raise InvalidParameter(
+                    "PagedSession", "num_blocks", f"the model's {value} blocks (cache input {name})", num_blocks
                 )
             if axis == 1 and block_size is not None and value != block_size:
-                raise InvalidArgument(
-                    "session.block_size", name, f"model declares block_size {value}, session asked for {block_size}"
+                raise InvalidParameter(
+                    "PagedSession", "block_size", f"the model's block_size {value} (cache input {name})", block_size
                 )
         elif dim.dim_param in dims:
             value = dims[dim.dim_param]
         elif sym_defaults.get(axis) is not None:
             value = sym_defaults[axis]
         else:
-            raise InvalidArgument(
-                "session.dims",
-                name,
-                f"dimension {axis} ({dim.dim_param or '?'}) is symbolic; pass it in dims= or block_size=",
+            raise InvalidParameter(
+                "PagedSession",
+                "dims",
+                f"a value for the symbolic dimension {axis} ({dim.dim_param or '?'}) of cache input {name} "
+                "(pass it in dims= or block_size=)",
+                None,
             )
         shape.append(int(value))
     if len(shape) != 4:
-        raise InvalidArgument("session.cache_rank", name, f"expected a 4-D cache input, found rank {len(shape)}")
+        raise InvalidModel(name, f"expected a 4-D cache input, found rank {len(shape)}")
     return tuple(shape)

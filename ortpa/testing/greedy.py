@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from ortpa.errors import InvalidArgument
+from ortpa.errors import InvalidParameter
 from ortpa.formats import DenseInterface, dense_interface, length_thresholds, session_interface
 from ortpa.model_file import read_model
 from ortpa.runtime.kv import PagedKVCache
@@ -48,9 +48,9 @@ class GreedyRun:
 
 def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise InvalidArgument("greedy.prompts", "prompts", "expected at least one prompt, each of length >= 1")
+        raise InvalidParameter("greedy", "prompts", "at least one prompt, each of length >= 1", list(prompts))
     if max_new_tokens < 1:
-        raise InvalidArgument("greedy.max_new_tokens", "max_new_tokens", f"expected >= 1, got {max_new_tokens}")
+        raise InvalidParameter("greedy", "max_new_tokens", ">= 1", max_new_tokens)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 from tolerances import assert_close
 
-from ortpa.errors import InvalidArgument, NotImplementedByBackend
+from ortpa.errors import InvalidArgument, InvalidParameter, NotImplementedByBackend
 from ortpa.ops.oracle import paged_attention
 from ortpa.ops.portable import paged_attention_model
 from ortpa.runtime.kv import PagedKVCache
@@ -235,7 +235,7 @@ def test_paged_session_rejects_feeding_a_cache_and_bad_dims():
     sess = PagedSession(model, num_blocks=NB, block_size=BS)
     with pytest.raises(ValueError, match="owned by this PagedSession"):
         sess.run({"key_cache": x["key_cache"]})
-    with pytest.raises(InvalidArgument, match="symbolic"):
+    with pytest.raises(InvalidParameter, match="symbolic"):
         PagedSession(model, num_blocks=NB)  # block_size is symbolic in the model and not given
 
 

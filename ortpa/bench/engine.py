@@ -18,7 +18,7 @@ fp16 attention through the portable PagedAttention. Workloads, all greedy:
 
 Times are CPU seconds of this process with one ONNX Runtime thread (see ``_engine``), so figures hold on a
 busy shared machine. ``run()`` returns rows ``{name, metric, value, unit, notes}``;
-``python -m benchmarks.engine`` prints them.
+``python -m ortpa.bench.engine`` (or ``ortpa bench --only engine``) prints them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Decode step of the portable PagedAttention on ONNX Runtime CPU.
 
-Rows (``run(quick)`` returns them; ``python -m ortpa.bench.portable [--quick]`` (or ``ortpa bench --only portable``) prints a table):
+Rows (``run(quick)`` returns them; ``ortpa bench --only portable`` or ``python -m ortpa.bench.portable [--quick]``
+prints a table):
 
 * ``decode_ms/portable`` and ``decode_ms/ort_gqa`` at contexts 512 / 2048 / 8192: one new token per sequence,
   GQA 32 query / 8 KV heads of 128, float16. The portable op binds its caches aliased (in place); ONNX

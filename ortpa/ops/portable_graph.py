@@ -22,6 +22,10 @@ Memory per call (float32 unless said): scores/probabilities ``(D * kv_d + P * ma
 few live copies), gathered K and V ``(D * kv_d + P * kv_p) * kv_heads * head_size`` in the cache type plus a
 float32 copy each, padded Q and output ``(D + P * max_q) * num_heads * head_size``. Nothing scales with
 ``num_blocks``.
+
+Over ~400 lines on purpose: one traced dataflow (sanitize, prologue, cache write, grouped attention, write-back)
+whose steps share a dozen intermediate values; the pieces that stand alone (RoPE, quantized caches) live in
+:mod:`ortpa.ops.rope` and :mod:`ortpa.ops.quant`.
 """
 
 from __future__ import annotations

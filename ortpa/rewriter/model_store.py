@@ -17,6 +17,9 @@ the weights). Only then are the data file and the model moved into place: the ou
 When external data is used: whenever the input had any, or the weights total :data:`EXTERNAL_DATA_THRESHOLD`
 or more (1 GiB: protobuf caps a file at 2 GB, and an inline model costs ONNX Runtime a second copy while it
 parses). The input folder is never written to.
+
+Over ~400 lines on purpose: loading, writing and checking share the lazy external-tensor bookkeeping (which
+file each tensor lives in, what was spilled, what the temp folder holds); apart they would pass it around.
 """
 
 from __future__ import annotations

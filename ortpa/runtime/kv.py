@@ -23,6 +23,9 @@ copied on write: the first append into it gets a fresh block and a pending ``(sr
 
 Pool sizing (:func:`bytes_per_block`, :func:`blocks_for_budget`, :func:`blocks_from_device_memory`) and
 block copies (:func:`copy_blocks`) live in :mod:`ortpa.runtime.kv_memory` and are re-exported here.
+
+Over ~400 lines on purpose: three small classes with one state machine and its stated invariants, kept
+together so that the invariants can be read in one place.
 """
 
 from __future__ import annotations

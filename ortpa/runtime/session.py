@@ -7,6 +7,9 @@
 * :class:`PagedSession` owns each layer's KV caches as ``OrtValue`` s on the provider's device and binds a
   cache input and its aliasing output (``key_cache`` / ``key_cache_out``) to the *same* ``OrtValue`` on
   every step, so the caches are updated in place: no per-step copy of the pool.
+
+One module for both classes (~460 lines): :class:`PagedSession` is an :class:`InferenceSession` whose cache
+binding needs the same validation, gating and lowering state; splitting them would export that state.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ The mask is built once from ``attention_mask`` (padding) and the cache positions
 Weights are in ONNX orientation (``[in, out]``, i.e. ``Linear.weight`` transposed).
 :func:`ortpa.testing.dense_mla_reference.dense_mla_reference` computes the same model in float64 NumPy from the
 formulas (not from the graph), so the builder is checked independently of ONNX Runtime and of the converter.
+
+Over ~400 lines on purpose: one builder that mirrors one exported graph op for op; the file writer and the
+NumPy reference forward live in ``dense_mla_file`` and ``dense_mla_reference``.
 """
 
 from __future__ import annotations

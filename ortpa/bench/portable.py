@@ -28,7 +28,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from ortpa.bench import format_table
-from ortpa.bench._timing import aliased_step
+from ortpa.bench._timing import aliased_step, median_ms
 from ortpa.ops.portable import portable_single_node_model
 
 __all__ = ["run"]
@@ -43,16 +43,6 @@ def _session(model, threads: int = 0) -> ort.InferenceSession:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
 
 
 def _paged_inputs(batch: int, ctx: int, num_blocks: int, rng) -> dict:
@@ -179,8 +169,8 @@ def run(quick: bool = False) -> list[dict]:
     per_k: dict[int, float] = {}
     for ctx in contexts:
         blocks = batch * (-(-(ctx + 1) // BS)) + 8
-        p_ms = _median_ms(aliased_step(portable, _paged_inputs(batch, ctx, blocks, rng), alias=True), repeats)
-        g_ms = _median_ms(_gqa_step(gqa, batch, ctx, rng), repeats)
+        p_ms = median_ms(aliased_step(portable, _paged_inputs(batch, ctx, blocks, rng), alias=True), repeats)
+        g_ms = median_ms(_gqa_step(gqa, batch, ctx, rng), repeats)
         per_k[ctx] = p_ms / (ctx / 1024)
         shape = f"batch {batch}, GQA {N}/{KVH}x{H}, fp16, block {BS}"
         rows.append(_row(f"decode_ms/portable/ctx{ctx}", "step_time", p_ms, "ms", shape + ", aliased caches"))
@@ -205,10 +195,10 @@ def run(quick: bool = False) -> list[dict]:
     )
 
     ctx = 512
-    small = _median_ms(aliased_step(portable, _paged_inputs(1, ctx, 64, rng), alias=True), repeats)
+    small = median_ms(aliased_step(portable, _paged_inputs(1, ctx, 64, rng), alias=True), repeats)
     big_x = _paged_inputs(1, ctx, 4096, rng)
-    big = _median_ms(aliased_step(portable, big_x, alias=True), repeats)
-    big_copy = _median_ms(aliased_step(portable, big_x, alias=False), max(3, repeats // 4))
+    big = median_ms(aliased_step(portable, big_x, alias=True), repeats)
+    big_copy = median_ms(aliased_step(portable, big_x, alias=False), max(3, repeats // 4))
     note = f"ctx {ctx}, same step, 64 vs 4096 blocks of {BS}"
     rows.append(_row("pool/64_blocks", "step_time", small, "ms", note + ", aliased"))
     rows.append(_row("pool/4096_blocks", "step_time", big, "ms", note + ", aliased"))

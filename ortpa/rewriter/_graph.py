@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 __all__ = [
     "Builder",
+    "attr_value",
     "const_array",
     "consumers",
     "int_attr",
@@ -44,6 +45,12 @@ def scalar(value: ir.Value | None) -> float | None:
 def int_attr(node: ir.Node, name: str, default: int | None = None) -> int | None:
     attr = node.attributes.get(name)
     return default if attr is None else int(attr.value)
+
+
+def attr_value(node: ir.Node, name: str, default=None):
+    """An attribute's value, or ``default`` when the node does not set it."""
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
 
 
 def ints_attr(node: ir.Node, name: str) -> list[int] | None:

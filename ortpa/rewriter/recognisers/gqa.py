@@ -21,18 +21,13 @@ import math
 
 import onnx_ir as ir
 
-from ortpa.rewriter._graph import const_array, static_width
+from ortpa.rewriter._graph import attr_value, const_array, static_width
 from ortpa.rewriter._match import MatchFail, cache_inputs, consumer_ops, need
 from ortpa.rewriter.attention_match import AttentionLayer, SourceRotary
 
 __all__ = ["OP_TYPE", "recognise_gqa"]
 
 OP_TYPE = "GroupQueryAttention"
-
-
-def _attr(node: ir.Node, name: str, default):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 def _node(past_k: ir.Value) -> ir.Node:
@@ -53,10 +48,14 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
     node = _node(past_k)
     ins = list(node.inputs) + [None] * (12 - len(node.inputs))
     need(ins[3] is past_k and ins[4] is past_v, "the caches are not the op's past_key / past_value inputs", node)
-    h, kvh = int(_attr(node, "num_heads", 0)), int(_attr(node, "kv_num_heads", 0))
+    h, kvh = int(attr_value(node, "num_heads", 0)), int(attr_value(node, "kv_num_heads", 0))
     need(h > 0 and kvh > 0 and h % kvh == 0, f"num_heads {h} / kv_num_heads {kvh} are not GQA heads", node)
     for name, bad in (("smooth_softmax", 0), ("qk_output", 0)):
-        need(int(_attr(node, name, bad)) == bad, f"{name}={_attr(node, name, bad)} has no PagedAttention form", node)
+        need(
+            int(attr_value(node, name, bad)) == bad,
+            f"{name}={attr_value(node, name, bad)} has no PagedAttention form",
+            node,
+        )
     for index, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
         need(ins[index] is None, f"input {what} is set: not converted (the builder's models leave it empty)", node)
     if len(node.outputs) > 3:
@@ -85,7 +84,7 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
     )
 
     rotary = None
-    if int(_attr(node, "do_rotary", 0)):
+    if int(attr_value(node, "do_rotary", 0)):
         cos, sin = ins[7], ins[8]
         need(cos is not None and sin is not None, "do_rotary=1 without cos_cache / sin_cache", node)
         assert cos is not None and sin is not None
@@ -105,16 +104,16 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
             f"rotary_dim/2 a multiple of 8 and <= {(d // 16) * 8} (head size {d})",
             cos,
         )
-        rotary = SourceRotary(cos, sin, int(_attr(node, "rotary_interleaved", 0)))
-    scale = float(_attr(node, "scale", 0.0)) or 1.0 / math.sqrt(d)
-    window = int(_attr(node, "local_window_size", -1))
+        rotary = SourceRotary(cos, sin, int(attr_value(node, "rotary_interleaved", 0)))
+    scale = float(attr_value(node, "scale", 0.0)) or 1.0 / math.sqrt(d)
+    window = int(attr_value(node, "local_window_size", -1))
     return AttentionLayer(
         layer=layer,
         num_heads=h,
         kv_num_heads=kvh,
         head_size=d,
         scale=scale,
-        softcap=float(_attr(node, "softcap", 0.0)),
+        softcap=float(attr_value(node, "softcap", 0.0)),
         local_window_size=window if window > 0 else -1,
         query=query,
         key=key,

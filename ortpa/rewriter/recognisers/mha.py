@@ -18,18 +18,13 @@ from collections import deque
 
 import onnx_ir as ir
 
-from ortpa.rewriter._graph import ints_attr, producer_op, static_dim, static_width
+from ortpa.rewriter._graph import attr_value, ints_attr, producer_op, static_dim, static_width
 from ortpa.rewriter._match import MatchFail, cache_concat, cache_inputs, consumer_ops, need, reaches
 from ortpa.rewriter.attention_match import AttentionLayer
 
 __all__ = ["OP_TYPE", "forward_op", "recognise_mha"]
 
 OP_TYPE = "MultiHeadAttention"
-
-
-def _attr(node: ir.Node, name: str, default):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 def _derives_from_attention_mask(value: ir.Value, max_nodes: int = 200) -> bool:
@@ -74,7 +69,11 @@ def forward_op(start: ir.Value, op_type: str, max_nodes: int = 80) -> ir.Node | 
 def _bsd(value: ir.Value, what: str) -> ir.Value:
     """``[B,KVH,S,D]`` new keys / values as cached -> the ``[B,S,KVH*D]`` tensor they were reshaped from."""
     node = producer_op(value, "Transpose")
-    need(node is not None and ints_attr(node, "perm") == [0, 2, 1, 3], f"new {what} is not Transpose(0,2,1,3)", value)
+    need(
+        node is not None and ints_attr(node, "perm") == [0, 2, 1, 3],
+        f"new {what} is not Transpose(0,2,1,3)",
+        value,
+    )
     assert node is not None
     reshape = producer_op(node.inputs[0], "Reshape")
     need(reshape is not None, f"new {what} is not a Reshape of [batch, seq, heads * head]", node.inputs[0])
@@ -91,7 +90,7 @@ def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
     if node is None:
         raise MatchFail(f"no com.microsoft::{OP_TYPE} reads the key cache ({consumer_ops(present_k)})", present_k)
     ins = list(node.inputs) + [None] * (10 - len(node.inputs))
-    h = int(_attr(node, "num_heads", 0))
+    h = int(attr_value(node, "num_heads", 0))
     need(h > 0, "num_heads is not set", node)
     for index, what in ((3, "bias"), (6, "past_key"), (7, "past_value"), (8, "past_sequence_length")):
         need(ins[index] is None, f"input {what} is set: not converted (the cache is concatenated before the op)", node)
@@ -128,7 +127,7 @@ def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
         num_heads=h,
         kv_num_heads=kvh,
         head_size=d,
-        scale=float(_attr(node, "scale", 0.0)) or 1.0 / math.sqrt(d),
+        scale=float(attr_value(node, "scale", 0.0)) or 1.0 / math.sqrt(d),
         softcap=0.0,
         local_window_size=-1,
         query=query,

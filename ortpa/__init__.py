@@ -29,7 +29,7 @@ from ortpa.errors import (
     RequestTooLarge,
     RequestTooLong,
 )
-from ortpa.model_ref import NoOnnxFile, resolve_model
+from ortpa.model.ref import NoOnnxFile, resolve_model
 from ortpa.ops.validate import ValidationReport, check_inputs, validate
 from ortpa.rewriter.pipeline import convert, convert_file
 from ortpa.runtime.engine import Engine, EngineStats, RequestOutput
@@ -76,6 +76,6 @@ def export_hf(*args: Any, **kwargs: Any):
 
     Needs the ``export`` extra (``pip install 'ortpa[export]'``); see :func:`ortpa.export.export_hf`.
     """
-    from ortpa.export import export_hf as _export_hf
+    from ortpa.export.hf import export_hf as _export_hf
 
     return _export_hf(*args, **kwargs)

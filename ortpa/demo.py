@@ -7,7 +7,7 @@
    (continuous batching) on the best provider present: CUDA's native kernel where a GPU is, else the portable
    CPU path;
 5. check parity with the dense original run by ONNX Runtime on CPU. The engine returns tokens only, so a
-   step-by-step greedy loop on the same paged model and provider (:func:`ortpa.testing.greedy.paged_greedy`:
+   step-by-step greedy loop on the same paged model and provider (:func:`ortpa.parity.greedy.paged_greedy`:
    one packed prefill, then packed decodes) records each step's logits; the dense model is teacher-forced on
    that loop's tokens so every step is comparable. Checked: per-step max |logit difference| within the
    float16 tolerance, the same greedy token as the dense model at every step, and the engine's tokens equal
@@ -35,12 +35,12 @@ import onnxruntime as ort
 
 from ortpa.errors import InvalidParameter
 from ortpa.ops.validate import validate_model
+from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.rewriter.pipeline import convert_file
 from ortpa.runtime.device import best_providers, providers_for
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig, build_dense_mla
-from ortpa.testing.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.tolerances import TieBound, logit_tolerance, max_tie_flips
 
 __all__ = ["DEMO_CONFIG", "DEMO_PROMPT_LENGTHS", "DemoSummary", "run_demo"]

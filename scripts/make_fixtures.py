@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ortpa.export import fixtures_main  # noqa: E402
+from ortpa.export.hf import fixtures_main  # noqa: E402
 
 _YARN = {
     "rope_type": "yarn",
@@ -158,7 +158,7 @@ FIXTURES: dict[str, tuple[dict, dict]] = {
         {"opset": 18, "attn_implementation": "sdpa"},
     ),
     # MLA models as they ship, with MoE layers (layer 0 dense, layer 1 MoE) and the default experts
-    # implementation (grouped_mm, exported through transformers' ONNX lowering: ortpa.export_patches).
+    # implementation (grouped_mm, exported through transformers' ONNX lowering: ortpa.export.patches).
     "dsv3_moe_sdpa_op18": (_v(first_k_dense_replace=1), {"opset": 18, "attn_implementation": "sdpa"}),
     # DeepSeek-V2: complex RoPE (exported as its real-valued equivalent), group-limited greedy routing.
     "dsv2_moe_sdpa_op18": (

@@ -109,7 +109,7 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
 NOTES: dict[str, str] = {
     "genai_llama_fp16": "the builder declares the repeated K/V after the cache Concat with sequence_length where it "
     "holds total_sequence_length: ONNX Runtime 1.31/1.32 CPU (and onnxruntime-genai itself) fail the first decode "
-    "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.testing.greedy."
+    "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.parity.greedy."
     "open_dense turns it off)",
     "genai_qwen3_fp16": "same value_info defect as genai_llama_fp16 (memory reuse must be off to decode)",
     "genai_llama_int4": "MatMulNBits accuracy_level 4 quantizes activations to int8: incremental and one-shot runs "
@@ -266,7 +266,7 @@ def _export_onnx_exporter(hf: Path, work: Path, opts: dict) -> tuple[Path, list[
 
 def _export_ortpa(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
     sys.path.insert(0, str(ROOT))
-    from ortpa.export import export_hf
+    from ortpa.export.hf import export_hf
 
     path = work / "model.onnx"
     # random_weights=False: load the seeded folder, so this fixture has the same weights as the genai one.

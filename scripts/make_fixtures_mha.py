@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ortpa.export import fixtures_main  # noqa: E402
+from ortpa.export.hf import fixtures_main  # noqa: E402
 
 _BASE = {
     "vocab_size": 256,

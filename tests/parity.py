@@ -19,9 +19,9 @@ import onnxruntime as ort
 import pytest
 from tolerances import assert_close, max_tie_flips, tie_bound
 
+from ortpa.parity.greedy import open_dense
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
-from ortpa.testing.greedy import open_dense
 
 __all__ = ["DenseModel", "ParityResult", "attrs", "check_near_miss", "near_miss", "paged_nodes", "run_parity"]
 
@@ -36,7 +36,7 @@ def _options() -> ort.SessionOptions:
     opts.intra_op_num_threads = 2
     opts.log_severity_level = 3
     # genai fp16 builds declare total-length tensors as sequence_length: with memory reuse on, the first decode
-    # after a prefill can fail with "Shape mismatch attempting to re-use buffer" (ortpa.testing.greedy.open_dense)
+    # after a prefill can fail with "Shape mismatch attempting to re-use buffer" (ortpa.parity.greedy.open_dense)
     opts.enable_mem_reuse = False
     return opts
 

@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 from ortpa.cli import main
-from ortpa.cli_progress import ConvertProgress
+from ortpa.cli.progress import ConvertProgress
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dsv3_sdpa_op18.onnx"
 

@@ -19,7 +19,7 @@ from ortpa.demo import (
     run_demo,
 )
 from ortpa.errors import InvalidParameter
-from ortpa.testing.greedy import GreedyRun
+from ortpa.parity.greedy import GreedyRun
 from ortpa.tolerances import TOL, logit_tolerance
 
 PARITY_TOL = (PARITY_RTOL, PARITY_ATOL)

@@ -1,5 +1,6 @@
 """The scripts in examples/ run from the repo root with their fixture defaults and print what they promise."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -20,6 +21,8 @@ def test_example_runs(script: str) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script)],
         cwd=ROOT,
+        # the checkout's ortpa, as the tests import it, whether or not (or whichever) ortpa is installed
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
         capture_output=True,
         text=True,
         timeout=900,  # a hang guard only (a script takes seconds): never a speed check on a loaded machine

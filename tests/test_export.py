@@ -15,7 +15,7 @@ import torch
 from parity import run_parity
 from torch_reference import TorchModel, export_matches_torch
 
-from ortpa.export import build_model, export_hf
+from ortpa.export.hf import build_model, export_hf
 from ortpa.rewriter.pipeline import convert
 
 pytestmark = pytest.mark.export
@@ -123,7 +123,7 @@ def test_convert_hf_folder_then_generate_text(tmp_path, capsys):
 @pytest.mark.slow  # a fourth export; test_export_patches checks the same line from a synthetic failure, fast
 def test_failed_export_is_one_line(tmp_path, capsys, monkeypatch):
     """Without the grouped_mm lowering the MoE layer cannot be exported: one line naming the op and a remedy."""
-    import ortpa.export_patches as patches
+    import ortpa.export.patches as patches
     from ortpa.cli import main
 
     monkeypatch.setattr(patches, "translation_table", lambda: {})

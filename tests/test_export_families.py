@@ -11,7 +11,7 @@ import pytest
 from parity import FIXTURES, run_parity
 from torch_reference import export_matches_torch
 
-from ortpa.export import build_model
+from ortpa.export.hf import build_model
 from ortpa.rewriter.pipeline import convert
 
 FAMILIES = [

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from ortpa.export import build_model
-from ortpa.export_errors import ExportError, summarize
-from ortpa.export_patches import real_rope, translation_table, use_experts
-from ortpa.hf_folder import eos_token_ids
+from ortpa.export.errors import ExportError, summarize
+from ortpa.export.hf import build_model
+from ortpa.export.patches import real_rope, translation_table, use_experts
+from ortpa.model.folder import eos_token_ids
 
 pytestmark = pytest.mark.export
 
@@ -105,7 +105,7 @@ def test_summarize_names_op_module_and_remedy():
 
 
 def test_cli_traceback_only_with_verbose(tmp_path, capsys, monkeypatch):
-    import ortpa.export as export
+    import ortpa.export.hf as export
     from ortpa.cli import main
 
     def failing(*args, **kwargs):

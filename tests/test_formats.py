@@ -1,5 +1,5 @@
 """The source side of parity: real-tool fixtures load in ONNX Runtime, their format is detected, and the
-reference runner (:func:`ortpa.testing.greedy.dense_greedy` in each model's own format) is self-consistent.
+reference runner (:func:`ortpa.parity.greedy.dense_greedy` in each model's own format) is self-consistent.
 
 The fixtures under ``tests/fixtures/formats/`` were made by the tools themselves (``scripts/make_fixtures_formats.py``):
 onnxruntime-genai's builder, optimum, transformers' OnnxExporter and ortpa's dynamo export. Every expectation here
@@ -17,10 +17,10 @@ import onnx
 import pytest
 from tolerances import ACT_INT8_EXTRA_ATOL, FP16_WEIGHTS_EXTRA_ATOL, assert_close
 
-from ortpa.cli import _default_prompts
 from ortpa.errors import InvalidModel
-from ortpa.formats import SourceFormat, dense_interface, detect_format, length_thresholds
-from ortpa.testing.greedy import dense_forward, dense_greedy, open_dense
+from ortpa.formats.detect import SourceFormat, dense_interface, detect_format, length_thresholds
+from ortpa.parity.check import default_prompts
+from ortpa.parity.greedy import dense_forward, dense_greedy, open_dense
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FORMATS = FIXTURES / "formats"
@@ -220,9 +220,9 @@ def test_gqa_window_is_a_threshold() -> None:
 
 
 def test_default_parity_prompts_pass_every_threshold() -> None:
-    assert [len(p) for p in _default_prompts([])] == [5, 2, 3]
-    long = _default_prompts([12, 32])[-1]
-    assert len(long) > 32 and len(_default_prompts([12, 32])) == 4
+    assert [len(p) for p in default_prompts([])] == [5, 2, 3]
+    long = default_prompts([12, 32])[-1]
+    assert len(long) > 32 and len(default_prompts([12, 32])) == 4
 
 
 def test_paged_model_is_not_a_source() -> None:

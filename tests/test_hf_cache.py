@@ -22,7 +22,7 @@ from onnx import numpy_helper
 import ortpa
 from ortpa.cli import main
 from ortpa.errors import InvalidModel
-from ortpa.model_ref import NoOnnxFile, find_onnx_file, resolve_model
+from ortpa.model.ref import NoOnnxFile, find_onnx_file, resolve_model
 from ortpa.rewriter.pipeline import convert, convert_file
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 import ortpa
 from ortpa.cli import main
 from ortpa.errors import InvalidModel, OrtpaError
-from ortpa.model_file import read_model
+from ortpa.model.file import read_model
 from ortpa.rewriter.pipeline import convert_file
 from ortpa.runtime.engine import Engine
 from ortpa.runtime.session import InferenceSession, PagedSession

@@ -9,8 +9,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 from ortpa.errors import InvalidModel
-from ortpa.model_file import read_model
-from ortpa.ort_schemas import ort_schema
+from ortpa.model.file import read_model
+from ortpa.model.ort_schemas import ort_schema
 
 
 def _model(path, op_type: str, domain: str) -> str:

@@ -9,7 +9,7 @@ the op's schema, built from :mod:`ortpa.ops.spec`, with ONNX Runtime's inference
 Global state: onnx keeps schemas in one process-wide registry. ortpa changes it in exactly one place,
 :func:`register_schemas`, called by :func:`infer_shapes` and by the model loader's domain check, never at
 import. It registers this op's schema and the default-domain ops only ONNX Runtime knows
-(:func:`ortpa.ort_schemas.register_ort_default_domain_schemas`); both are idempotent (once per process, and
+(:func:`ortpa.model.ort_schemas.register_ort_default_domain_schemas`); both are idempotent (once per process, and
 nothing when onnx already knows the op: a newer onnx, or another library that registered it).
 """
 
@@ -21,8 +21,8 @@ import onnx
 import onnx.defs
 from onnx import helper
 
+from ortpa.model.ort_schemas import register_ort_default_domain_schemas
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
-from ortpa.ort_schemas import register_ort_default_domain_schemas
 
 __all__ = ["infer_shapes", "register_paged_attention_schema", "register_schemas"]
 

@@ -1,6 +1,6 @@
 """The loading and writing ends of the conversion pipeline, for models of any size.
 
-Loading (:func:`load_ir`): a file is checked by :func:`ortpa.model_file.read_model` without reading its weights
+Loading (:func:`load_ir`): a file is checked by :func:`ortpa.model.file.read_model` without reading its weights
 and by ``onnx.checker`` from its path, then deserialized into onnx-ir with every external tensor left lazy
 (``onnx_ir.ExternalTensor``, memory-mapped from the input's own folder on first use).
 
@@ -37,8 +37,8 @@ import onnx
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError, InvalidModel
-from ortpa.model_file import read_model
-from ortpa.model_ref import ModelRef
+from ortpa.model.file import read_model
+from ortpa.model.ref import ModelRef
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
@@ -428,14 +428,14 @@ def convert_file(
     """:func:`ortpa.convert` a model file into ``out_path``: streamed, checked from the written files, then
     moved into place (the output and its ``.data`` are complete or absent; the input is never modified).
 
-    ``in_path`` may be a folder or a Hugging Face repo id in the local cache (:mod:`ortpa.model_ref`); the
+    ``in_path`` may be a folder or a Hugging Face repo id in the local cache (:mod:`ortpa.model.ref`); the
     tokenizer and config files of such a model's folder are then copied beside ``out_path``, as regular files.
 
     Returns the written model: the whole model when it is inline; when its weights are in ``<out>.data``,
     the graph with external references relative to the output's folder (``onnx.load(out_path)`` or
     ``onnx.load_external_data_for_model(model, out_dir)`` read them in; sessions take ``out_path`` itself).
     """
-    from ortpa.model_ref import companion_files, copy_companion_files, locate_model
+    from ortpa.model.ref import companion_files, copy_companion_files, locate_model
     from ortpa.rewriter.pipeline import convert
 
     ref = locate_model(in_path, revision)

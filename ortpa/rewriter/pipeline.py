@@ -18,7 +18,7 @@ import onnx_ir as ir
 import onnxscript.optimizer
 
 from ortpa.errors import ConversionError
-from ortpa.model_ref import resolve_any
+from ortpa.model.ref import resolve_any
 from ortpa.rewriter import kv_quant, model_store, paged_io
 from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
@@ -208,7 +208,7 @@ def convert(
       ``kv_scale_margin``) calibrated by running the dense model on ``calibration_prompts`` (token-id lists;
       default: seeded random prompts); see :mod:`ortpa.rewriter.kv_quant`. float8e4m3fn is rejected.
     * ``model`` may also be a folder or a Hugging Face repo id in the local cache (``revision``: branch, tag or
-      commit), found offline by :mod:`ortpa.model_ref`.
+      commit), found offline by :mod:`ortpa.model.ref`.
     """
     model = resolve_any(model, revision)
     kv_plan = kv_quant.plan(

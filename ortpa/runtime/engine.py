@@ -32,7 +32,7 @@ import onnx
 import onnxruntime as ort
 
 from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
-from ortpa.model_file import LoadedModel
+from ortpa.model.file import LoadedModel
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.model_file import LoadedModel
+from ortpa.model.file import LoadedModel
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, to_ortvalue
 
 __all__ = [

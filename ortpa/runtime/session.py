@@ -27,8 +27,8 @@ import onnx
 import onnxruntime as ort
 
 from ortpa.errors import InvalidArgument, InvalidModel, InvalidParameter, KVPoolTooLarge, NotImplementedByBackend
-from ortpa.model_file import LoadedModel, ort_message_line, read_model
-from ortpa.model_ref import resolve_any
+from ortpa.model.file import LoadedModel, ort_message_line, read_model
+from ortpa.model.ref import resolve_any
 from ortpa.ops.backends import backend_for_provider
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
@@ -52,7 +52,7 @@ def load_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.Model
     """Read a model from a path, bytes or a ModelProto (copied), with a clear error for bad files.
 
     External data is read into the copy (checked first: inside the model's folder, within the file); see
-    :func:`ortpa.model_file.read_model`.
+    :func:`ortpa.model.file.read_model`.
     """
     return read_model(model).proto
 

@@ -154,7 +154,7 @@ def test_live_export_converts(tmp_path):
     """A fresh transformers export (not a stored fixture) converts and matches: guards against export drift.
 
     Needs the `export` extra, which CI installs: fails (never skips) without it."""
-    from ortpa.export import export_hf
+    from ortpa.export.hf import export_hf
 
     cfg = {
         "model_type": "llama",

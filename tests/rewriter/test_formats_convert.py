@@ -3,7 +3,7 @@
 Each fixture is converted by :func:`ortpa.convert`, validated for the CUDA backend, and driven with continuous
 batching (3 sequences of different lengths prefilled together, then 8 packed decode steps with one sequence
 leaving and one joining) on the portable op; every row is compared with the original model run alone by ONNX
-Runtime in its own format (:func:`ortpa.testing.greedy.open_dense`: genai: ``attention_mask`` only, or with
+Runtime in its own format (:func:`ortpa.parity.greedy.open_dense`: genai: ``attention_mask`` only, or with
 ``position_ids``; optimum: ``attention_mask`` + ``position_ids``; OnnxExporter: no mask, its own cache names).
 Near misses of each form are refused, by layer, with the reason.
 """

@@ -19,10 +19,10 @@ import pytest
 
 from ortpa.cli import main
 from ortpa.ops.validate import validate_model
+from ortpa.parity.greedy import dense_greedy, paged_greedy
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig
 from ortpa.testing.dense_mla_file import write_dense_mla
-from ortpa.testing.greedy import dense_greedy, paged_greedy
 
 V2_LITE = dict(hidden=2048, heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
                vocab=32000, intermediate=10944)  # fmt: skip

@@ -12,10 +12,10 @@ import pytest
 import ortpa.ops.validate.model as node_check
 import ortpa.runtime.session as session_module
 from ortpa.errors import ConversionError
+from ortpa.parity.greedy import paged_greedy
 from ortpa.rewriter import model_store
 from ortpa.rewriter.pipeline import convert, convert_file
 from ortpa.runtime.session import InferenceSession, PagedSession
-from ortpa.testing.greedy import paged_greedy
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "dsv3_sdpa_op18.onnx"
 PROMPTS = [[5, 9, 3, 7, 1], [2, 4]]

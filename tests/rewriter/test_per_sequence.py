@@ -26,10 +26,10 @@ from tolerances import assert_close
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model
+from ortpa.parity.greedy import dense_greedy, paged_greedy
 from ortpa.rewriter import per_sequence
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import PagedSession
-from ortpa.testing.greedy import dense_greedy, paged_greedy
 
 LONGROPE = FIXTURES / "phi3_longrope_sdpa_op18.onnx"
 ORIGINAL_MAX = 32  # the fixture's original_max_position_embeddings

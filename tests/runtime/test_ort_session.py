@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortpa.model_file import read_model
+from ortpa.model.file import read_model
 from ortpa.runtime.ort_session import external_initializers, open_ort_session
 
 

@@ -17,12 +17,12 @@ import pytest
 from tolerances import assert_close
 
 from ortpa.errors import OrtpaError
+from ortpa.parity.greedy import dense_greedy, paged_greedy
 from ortpa.rewriter.mla import MlaLayer, match_mla_layers
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig, DenseMlaConfigError, build_dense_mla, dense_mla_weights
 from ortpa.testing.dense_mla_reference import dense_mla_reference
-from ortpa.testing.greedy import dense_greedy, paged_greedy
 
 # The export's shape (interleaved RoPE, q LoRA, ScatterND key) and the other branches of the builder.
 EXPORT_LIKE = DenseMlaConfig(seed=2)

@@ -19,8 +19,8 @@ from typing import Any
 import onnx
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
-from ortpa.model_file import read_model
-from ortpa.model_ref import resolve_any
+from ortpa.model.file import read_model
+from ortpa.model.ref import resolve_any
 from ortpa.ops.backends import BACKENDS, available_backends, check_backend
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
@@ -58,7 +58,7 @@ SCHEMA_RULES: dict[str, str] = {
 # ------------------------------------------------------------------------------------------ loading
 def load_model(model: Any) -> tuple[onnx.ModelProto, str]:
     """A ModelProto and a label from a path, bytes, ModelProto or onnx_ir.Model; :class:`InvalidModel` if
-    unreadable. One loader for every command: see :func:`ortpa.model_file.read_model` for what is checked.
+    unreadable. One loader for every command: see :func:`ortpa.model.file.read_model` for what is checked.
 
     Validation is static: it neither modifies the model (no copy), nor reads weights (external references are
     checked, not followed), nor needs ONNX Runtime to load its ir_version / opsets (helper.make_model stamps an

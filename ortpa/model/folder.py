@@ -1,7 +1,7 @@
 """The text side of a model folder: its ``tokenizer.json`` (the `tokenizers` library) and EOS ids.
 
 ``ortpa convert`` copies a source folder's ``tokenizer.json`` and ``generation_config.json`` beside the paged
-model (:mod:`ortpa.model_ref`), so ``ortpa generate OUT --prompt ...`` finds them next to it.
+model (:mod:`ortpa.model.ref`), so ``ortpa generate OUT --prompt ...`` finds them next to it.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ For MLA models (DeepSeek-V3, GLM-4-MoE-Lite, ...) transformers 5.x caches the no
 (``[batch, 1, past, kv_lora_rank]``) and the roped shared key as ``value`` (``[batch, 1, past, qk_rope]``).
 
 MoE experts export through transformers' ONNX lowering of ``grouped_mm`` (or ``batched_mm``), DeepSeek-V2's
-complex RoPE through a real-valued equivalent: :mod:`ortpa.export_patches`. A failed export raises
-:class:`ortpa.export_errors.ExportError`, one line naming the op or module and what to try.
+complex RoPE through a real-valued equivalent: :mod:`ortpa.export.patches`. A failed export raises
+:class:`ortpa.export.errors.ExportError`, one line naming the op or module and what to try.
 
 No network: models are built from a config with seeded random weights, or loaded from a local directory
 (safetensors, sharded or not) in the checkpoint's dtype or the one asked for. Models whose weights pass
@@ -175,12 +175,12 @@ def export_hf(
 
     ``config_or_model_dir``: a ``PretrainedConfig``, a dict with ``model_type``, a ``config.json`` path or a
     local model directory. The graph has symbolic ``batch``, ``seq`` and ``past`` dimensions.
-    ``experts``: the MoE experts implementation to trace (:data:`ortpa.export_patches.EXPERTS_IMPLEMENTATIONS`).
+    ``experts``: the MoE experts implementation to trace (:data:`ortpa.export.patches.EXPERTS_IMPLEMENTATIONS`).
     ``dtype``: see :func:`build_model`. ``optimize``: run torch.onnx's graph optimisation; default only for
     random weights: its constant folding stores a transposed copy of every Linear weight next to the model's own
     (two copies in memory), while unoptimised the initializers are the parameters themselves, under their names
     (``ortpa.convert`` optimises the graph on load anyway). ``external_data``: weights in ``<out>.data`` (default: past
-    :data:`EXTERNAL_DATA_THRESHOLD`). Raises :class:`ortpa.export_errors.ExportError` when torch.onnx fails.
+    :data:`EXTERNAL_DATA_THRESHOLD`). Raises :class:`ortpa.export.errors.ExportError` when torch.onnx fails.
     ``progress`` receives one line per stage; torch's and transformers' warnings and bars show only with
     ``verbose``.
     """
@@ -247,8 +247,8 @@ def _export(
     from transformers import DynamicCache
 
     from ortpa.errors import InvalidModel
-    from ortpa.export_errors import ExportError, summarize
-    from ortpa.export_patches import export_patches, translation_table
+    from ortpa.export.errors import ExportError, summarize
+    from ortpa.export.patches import export_patches, translation_table
 
     say(f"loading {'config' if random_weights else 'weights'} from {config_or_model_dir}")
     try:

@@ -20,7 +20,7 @@ The dense models people have come from a handful of tools, each with its own gra
 :func:`detect_format` tells them apart from the graph's ops and I/O; :func:`dense_interface` describes what a
 runner must feed (which of mask / positions the graph declares, each layer's cache pair with its heads, head
 sizes and dtype). Where a cache's head size is a symbol (genai's ``kv_cache_dim``), it is found from the
-attention op's attributes and the width of the projection that feeds it (:mod:`ortpa.formats_shapes`).
+attention op's attributes and the width of the projection that feeds it (:mod:`ortpa.formats.shapes`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import onnx
 
 from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import InvalidModel
-from ortpa.formats_shapes import cache_capacity, cache_head_size, constant_ints
+from ortpa.formats.shapes import cache_capacity, cache_head_size, constant_ints
 
 __all__ = [
     "CacheIO",

@@ -1,4 +1,4 @@
-"""Opset and ONNX Runtime checks of :func:`ortpa.model_file.read_model` (its steps 4 and 5, strings aside).
+"""Opset and ONNX Runtime checks of :func:`ortpa.model.file.read_model` (its steps 4 and 5, strings aside).
 
 Nodes only use domains the model imports (a ``PagedAttention`` without a ``com.microsoft`` import fails),
 default-domain ops exist in the model's opset with that many inputs / outputs, and the installed ONNX Runtime
@@ -15,8 +15,8 @@ import re
 import onnx
 
 from ortpa.errors import InvalidModel
+from ortpa.model.ort_schemas import ort_schema
 from ortpa.ops.shape_inference import register_schemas
-from ortpa.ort_schemas import ort_schema
 
 __all__ = ["check_domains", "check_ort_version_support", "ort_message_line"]
 

@@ -1,4 +1,4 @@
-"""Tensor and external-data checks of :func:`ortpa.model_file.read_model` (its steps 2 and 3).
+"""Tensor and external-data checks of :func:`ortpa.model.file.read_model` (its steps 2 and 3).
 
 Every tensor of a model (initializers, sparse initializers, ``Constant``-style attributes, subgraphs,
 functions) declares a known element type, non-negative dims, a byte size that does not overflow int64, and

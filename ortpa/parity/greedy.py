@@ -1,7 +1,7 @@
 """Greedy decoding loops that record every step's logits, for parity between a dense model and its paged form.
 
 * :func:`dense_greedy` runs a dense past/present model one prompt at a time, in the model's own format
-  (:mod:`ortpa.formats`: dynamo, onnxruntime-genai, optimum, transformers' OnnxExporter), feeding each step's
+  (:mod:`ortpa.formats.detect`: dynamo, onnxruntime-genai, optimum, transformers' OnnxExporter), feeding each step's
   present KV back as the next step's past; :func:`dense_forward` runs a whole sequence in one step.
 * :func:`paged_greedy` runs a converted model through a :class:`~ortpa.runtime.session.PagedSession` with a
   :class:`~ortpa.runtime.kv.PagedKVCache`: every prompt's prefill in one packed step, then one packed decode
@@ -24,8 +24,8 @@ import numpy as np
 import onnxruntime as ort
 
 from ortpa.errors import InvalidParameter
-from ortpa.formats import DenseInterface, dense_interface, length_thresholds, session_interface
-from ortpa.model_file import read_model
+from ortpa.formats.detect import DenseInterface, dense_interface, length_thresholds, session_interface
+from ortpa.model.file import read_model
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
 
@@ -65,7 +65,7 @@ class DenseModel:
 def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> DenseModel:
     """Open the dense model at ``model`` (a path: the session reads its external data) on ONNX Runtime CPU.
 
-    The graph is read through :func:`ortpa.model_file.read_model` (without weights) to find its format and
+    The graph is read through :func:`ortpa.model.file.read_model` (without weights) to find its format and
     interface. Memory reuse is off: onnxruntime-genai's fp16 builder declares the repeated K/V after the cache
     ``Concat`` with ``sequence_length`` where it holds ``total_sequence_length``, so ONNX Runtime's planner
     reuses a buffer of the wrong size on the first decode step ("Shape mismatch attempting to re-use buffer";

@@ -27,7 +27,7 @@ onnx 1.23's own ``onnx.load`` also refuses absolute, ``..`` and symlinked locati
 refuses external data outright. We check first, with one message format, then read the data ourselves.
 
 This module holds the entry point, :class:`LoadedModel` and steps 1 and 4's string check; steps 2 and 3 live in
-:mod:`ortpa.model_tensors`, the rest of 4 and 5 in :mod:`ortpa.model_opsets` (their public names are
+:mod:`ortpa.model.tensors`, the rest of 4 and 5 in :mod:`ortpa.model.opsets` (their public names are
 re-exported here).
 """
 
@@ -43,8 +43,8 @@ from typing import Any
 import onnx
 
 from ortpa.errors import InvalidModel
-from ortpa.model_opsets import check_domains, check_ort_version_support, ort_message_line
-from ortpa.model_tensors import ExternalRef, check_tensors, inline_external, tensor_nbytes
+from ortpa.model.opsets import check_domains, check_ort_version_support, ort_message_line
+from ortpa.model.tensors import ExternalRef, check_tensors, inline_external, tensor_nbytes
 
 __all__ = [
     "ExternalRef",

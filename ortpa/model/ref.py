@@ -13,7 +13,7 @@ Every command and API entry point that takes a model path also takes
 
 A folder with no ONNX file at all raises :class:`NoOnnxFile` (a Hugging Face *checkpoint* folder, config.json
 and safetensors, must be exported first). The external data of a model in the cache is checked by the loader
-(:func:`ortpa.model_tensors.resolve_contained`); :func:`companion_files` applies the same rule to the
+(:func:`ortpa.model.tensors.resolve_contained`); :func:`companion_files` applies the same rule to the
 tokenizer and config files ``convert`` copies beside its output.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ortpa.errors import InvalidModel
-from ortpa.model_tensors import hf_cache_repo, resolve_contained
+from ortpa.model.tensors import hf_cache_repo, resolve_contained
 
 __all__ = [
     "COMPANION_FILES",

@@ -1,0 +1,92 @@
+"""The ``ortpa`` console script: one module per command (``register`` its parser, ``run`` it).
+
+Exit codes: 0 success, 1 the model or input is invalid (diagnostics printed), 2 usage errors.
+Errors print without a traceback unless ``--verbose`` is given. Each command's work lives in the package
+(``rewriter``, ``runtime``, ``parity``, ``export``...); the command modules only parse and print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+
+from ortpa.cli import bench, convert, demo, export, generate, parity, validate
+from ortpa.cli._common import EXIT_INVALID, EXIT_USAGE, Parser
+from ortpa.errors import OrtpaError
+
+__all__ = ["build_parser", "main"]
+
+_EPILOG = """examples:
+  ortpa demo
+  ortpa convert dense.onnx paged.onnx
+  ortpa convert ./DeepSeek-V2-Lite paged.onnx      (a Hugging Face folder: export, then convert)
+  ortpa validate paged.onnx --backend cuda
+  ortpa generate paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8 --json
+  ortpa generate paged.onnx --prompt "Hello" --max-new-tokens 32
+  ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3
+"""
+
+
+# the order of `ortpa --help`
+COMMANDS = (demo, convert, validate, generate, parity, export, bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="ortpa",
+        description="Convert dense-attention ONNX LLMs to paged-KV models on ONNX Runtime's "
+        "com.microsoft::PagedAttention, prove them correct, and run them.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from ortpa import __version__
+
+    parser.add_argument("--version", action="version", version=f"ortpa {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except OrtpaError as exc:  # ConversionError lists every failing layer with its reason
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        print(f"ortpa {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except FileNotFoundError as exc:
+        print(f"ortpa {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return EXIT_INVALID
+    except Exception as exc:
+        # ONNX Runtime's own exception types (Fail, InvalidGraph, ...) when it refuses a model that passed ortpa's
+        # load checks (e.g. a corrupted constant): invalid input, said on one line; anything else is a bug
+        if not type(exc).__module__.startswith("onnxruntime"):
+            raise
+        from ortpa.model.file import ort_message_line
+
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        models = " / ".join(
+            str(getattr(args, k)) for k in ("input", "model", "original", "converted") if hasattr(args, k)
+        )
+        print(
+            f"ortpa {args.command}: error: ONNX Runtime rejected {models}: {ort_message_line(str(exc))}",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""What every ``ortpa`` command shares: exit codes, the parser class, common options, small argument types."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+__all__ = [
+    "EXIT_INVALID",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "MODEL_HELP",
+    "Parser",
+    "add_common",
+    "add_revision",
+    "progress_printer",
+    "prompt_ids",
+]
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+MODEL_HELP = "; or a model folder, or a Hugging Face repo id ORG/NAME in the local cache (never downloaded)"
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 on usage errors; keep that, shorter text
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def add_revision(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a Hugging Face repo id given as a model (default: main); offline",
+    )
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true", help="show tracebacks and debug detail")
+    p.add_argument("--quiet", action="store_true", help="print only errors and the final result")
+
+
+def progress_printer(args: argparse.Namespace) -> Callable[[str], None] | None:
+    if args.quiet:
+        return None
+    return lambda message: print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"expected at least one non-negative token id, got {text!r}")
+    return ids

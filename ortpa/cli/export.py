@@ -1,0 +1,94 @@
+"""``ortpa export``: a Hugging Face model (local folder or config) -> dense ONNX, then converted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ortpa.cli._common import EXIT_INVALID, EXIT_OK, add_common, progress_printer
+
+__all__ = ["add_export_options", "register", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from ortpa.export.hf import export_hf
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        print(f"ortpa export needs the export extra (pip install 'ortpa[export]'): {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    dense = args.output if args.dense_only else args.output + ".dense.onnx"
+    progress = progress_printer(args)
+    info = export_hf(
+        args.model,
+        dense,
+        random_weights=args.random_weights,
+        opset=args.opset,
+        attn_implementation=args.attn_implementation,
+        experts=args.experts,
+        dtype=args.dtype,
+        external_data=True if args.external_data else None,
+        progress=progress,
+        verbose=args.verbose,
+    )
+    if not args.dense_only:
+        from ortpa.rewriter.pipeline import convert_file
+
+        convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress)
+    if args.json:
+        print(json.dumps({"dense": dense, "output": args.output, "info": dict(info)}, default=str))
+    elif not args.quiet:
+        print(f"wrote {dense}" + ("" if args.dense_only else f" and {args.output}"))
+    return EXIT_OK
+
+
+def add_export_options(p, dtype_dest: str = "dtype") -> None:
+    p.add_argument("--opset", type=int, default=18)
+    p.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa")
+    p.add_argument(
+        "--experts",
+        choices=["grouped_mm", "batched_mm"],
+        default="grouped_mm",
+        help="MoE experts implementation to export: grouped_mm (transformers' default; one MatMul per expert over "
+        "its routed tokens) or batched_mm (gathers one weight matrix per token and expert: decode-sized only)",
+    )
+    p.add_argument(
+        "--export-dtype",
+        dest=dtype_dest,
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="dtype of the export (default: the checkpoint's as stored; float32 for --random-weights)",
+    )
+    p.add_argument(
+        "--external-data", action="store_true", help="weights in OUTPUT.data (default: only past 1 GB of weights)"
+    )
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a Hugging Face model (local dir or config) to dense ONNX, then convert it",
+        description="Export with torch.onnx.export(dynamo=True) and convert. Needs the `export` extra. "
+        "No downloads: MODEL is a local model directory (safetensors, sharded or not) or a config.json "
+        "(use --random-weights). MoE layers export through transformers' grouped_mm lowering, DeepSeek-V2's "
+        "complex RoPE as its real-valued equivalent. A failed export is one line naming the op; --verbose "
+        "shows the traceback.",
+        epilog="examples:\n  ortpa export ./deepseek-tiny/config.json paged.onnx --random-weights\n"
+        "  ortpa export ./DeepSeek-V2-Lite paged.onnx --export-dtype float32 --dtype float16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="local Hugging Face model directory or config.json")
+    p.add_argument("output", help="paged model path (the dense export is written next to it)")
+    p.add_argument("--random-weights", action="store_true", help="seeded random weights from the config")
+    add_export_options(p)
+    p.add_argument(
+        "--dtype",
+        dest="convert_dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="convert the paged model to this dtype (as `ortpa convert --dtype`)",
+    )
+    p.add_argument("--dense-only", action="store_true", help="write only the dense export to OUTPUT")
+    p.add_argument("--json", action="store_true")
+    add_common(p)
+    p.set_defaults(func=run)

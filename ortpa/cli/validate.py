@@ -1,0 +1,43 @@
+"""``ortpa validate``: every PagedAttention node of a model against ONNX Runtime's rules and a backend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ortpa.cli._common import EXIT_INVALID, EXIT_OK, MODEL_HELP, add_common, add_revision
+
+__all__ = ["register", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ortpa.ops.validate import validate_model
+
+    report = validate_model(args.model, backend=args.backend, revision=args.revision)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    elif not args.quiet or not report.ok:
+        print(report.format())
+    return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "validate",
+        help="check every PagedAttention node of a model against ONNX Runtime's rules",
+        description="Validate each com.microsoft::PagedAttention node from its declared types and shapes. "
+        "Rules that depend on an unknown (symbolic) dimension are reported as unchecked, never as passed.",
+        epilog="example:\n  ortpa validate paged.onnx --backend cuda --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="path to an .onnx file" + MODEL_HELP)
+    add_revision(p)
+    p.add_argument(
+        "--backend",
+        choices=["cuda", "webgpu", "portable"],
+        default=None,
+        help="also check that this backend implements every feature the nodes use",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_common(p)
+    p.set_defaults(func=run)

@@ -31,10 +31,11 @@ from enum import Enum
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import InvalidModel
-from ortpa.formats.shapes import cache_capacity, cache_head_size, constant_ints
+from ortpa.formats.shapes import cache_capacity, cache_head_size, constant_ints, ir_graph
 
 __all__ = [
     "CacheIO",
@@ -227,6 +228,7 @@ def _interface(model: onnx.ModelProto | None, inputs, outputs, fmt: SourceFormat
         layers.setdefault(_layer(v.name), {})[_role(v.name)] = (v.name, _present_for(v.name, output_names, i, present))
     caches = []
     batch: int | None = None
+    graph = ir_graph(model) if model is not None else None
     for layer, pair in sorted(layers.items()):
         if set(pair) != {"key", "value"}:
             raise InvalidModel(pair[next(iter(pair))][0], f"expected a key and a value cache for layer {layer}")
@@ -235,8 +237,8 @@ def _interface(model: onnx.ModelProto | None, inputs, outputs, fmt: SourceFormat
             name, out_name = pair[role]
             dims, out_dims = _dims(by_name[name]), _dims(by_name[out_name])
             head = dims[3] if isinstance(dims[3], int) else out_dims[3]
-            if not isinstance(head, int) and model is not None:
-                head = cache_head_size(model, name)
+            if not isinstance(head, int) and graph is not None:
+                head = cache_head_size(graph, name)
             heads.append(_static(head, "head size (dim 3)", name))
             kv = _static(dims[1] if isinstance(dims[1], int) else out_dims[1], "KV head count (dim 1)", name)
             if isinstance(dims[0], int):
@@ -253,7 +255,7 @@ def _interface(model: onnx.ModelProto | None, inputs, outputs, fmt: SourceFormat
                 heads[0],
                 heads[1],
                 np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)),
-                cache_capacity(model, pair["key"][0]) if model is not None else None,
+                cache_capacity(graph, pair["key"][0]) if graph is not None else None,
             )
         )
     if "input_ids" not in input_names:
@@ -306,6 +308,7 @@ def length_thresholds(model: onnx.ModelProto) -> list[int]:
     A parity run needs a prompt longer than each, or it never exercises the other branch.
     """
     found: set[int] = set()
+    graph: ir.Graph | None = None  # made on the first constant asked for
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in model.graph.node:
         for i in n.input:
@@ -316,7 +319,8 @@ def length_thresholds(model: onnx.ModelProto) -> list[int]:
             if window > 0:
                 found.add(int(window))
         if n.op_type == "Greater" and any(c.op_type in ("If", "Where") for c in consumers.get(n.output[0], [])):
-            value = constant_ints(model, n.input[1])
+            graph = graph if graph is not None else ir_graph(model)
+            value = constant_ints(graph, n.input[1])
             if value is not None and len(value) == 1 and value[0] > 0:
                 found.add(value[0])
     return sorted(found)

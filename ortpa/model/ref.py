@@ -56,8 +56,8 @@ COMPANION_FILES = (
     "genai_config.json",
 )
 
-# the Hub's own repo-id rule, minus what could also be a path: one slash, no leading dot or slash
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+# what could be a repo id and not a path: ORG/NAME, one slash, no leading dot; the Hub's own rule decides the rest
+_REPO_ID_SHAPE = re.compile(r"[A-Za-z0-9][^/]*/[A-Za-z0-9][^/]*")
 _LAYOUTS = "genai_config.json, model.onnx, onnx/model.onnx, onnx/model_*.onnx"
 
 
@@ -81,7 +81,9 @@ class ModelRef:
 
 
 def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, from the environment as it is now (huggingface_hub reads it at import)."""
+    """The Hugging Face hub cache, from the environment as it is now. huggingface_hub's ``constants.HF_HUB_CACHE``
+    is read once at its import, so a cache set later in the process (a test, an embedding application) would be
+    missed; this follows the same variables in the same order."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
             return Path(os.path.expanduser(os.path.expandvars(os.environ[var])))
@@ -93,12 +95,17 @@ def hub_cache_dir() -> Path:
 
 def is_repo_id(ref: Any) -> bool:
     """``ref`` names a Hugging Face repo: a string ``ORG/NAME`` that is not an existing path nor an .onnx name."""
-    return (
-        isinstance(ref, str)
-        and _REPO_ID.fullmatch(ref) is not None
-        and not ref.endswith(".onnx")
-        and not os.path.lexists(ref)
-    )
+    if not (isinstance(ref, str) and _REPO_ID_SHAPE.fullmatch(ref) and not ref.endswith(".onnx")):
+        return False
+    if os.path.lexists(ref):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        return False
+    return True
 
 
 def resolve_model(ref: str | os.PathLike, revision: str | None = None) -> Path:

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from ortpa.model.widths import static_width
+
 __all__ = [
     "Builder",
     "attr_value",
@@ -83,54 +85,6 @@ def static_dim(value: ir.Value | None, axis: int) -> int | None:
         return None
     dim = value.shape[axis]
     return dim if isinstance(dim, int) else None
-
-
-def static_width(value: ir.Value | None, depth: int = 8) -> int | None:
-    """The last dimension of ``value``, from its shape or, when shape inference left it unknown (contrib ops
-    onnx cannot infer, symbolic reshapes), from the projection that produced it: a MatMul / Gemm weight,
-    ``MatMulNBits``' ``N``, a bias, or an element-wise op / Cast / normalisation in between."""
-    for _ in range(depth):
-        if value is None:
-            return None
-        width = static_dim(value, -1)
-        if width is not None:
-            return width
-        node = value.producer()
-        if node is None:
-            return None
-        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-            return int_attr(node, "N")
-        if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1:
-            weight = const_array(node.inputs[1])
-            if weight is not None and weight.ndim >= 1:
-                if node.op_type == "Gemm" and int_attr(node, "transB", 0):
-                    return int(weight.shape[0])
-                return int(weight.shape[-1])
-            return static_dim(node.inputs[1], -1)  # a weight computed in the graph (dequantised) with a known shape
-        if node.op_type == "Add" and len(node.inputs) == 2:
-            bias = const_array(node.inputs[1])
-            if bias is not None and bias.ndim >= 1 and bias.shape[-1] > 1:
-                return int(bias.shape[-1])
-            value = node.inputs[0]
-            continue
-        if node.op_type == "Reshape" and len(node.inputs) > 1:
-            target = const_array(node.inputs[1])
-            if target is not None and target.ndim == 1 and target.size and int(target[-1]) > 0:
-                return int(target[-1])
-            return None
-        if node.op_type in (
-            "Cast",
-            "Mul",
-            "Div",
-            "SimplifiedLayerNormalization",
-            "LayerNormalization",
-            "Identity",
-            "RotaryEmbedding",
-        ):
-            value = node.inputs[0]
-            continue
-        return None
-    return None
 
 
 def split_sizes(node: ir.Node) -> list[int] | None:

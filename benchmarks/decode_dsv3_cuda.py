@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ortpa.bench._timing import row as _row
+
 __all__ = ["Shape", "peak_bandwidth", "run"]
 
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -147,10 +149,6 @@ def _time(sess, feeds: dict, repeats: int, device: str) -> float:
     return best
 
 
-def _row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
-    return {"name": name, "metric": metric, "value": round(float(value), 6), "unit": unit, "notes": notes}
-
-
 def run(
     quick: bool = False,
     *,
@@ -160,8 +158,13 @@ def run(
     repeats: int = 10,
     max_pool_gb: float = 24.0,
 ) -> list[dict]:
+    from ortpa.runtime.device import has_cuda
     from ortpa.runtime.session import PagedSession
 
+    if not dry_run and not has_cuda():
+        return [
+            _row("decode_dsv3", "step_time", math.nan, "ms", "not available: no CUDA device (--dry-run runs it on CPU)")
+        ]
     shape = Shape()
     providers = CUDA
     if dry_run:  # the same code on CPU at a tiny size

@@ -186,3 +186,26 @@ def test_bench_finds_its_modules_outside_a_checkout(tmp_path, monkeypatch):
     assert run_benchmarks(extra, names=["tiny"]) == [{"benchmark": "tiny", "name": "x", "value": 1.0}]
     with pytest.raises(InvalidParameter, match="tiny"):  # ./benchmarks does not exist here: only built-ins
         run_benchmarks(names=["tiny"])
+
+
+def test_bench_checkout_module_with_a_dataclass_runs(tmp_path):
+    """A checkout benchmark is executed as a registered module: a dataclass in it (which looks its module up in
+    sys.modules) works, as ``benchmarks/decode_dsv3_cuda.py``'s does."""
+    from ortpa.bench import run_benchmarks
+
+    (tmp_path / "shaped.py").write_text(
+        "from dataclasses import dataclass\n\n@dataclass\nclass Shape:\n    heads: int = 2\n\n"
+        "def run(quick=False):\n    return [{'name': 'heads', 'value': float(Shape().heads)}]\n"
+    )
+    assert run_benchmarks(tmp_path, names=["shaped"]) == [{"benchmark": "shaped", "name": "heads", "value": 2.0}]
+
+
+def test_bench_cuda_benchmark_without_a_device_says_not_available(capsys, monkeypatch):
+    """No CUDA device: the GPU decode benchmark is a 'not available' row, the command exits 0."""
+    import ortpa.runtime.device as device
+
+    monkeypatch.setattr(device, "has_cuda", lambda: False)  # as on a machine without a GPU, wherever this runs
+    checkout = Path(__file__).parents[1] / "benchmarks"
+    assert main(["bench", "--quick", "--only", "decode_dsv3_cuda", "--path", str(checkout), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and "not available" in rows[0]["notes"], rows

@@ -47,4 +47,4 @@ def aliased_step(sess: ort.InferenceSession, x: Mapping[str, np.ndarray], *, ali
 
 def row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
     """One benchmark row, as ``ortpa bench`` prints it."""
-    return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}
+    return {"name": name, "metric": metric, "value": round(float(value), 6), "unit": unit, "notes": notes}

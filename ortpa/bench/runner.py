@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -39,10 +40,20 @@ def _folder_modules(path: Path | None) -> dict[str, Path]:
 def _load(name: str, folder: dict[str, Path]) -> ModuleType:
     if name not in folder:
         return importlib.import_module(f"ortpa.bench.{name}")
-    spec = importlib.util.spec_from_file_location(f"ortpa_bench_{name}", folder[name])
-    assert spec is not None and spec.loader is not None
+    module_name = f"ortpa_bench_{name}"
+    spec = importlib.util.spec_from_file_location(module_name, folder[name])
+    if spec is None or spec.loader is None:
+        raise InvalidParameter(
+            "ortpa bench", "--path", "a folder of importable *.py benchmark modules", str(folder[name])
+        )
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # registered before it runs, as an import would: dataclasses and pickling look the module up by name
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
     return module
 
 

@@ -62,3 +62,28 @@ def test_registry_lookup_follows_opset():
     assert ort_schema("", "SimplifiedLayerNormalization", 22) is not None
     assert ort_schema("", "Relu", 22) is not None  # ORT registers the ONNX ops too
     assert ort_schema("com.microsoft", "GroupQueryAttention", 0) is None
+
+
+def test_a_schema_onnx_refuses_is_logged_at_debug():
+    """A schema onnx cannot take is left out with a debug line naming it and why (fresh process: registration
+    happens once per process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, onnx.defs\n"
+        "logging.basicConfig(level=logging.DEBUG, format='%(name)s %(message)s')\n"
+        "real = onnx.defs.register_schema\n"
+        "def refuse(schema):\n"
+        "    if schema.name == 'SimplifiedLayerNormalization':\n"
+        "        raise RuntimeError('refused for the test')\n"
+        "    real(schema)\n"
+        "onnx.defs.register_schema = refuse\n"
+        "from ortpa.model.ort_schemas import register_ort_default_domain_schemas\n"
+        "names = register_ort_default_domain_schemas()\n"
+        "assert not any(n.startswith('SimplifiedLayerNormalization-') for n in names), names\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ortpa.model.ort_schemas ONNX Runtime schema SimplifiedLayerNormalization-1 not registered" in proc.stderr
+    assert "refused for the test" in proc.stderr

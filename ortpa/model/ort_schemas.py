@@ -14,12 +14,15 @@ shape inference stops at the first such node. It is called by the loader, not at
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import onnx
 import onnx.defs
 
 __all__ = ["OrtSchema", "ort_schema", "register_ort_default_domain_schemas"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ def register_ort_default_domain_schemas() -> tuple[str, ...]:
                 if name in _SHAPE_RULES:
                     schema.set_type_and_shape_inference_function(_SHAPE_RULES[name])
                 onnx.defs.register_schema(schema)
-            except Exception:  # an ORT schema onnx cannot express (never one a converted LLM uses): leave it out
+            except Exception as exc:  # an ORT schema onnx cannot express (never one a converted LLM uses): leave it out
+                _log.debug("ONNX Runtime schema %s-%d not registered with onnx: %s", name, s.since_version, exc)
                 continue
             registered.append(f"{name}-{s.since_version}")
     return tuple(registered)

@@ -16,6 +16,7 @@ nothing when onnx already knows the op: a newer onnx, or another library that re
 from __future__ import annotations
 
 import functools
+import logging
 
 import onnx
 import onnx.defs
@@ -25,6 +26,8 @@ from ortpa.model.ort_schemas import register_ort_default_domain_schemas
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
 
 __all__ = ["infer_shapes", "register_paged_attention_schema", "register_schemas"]
+
+_log = logging.getLogger(__name__)
 
 _ATTR_TYPES = {
     "INT": onnx.defs.OpSchema.AttrType.INT,
@@ -124,7 +127,8 @@ def infer_shapes(model: onnx.ModelProto, *, strict: bool = False) -> onnx.ModelP
     register_schemas()
     try:
         return onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:
+    except Exception as exc:
         if strict:
             raise
+        _log.debug("onnx shape inference failed, keeping the declared types: %s: %s", type(exc).__name__, exc)
         return model

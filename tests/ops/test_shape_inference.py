@@ -79,3 +79,21 @@ def test_schemas_are_registered_on_first_use_not_at_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[False, False] [True, True]"
+
+
+def test_failed_inference_is_logged_at_debug(monkeypatch, caplog):
+    """Non-strict inference that fails keeps the model and says why at debug level (never silently)."""
+    import logging
+
+    import onnx
+
+    from ortpa.ops.shape_inference import infer_shapes
+
+    def fail(*args, **kwargs):
+        raise ValueError("too big for the test")
+
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], []))
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", fail)
+    with caplog.at_level(logging.DEBUG, logger="ortpa.ops.shape_inference"):
+        assert infer_shapes(model) is model
+    assert any("ValueError: too big for the test" in r.getMessage() for r in caplog.records), caplog.records

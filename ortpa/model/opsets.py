@@ -15,8 +15,7 @@ import re
 import onnx
 
 from ortpa.errors import InvalidModel
-from ortpa.model.ort_schemas import ort_schema
-from ortpa.ops.shape_inference import register_schemas
+from ortpa.model.ort_schemas import ort_schema, register_ort_default_domain_schemas
 
 __all__ = ["check_domains", "check_ort_version_support", "ort_message_line"]
 
@@ -25,7 +24,7 @@ def check_domains(proto: onnx.ModelProto, label: str) -> None:
     """Every node (graph, subgraphs, functions) uses an imported domain; default-domain and ``com.microsoft``
     ops exist (for onnx or ONNX Runtime) and fit the opset. Registers ONNX Runtime's default-domain ops with onnx
     so that the checker and shape inference accept what ONNX Runtime loads."""
-    register_schemas()
+    register_ort_default_domain_schemas()
     versions = {op.domain or "ai.onnx": op.version for op in proto.opset_import}
     imported = set(versions)
     functions = {(fn.domain, fn.name) for fn in proto.functions}

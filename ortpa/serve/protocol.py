@@ -148,13 +148,35 @@ def _describe(exc: ValidationError) -> tuple[str, str | None]:
     err = exc.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
         return f"malformed JSON body: {err['msg']}", None
-    loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "list[")))
-    # a union reports one error per member; the first names the field well enough, the count says it is a union
     found = err.get("input")
+    if not err["loc"]:
+        return f"expected a JSON object body, found {type(found).__name__}", None
+    top = err["loc"][0]
+    if top in _UNIONS and err["type"] != "missing":  # a union reports one error per member: say what it takes
+        return f"'{top}': expected {_UNIONS[top]}, found {_shown(exc, top)}", str(top)
+    loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "list[")))
     if err["type"] == "missing":
         return f"'{loc}' is a required field", loc
     shown = repr(found) if not isinstance(found, (dict, list)) else type(found).__name__
     return f"'{loc}': {err['msg'].lower()} (found {shown})", loc or None
+
+
+_UNIONS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+}
+
+
+def _shown(exc: ValidationError, field: str) -> str:
+    value = exc.errors(include_url=False)[0].get("input")
+    for e in exc.errors(include_url=False):
+        if e["loc"] == (field,) or (len(e["loc"]) == 2 and e["loc"][0] == field):
+            value = e.get("input")
+            break
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {' and '.join(kinds)}" if value else "an empty list"
+    return repr(value) if not isinstance(value, dict) else "an object"
 
 
 def parse_body(kind: type[_Strict], raw: bytes) -> Any:

@@ -30,8 +30,10 @@ def run(args: argparse.Namespace) -> int:
         from ortpa.serve.server import run_server
     except ImportError as exc:
         raise InvalidParameter(
-            "ortpa serve", "the serve extra", "fastapi, uvicorn, prometheus-client and jinja2 installed "
-            "(pip install 'ortpa[serve]')", str(exc)
+            "ortpa serve",
+            "the serve extra",
+            "fastapi, uvicorn, prometheus-client and jinja2 installed (pip install 'ortpa[serve]')",
+            str(exc),
         ) from None
     if args.quiet:
         log_level = "error"
@@ -80,7 +82,7 @@ def register(sub) -> None:
         epilog="examples:\n  ortpa serve out/paged.onnx --port 8000\n"
         "  ortpa serve out/ --served-model-name tiny --api-key secret --kv-memory 2\n"
         "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' "
-        "-d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}'",
+        '-d \'{"model": "tiny", "prompt": "Hello", "max_tokens": 8}\'',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="a converted (paged) ONNX model" + MODEL_HELP)
@@ -97,12 +99,8 @@ def register(sub) -> None:
     )
     p.add_argument("--block-size", type=_positive(int), default=16)
     p.add_argument("--max-num-seqs", type=_positive(int), default=64, help="requests running at once")
-    p.add_argument(
-        "--max-queue", type=int, default=256, help="requests waiting beyond the running ones; past it: 503"
-    )
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the running ones; past it: 503")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument(
-        "--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish"
-    )
+    p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish")
     add_common(p)
     p.set_defaults(func=run)

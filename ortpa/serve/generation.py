@@ -97,8 +97,9 @@ class Generation:
         """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued."""
         self.admission.take(len(prompts) * n)
         self._admitted = len(prompts) * n
+        at = 0  # the prompt being submitted, for the error message
         try:
-            for p, prompt in enumerate(prompts):
+            for at, prompt in enumerate(prompts):  # noqa: B007 - read by the except clauses
                 for j in range(n):
                     params = sampling_params(body, max_tokens, j, self.served.eos_token_ids)
                     choice = Choice(
@@ -112,7 +113,7 @@ class Generation:
             raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
         except InvalidRequest as exc:
             self.close()
-            raise ApiError(400, f"prompt {p}: {exc}", param="prompt", code="invalid_prompt") from None
+            raise ApiError(400, f"prompt {at}: {exc}", param="prompt", code="invalid_prompt") from None
         except BaseException:
             self.close()
             raise
@@ -124,9 +125,14 @@ class Generation:
                 items = [await self._sink.get()]
                 while not self._sink.empty():
                     items.append(self._sink.get_nowait())
-                out = [d for item in items if (d := self._apply(*item)) is not None]
-                if out:
-                    yield out
+                merged: dict[int, Delta] = {}  # one entry per choice per chunk: clients read choices by index
+                for item in items:
+                    d = self._apply(*item)
+                    if d is not None:
+                        prev = merged.get(d.index)
+                        merged[d.index] = d if prev is None else Delta(d.index, prev.text + d.text, d.finish_reason)
+                if merged:
+                    yield list(merged.values())
         finally:
             self.close()
 

@@ -34,7 +34,10 @@ class ServeMetrics:
             "ortpa_time_to_first_token_seconds", "Submission to first token", buckets=_TTFT_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "ortpa_inter_token_latency_seconds", "Time between two tokens of a request", buckets=_ITL_BUCKETS, registry=r
+            "ortpa_inter_token_latency_seconds",
+            "Time between two tokens of a request",
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
 
     def render(self) -> bytes:

@@ -154,13 +154,26 @@ def _describe(exc: ValidationError) -> tuple[str, str | None]:
     top = err["loc"][0]
     if top in _UNIONS and err["type"] != "missing":  # a union reports one error per member: say what it takes
         return f"'{top}': expected {_UNIONS[top]}, found {_shown(exc, top)}", str(top)
-    loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "list[")))
+    path = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+    if path and isinstance(path[-1], str) and (path[-1] in _TYPE_TAGS or path[-1].startswith(("list[", "dict["))):
+        # a union member's error (content: str | list of parts): name the field, list what it takes
+        loc = ".".join(map(str, path[:-1]))
+        n = len(path) - 1
+        members = [
+            str(e["loc"][n]).replace("_TextPart", "text part")
+            for e in exc.errors(include_url=False)
+            if len(e["loc"]) > n and list(e["loc"][:n]) == path[:-1]
+        ]
+        shown = repr(found) if not isinstance(found, (dict, list)) else type(found).__name__
+        return f"'{loc}': expected one of {', '.join(dict.fromkeys(members))}, found {shown}", loc
+    loc = ".".join(map(str, path))
     if err["type"] == "missing":
         return f"'{loc}' is a required field", loc
     shown = repr(found) if not isinstance(found, (dict, list)) else type(found).__name__
     return f"'{loc}': {err['msg'].lower()} (found {shown})", loc or None
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 _UNIONS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string or a list of strings",

@@ -4,9 +4,11 @@ and ``data: [DONE]``), and the process exits."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -22,6 +24,17 @@ class _DrainingServer(uvicorn.Server):
         self._on_drained = on_drained
         self._drain_s = drain_s
         self._timer: threading.Timer | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the signal once shut down (exit status -15); a drained stop is a clean exit: 0
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list):
+                    captured.clear()
 
     def handle_exit(self, sig, frame) -> None:
         if self._timer is None:

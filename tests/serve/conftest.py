@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,12 +75,22 @@ def free_port() -> int:
 
 
 def get(url: str, timeout: float = 5.0, headers: dict | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, headers=headers or {})
+    status, _, body = request("GET", url, None, timeout, headers)
+    return status, body
+
+
+def request(
+    method: str, url: str, body: bytes | None, timeout: float = 30.0, headers: dict | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """A raw HTTP exchange (the openai client cannot send malformed JSON): status, headers, body."""
+    req = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return r.status, r.read()
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        return e.code, dict(e.headers), e.read()
 
 
 def metric(base: str, name: str) -> float:
@@ -136,13 +147,14 @@ def serve(folder: Path, *extra: str, startup_s: float = 90.0) -> Iterator[Server
                 proc.wait(5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(model_folder) -> Iterator[Server]:
+    """The main server, shared by the API and bad-input modules (a start costs seconds on a busy box)."""
     with serve(model_folder, "--num-blocks", "128") as s:
         yield s
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(server):
     from openai import OpenAI
 

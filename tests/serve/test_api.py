@@ -19,6 +19,7 @@ def _stream_text(stream, chat: bool = False) -> tuple[dict[int, str], dict[int, 
     reasons: dict[int, str | None] = {}
     chunks = list(stream)
     for chunk in chunks:
+        assert len({c.index for c in chunk.choices}) == len(chunk.choices), "a choice twice in one chunk"
         for c in chunk.choices:
             piece = (c.delta.content or "") if chat else c.text
             texts[c.index] = texts.get(c.index, "") + piece
@@ -62,7 +63,9 @@ def test_completion_streamed_equals_whole(client, tokenizer):
     assert len(chunks) > 3  # streamed token by token, not in one piece
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     n_prompt = len(tokenizer.encode(PROMPTS[1]).ids)
-    assert whole.usage.prompt_tokens == n_prompt and whole.usage.total_tokens == n_prompt + whole.usage.completion_tokens
+    assert (
+        whole.usage.prompt_tokens == n_prompt and whole.usage.total_tokens == n_prompt + whole.usage.completion_tokens
+    )
 
 
 def test_prompt_forms_and_n(client, tokenizer):

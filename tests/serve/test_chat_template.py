@@ -52,9 +52,10 @@ def test_where_the_template_comes_from(tmp_path):
     assert load_chat_template(tmp_path) is None  # nothing there
     assert load_chat_template(_folder(tmp_path, {"bos_token": "<s>"})) is None  # a config without a template
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ bos_token }}D"}]
-    assert load_chat_template(_folder(tmp_path, {"bos_token": {"content": "<s>"}, "chat_template": named})).render(
-        []
-    ) == "<s>D"
+    assert (
+        load_chat_template(_folder(tmp_path, {"bos_token": {"content": "<s>"}, "chat_template": named})).render([])
+        == "<s>D"
+    )
     # transformers 5 saves chat_template.jinja; it wins over the config's key
     assert load_chat_template(_folder(tmp_path, jinja="J{{ eos_token }}")).render([]) == "J"  # no eos_token: empty
 

@@ -66,7 +66,7 @@ def test_multibyte_characters_are_never_split(byte_tokenizer):
 
 
 def test_an_incomplete_character_at_the_end_comes_out_as_a_full_decode_does(byte_tokenizer):
-    ids = [*"a".encode(), *"中".encode()[:2]]
+    ids = [*b"a", *"中".encode()[:2]]
     deltas, _ = _run(byte_tokenizer, ids, [1, 1, 1])
     assert deltas == ["a", "\ufffd"] and "".join(deltas) == byte_tokenizer.decode(ids)
 
@@ -89,7 +89,7 @@ _TEXT = st.text(alphabet=st.sampled_from("ab \n中é🙂xyz"), max_size=24)
 @given(text=_TEXT, cuts=st.lists(st.integers(1, 4), max_size=30), garbage=st.lists(st.integers(128, 255), max_size=3))
 def test_stream_equals_the_whole_decode(byte_tokenizer, text, cuts, garbage):
     """Any text (with stray continuation bytes mixed in), pushed in any chunks: the deltas join to decode(ids)."""
-    ids = list(text.encode()) + garbage + list("z".encode())
+    ids = list(text.encode()) + garbage + list(b"z")
     deltas, _ = _run(byte_tokenizer, ids, cuts)
     assert "".join(deltas) == byte_tokenizer.decode(ids)
 

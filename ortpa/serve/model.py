@@ -44,13 +44,19 @@ class ServingModel:
         ``generation_config.json``, ``config.json``) are read from ``tokenizer`` if given, else from the
         model's folder, where ``ortpa convert`` copies them.
         """
-        from ortpa.model.folder import eos_token_ids, load_tokenizer
+        from ortpa.model.folder import eos_token_ids, find_asset, load_tokenizer
         from ortpa.model.ref import locate_model
         from ortpa.runtime.device import providers_for
         from ortpa.runtime.engine import Engine
 
         ref = locate_model(model, revision)
         where = Path(tokenizer) if tokenizer is not None else (ref.folder or Path(ref.path).parent)
+        if find_asset(ref.path, "tokenizer.json", where) is None:
+            raise InvalidModel(
+                str(ref.path),
+                f"serving needs a tokenizer.json (clients send and receive text), none found in {where}; "
+                "`ortpa convert` copies it from a Hugging Face folder, or pass --tokenizer FOLDER",
+            )
         tok = load_tokenizer(ref.path, where)
         engine = Engine(
             ref.path,

@@ -8,7 +8,7 @@ subprocess on 127.0.0.1. Workload: prompts of 8..128 tokens, 8..48 new tokens ea
 arrive as a Poisson process (``RATE`` per second) and at most ``concurrency`` are in flight (vLLM's
 ``--max-concurrency``). Client and server share this machine's cores, so absolute figures are for comparison
 within one run: the throughput at 8 and 32 streams is reported as a ratio to the single-stream throughput.
-Wall-clock times (a server is measured as its clients see it).
+Wall-clock times (a server is measured as its clients see it); the server runs one ONNX Runtime thread.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def _server(folder: Path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "ortpa", "serve", str(folder), "--port", str(port), "--served-model-name", NAME]
-    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--quiet"]
+    # one ONNX Runtime thread, as the engine benchmark: client and server share the cores, and a spinning
+    # thread pool would take them from the event loop and the client (3x slower steps measured on 2 busy cores)
+    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:

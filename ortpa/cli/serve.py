@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         provider=args.provider,
+        threads=args.threads,
     )
     if not args.quiet:
         print(
@@ -100,6 +101,12 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=_positive(int), default=16)
     p.add_argument("--max-num-seqs", type=_positive(int), default=64, help="requests running at once")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the running ones; past it: 503")
+    p.add_argument(
+        "--threads",
+        type=_positive(int),
+        default=None,
+        help="ONNX Runtime intra-op threads (default: one per core; 1 suits a machine busy with other work)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish")
     add_common(p)

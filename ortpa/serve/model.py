@@ -37,12 +37,14 @@ class ServingModel:
         block_size: int = 16,
         max_num_seqs: int = 64,
         provider: str | None = None,
+        threads: int | None = None,
     ) -> ServingModel:
         """Open ``model`` (a file, a folder, or a repo id in the local cache) and what lies beside it.
 
         The tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
         ``generation_config.json``, ``config.json``) are read from ``tokenizer`` if given, else from the
-        model's folder, where ``ortpa convert`` copies them.
+        model's folder, where ``ortpa convert`` copies them. ``threads``: ONNX Runtime's intra-op threads
+        (default: its own, one per core; 1 is faster on a machine whose cores are busy with other work).
         """
         from ortpa.model.folder import eos_token_ids, find_asset, load_tokenizer
         from ortpa.model.ref import locate_model
@@ -58,6 +60,12 @@ class ServingModel:
                 "`ortpa convert` copies it from a Hugging Face folder, or pass --tokenizer FOLDER",
             )
         tok = load_tokenizer(ref.path, where)
+        sess_options = None
+        if threads is not None:
+            import onnxruntime as ort
+
+            sess_options = ort.SessionOptions()
+            sess_options.intra_op_num_threads = threads
         engine = Engine(
             ref.path,
             num_blocks=num_blocks,
@@ -65,6 +73,7 @@ class ServingModel:
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             providers=providers_for(provider) if provider else None,
+            sess_options=sess_options,
         )
         max_len = engine.scheduler.max_model_len or _config_context(where)
         return cls(

@@ -35,8 +35,6 @@ from ortpa.serve.protocol import (
 
 __all__ = ["ServerState", "build_app"]
 
-_OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key, as vLLM does
-
 
 class ServerState:
     """What the routes share: the model, the engine's thread, admission and metrics."""
@@ -79,22 +77,20 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
     async def _internal(_request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                state.metrics.rejected.labels("401").inc()
-                what = "no API key given" if not token else "the API key given is not valid"
-                body = error_body(
-                    f"{what}: send 'Authorization: Bearer KEY' with the key the server was started with",
-                    "invalid_request_error",
-                    None,
-                    "invalid_api_key",
-                )
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    def check_key(request: Request) -> None:
+        """``--api-key``: every /v1 route wants ``Authorization: Bearer KEY`` (a check per route rather than a
+        middleware, which would copy every streamed chunk through one more queue)."""
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            what = "no API key given" if not token else "the API key given is not valid"
+            raise ApiError(
+                401,
+                f"{what}: send 'Authorization: Bearer KEY' with the key the server was started with",
+                code="invalid_api_key",
+            )
 
     @app.get("/health")
     async def health() -> Response:
@@ -107,7 +103,8 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
         card = {"id": served.name, "object": "model", "created": state.created, "owned_by": "ortpa"}
         if served.max_model_len is not None:
             card["max_model_len"] = served.max_model_len
@@ -115,6 +112,7 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        check_key(request)
         body = parse_body(CompletionRequest, await request.body())
         _check_common(body, served)
         prompts = _completion_prompts(body.prompt, served)
@@ -122,6 +120,7 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        check_key(request)
         body = parse_body(ChatCompletionRequest, await request.body())
         _check_common(body, served)
         if served.chat_template is None:

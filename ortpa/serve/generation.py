@@ -66,6 +66,8 @@ class Admission:
 def sampling_params(body: Any, max_tokens: int, choice: int, eos: Sequence[int]) -> SamplingParams:
     """The engine's parameters for choice ``choice`` of ``body`` (seeds differ per choice so n > 1 differ)."""
     temperature = 1.0 if body.temperature is None else body.temperature
+    if body.seed is not None and body.seed < 0:
+        raise ApiError(400, f"'seed': expected an integer >= 0, found {body.seed}", param="seed")
     seed = None if body.seed is None else body.seed + choice
     try:
         return SamplingParams(

@@ -41,6 +41,7 @@ CASES = {
     "top_p 0": ("completions", _with(OK, top_p=0.0), 400, "top_p"),
     "top_k negative": ("completions", _with(OK, top_k=-5), 400, "top_k"),
     "stop ill-typed": ("completions", _with(OK, stop=3), 400, "stop"),
+    "seed negative": ("completions", _with(OK, seed=-1), 400, "seed"),
     "n 0": ("completions", _with(OK, n=0), 400, "n"),
     "n too many": ("completions", _with(OK, n=17), 400, "n"),
     "logprobs": ("completions", _with(OK, logprobs=2), 400, "logprobs"),

@@ -7,9 +7,9 @@ import json
 import time
 
 import pytest
-from conftest import CHAT_TEMPLATE, CONTEXT, MODEL_NAME, get, metric
 
 from ortpa.serve.chat import ChatTemplate
+from serve.helpers import CHAT_TEMPLATE, CONTEXT, MODEL_NAME, get, metric
 
 PROMPTS = ["hello world", "the paged latent cache", "hello", " ".join(["cache", "world"] * 12)]  # last: 24 tokens
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import CONTEXT, MODEL_NAME, get, request
+
+from serve.helpers import CONTEXT, MODEL_NAME, get, request
 
 OK = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}

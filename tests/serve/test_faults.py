@@ -9,7 +9,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import MODEL_NAME, get, metric, request, serve
+
+from serve.helpers import MODEL_NAME, get, metric, request, serve
 
 KEY = "s3cret"
 

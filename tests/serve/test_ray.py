@@ -6,7 +6,8 @@ import asyncio
 import sys
 
 import pytest
-from conftest import EOS, MODEL_NAME, ROOT, free_port, get
+
+from serve.helpers import EOS, MODEL_NAME, ROOT, free_port, get
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own pydantic deprecations
 

@@ -7,6 +7,7 @@ shape (:mod:`ortpa.serve.protocol`); none leaves the server unhealthy.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -116,7 +117,7 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         body = parse_body(CompletionRequest, await request.body())
         _check_common(body, served)
         prompts = _completion_prompts(body.prompt, served)
-        return await _respond(state, body, prompts, body.max_tokens, chat=False)
+        return await _respond(state, request, body, prompts, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -141,7 +142,7 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         if not ids:
             raise ApiError(400, "the messages render to an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _respond(state, body, [ids], max_tokens, chat=True)
+        return await _respond(state, request, body, [ids], max_tokens, chat=True)
 
     return app
 
@@ -199,8 +200,30 @@ def _max_tokens(requested: int | None, prompts: list[list[int]], served: Serving
     return requested
 
 
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(gen: Generation, request: Request) -> list:
+    """Every choice to its end; a client gone meanwhile aborts them (blocks freed) instead of finishing them."""
+    work = asyncio.ensure_future(gen.collect())
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            gen.close()
+    if work.cancelled():
+        raise ApiError(499, "the client closed the connection", code="client_closed")  # nobody reads it
+    return work.result()
+
+
 async def _respond(
-    state: ServerState, body: Any, prompts: list[list[int]], requested: int | None, chat: bool
+    state: ServerState, request: Request, body: Any, prompts: list[list[int]], requested: int | None, chat: bool
 ) -> Response:
     served = state.served
     max_tokens = _max_tokens(requested, prompts, served, chat)
@@ -216,7 +239,7 @@ async def _respond(
     head = {"id": ident, "created": created, "model": served.name}
     if not body.stream:
         try:
-            choices = await gen.collect()
+            choices = await _collect(gen, request)
         except ApiError:
             raise
         except Exception as exc:

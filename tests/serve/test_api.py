@@ -202,3 +202,25 @@ def test_openai_client_errors(client, chat):
     assert bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         create(model="gpt-4", max_tokens=2, **field)
+
+
+def test_dropped_non_streamed_request_is_aborted_too(server):
+    """A client that closes its connection while waiting for a whole completion frees the engine at once."""
+    import socket
+
+    finished = 'ortpa_requests_finished_total{finish_reason="abort"}'
+    aborted_before = _labelled(server, finished)
+    body = json.dumps({"model": MODEL_NAME, "prompt": PROMPTS[3], "max_tokens": CONTEXT - 30, "temperature": 0})
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 10
+        while metric(server.base, "ortpa_requests_running") == 0:  # wait until it runs, then hang up
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    deadline = time.monotonic() + 10
+    while metric(server.base, "ortpa_kv_blocks_used") > 0 or _labelled(server, finished) == aborted_before:
+        assert time.monotonic() < deadline, "a dropped request still ran 10 s later"
+        time.sleep(0.05)
+    assert get(server.base + "/health")[0] == 200

@@ -29,6 +29,10 @@ __all__ = ["EngineBridge", "ShuttingDown", "TokenEvent"]
 
 log = logging.getLogger("ortpa.serve")
 
+# Gauges are refreshed at most this often while steps run (counting cached blocks walks the prefix cache), and
+# every time the engine goes idle, so a freed block shows at once.
+_PUBLISH_EVERY_S = 0.05
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -62,6 +66,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._ids = 0
+        self._published = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -183,7 +188,8 @@ class EngineBridge:
                 del self._live[out.request_id]
                 if m is not None:
                     m.finished.labels(out.finish_reason or "stop").inc()
-        self._publish()
+        if now - self._published >= _PUBLISH_EVERY_S:
+            self._publish()
 
     def _deliver(self, request_id: str, event: TokenEvent) -> None:
         live = self._live.get(request_id)
@@ -194,6 +200,7 @@ class EngineBridge:
         m = self.metrics
         if m is None:
             return
+        self._published = time.perf_counter()
         sched = self.engine.scheduler
         m.running.set(len(sched.running))
         m.waiting.set(len(sched.waiting))

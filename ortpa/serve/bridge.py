@@ -29,8 +29,8 @@ __all__ = ["EngineBridge", "ShuttingDown", "TokenEvent"]
 
 log = logging.getLogger("ortpa.serve")
 
-# Gauges are refreshed at most this often while steps run (counting cached blocks walks the prefix cache), and
-# every time the engine goes idle, so a freed block shows at once.
+# While steps run, gauges are refreshed after a step that admitted, finished or aborted a request, else at most
+# this often (counting cached blocks walks the prefix cache); and whenever the engine goes idle.
 _PUBLISH_EVERY_S = 0.05
 
 
@@ -67,6 +67,7 @@ class EngineBridge:
         self._start_lock = threading.Lock()
         self._ids = 0
         self._published = 0.0
+        self._changed = False  # a request came, went or was aborted since the gauges were last set
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,6 +147,7 @@ class EngineBridge:
                     done.set_exception(exc)
                     continue
                 self._live[request_id] = _Live(loop, sink, time.perf_counter())
+                self._changed = True
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(len(prompt))
                 done.set_result(request_id)
@@ -156,6 +158,7 @@ class EngineBridge:
         if self._live.pop(request_id, None) is None:
             return  # finished meanwhile
         self.engine.abort(request_id)
+        self._changed = True
         if self.metrics is not None:
             self.metrics.finished.labels("abort").inc()
 
@@ -171,6 +174,9 @@ class EngineBridge:
             return
         now = time.perf_counter()
         m = self.metrics
+        # gauges first: a client reading /metrics after its token arrived sees the step that produced it
+        if self._changed or any(o.finished for o in outputs) or now - self._published >= _PUBLISH_EVERY_S:
+            self._publish()
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -188,8 +194,6 @@ class EngineBridge:
                 del self._live[out.request_id]
                 if m is not None:
                     m.finished.labels(out.finish_reason or "stop").inc()
-        if now - self._published >= _PUBLISH_EVERY_S:
-            self._publish()
 
     def _deliver(self, request_id: str, event: TokenEvent) -> None:
         live = self._live.get(request_id)
@@ -201,6 +205,7 @@ class EngineBridge:
         if m is None:
             return
         self._published = time.perf_counter()
+        self._changed = False
         sched = self.engine.scheduler
         m.running.set(len(sched.running))
         m.waiting.set(len(sched.waiting))

@@ -25,7 +25,7 @@ from ortpa.runtime.engine import Engine
 from ortpa.runtime.sampling import SamplingParams
 from ortpa.serve.metrics import ServeMetrics
 
-__all__ = ["EngineBridge", "ShuttingDown", "TokenEvent"]
+__all__ = ["EngineBridge", "Refused", "ShuttingDown", "TokenEvent"]
 
 log = logging.getLogger("ortpa.serve")
 
@@ -42,6 +42,15 @@ class TokenEvent:
 
 class ShuttingDown(RuntimeError):
     """A request submitted after the server began to stop."""
+
+
+class Refused(Exception):
+    """The engine refused request ``index`` of a batch (``cause``: what it raised); none of the batch was queued."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(f"request {index}: {cause}")
+        self.index = index
+        self.cause = cause
 
 
 @dataclass
@@ -91,22 +100,40 @@ class EngineBridge:
 
     # -- requests -------------------------------------------------------------------------------------
     async def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: asyncio.Queue) -> str:
-        """Queue a request whose ``(request_id, TokenEvent | Exception)`` items go to ``sink``; its id.
+        """Queue one request whose ``(request_id, TokenEvent | Exception)`` items go to ``sink``; its id.
 
         Raises what ``Engine.add_request`` raises (too long for the model or the pool, ids out of the
         vocabulary), or :class:`ShuttingDown`.
         """
+        try:
+            (request_id,) = await self.submit_all([(prompt_ids, params)], sink)
+        except Refused as exc:
+            raise exc.cause from None
+        return request_id
+
+    async def submit_all(
+        self, requests: Sequence[tuple[Sequence[int], SamplingParams]], sink: asyncio.Queue
+    ) -> list[str]:
+        """Queue several requests at once (all or none: one round trip to the engine's thread, one step's wait
+        at most); their ids. :class:`Refused` names the first the engine refused; :class:`ShuttingDown`."""
         self.start()
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._ids += 1
-        request_id = f"r{self._ids}"
-        self._commands.put(("add", request_id, list(prompt_ids), params, loop, sink, done))
+        batch = []
+        for prompt, params in requests:
+            self._ids += 1
+            batch.append((f"r{self._ids}", list(prompt), params))
+        self._commands.put(("add", batch, loop, sink, done))
         self._wake.set()
-        await asyncio.wrap_future(done)
-        return request_id
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:  # the caller is gone: what gets added is aborted right after (FIFO)
+            for request_id, _, _ in batch:
+                self.abort(request_id)
+            raise
+        return [request_id for request_id, _, _ in batch]
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -137,22 +164,31 @@ class EngineBridge:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, params, loop, sink, done = command
-                if self._stop.is_set():
-                    done.set_exception(ShuttingDown("the server is shutting down"))
-                    continue
-                try:
-                    self.engine.add_request(prompt, params, request_id=request_id)
-                except Exception as exc:
-                    done.set_exception(exc)
-                    continue
-                self._live[request_id] = _Live(loop, sink, time.perf_counter())
-                self._changed = True
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(prompt))
-                done.set_result(request_id)
+                self._add(*command[1:])
             else:
                 self._engine_abort(command[1])
+
+    def _add(self, batch: list, loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, done) -> None:
+        if self._stop.is_set():
+            done.set_exception(ShuttingDown("the server is shutting down"))
+            return
+        added = []
+        for index, (request_id, prompt, params) in enumerate(batch):
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id)
+            except Exception as exc:
+                for other in added:  # all or none: nothing of a refused request stays queued
+                    self.engine.abort(other)
+                done.set_exception(Refused(index, exc))
+                return
+            added.append(request_id)
+        now = time.perf_counter()
+        for request_id, prompt, _ in batch:
+            self._live[request_id] = _Live(loop, sink, now)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(prompt))
+        self._changed = True
+        done.set_result(None)
 
     def _engine_abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ortpa.errors import InvalidRequest, InvalidSamplingParams
 from ortpa.runtime.sampling import SamplingParams
-from ortpa.serve.bridge import EngineBridge, ShuttingDown, TokenEvent
+from ortpa.serve.bridge import EngineBridge, Refused, ShuttingDown, TokenEvent
 from ortpa.serve.detokenizer import TextStream
 from ortpa.serve.model import ServingModel
 from ortpa.serve.protocol import ApiError
@@ -99,26 +99,33 @@ class Generation:
         """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued."""
         self.admission.take(len(prompts) * n)
         self._admitted = len(prompts) * n
-        at = 0  # the prompt being submitted, for the error message
+        batch = []
         try:
-            for at, prompt in enumerate(prompts):  # noqa: B007 - read by the except clauses
+            for prompt in prompts:
                 for j in range(n):
                     params = sampling_params(body, max_tokens, j, self.served.eos_token_ids)
                     choice = Choice(
                         len(self.choices), len(prompt), TextStream(self.served.tokenizer, stop, params.stop_token_ids)
                     )
                     self.choices.append(choice)
-                    choice.request_id = await self.bridge.submit(prompt, params, self._sink)
-                    self._by_id[choice.request_id] = choice
+                    batch.append((prompt, params))
+            ids = await self.bridge.submit_all(batch, self._sink)
         except ShuttingDown as exc:
             self.close()
             raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
-        except InvalidRequest as exc:
+        except Refused as exc:
             self.close()
-            raise ApiError(400, f"prompt {at}: {exc}", param="prompt", code="invalid_prompt") from None
+            if not isinstance(exc.cause, InvalidRequest):
+                raise exc.cause from None
+            raise ApiError(
+                400, f"prompt {exc.index // n}: {exc.cause}", param="prompt", code="invalid_prompt"
+            ) from None
         except BaseException:
             self.close()
             raise
+        for choice, request_id in zip(self.choices, ids, strict=True):
+            choice.request_id = request_id
+            self._by_id[request_id] = choice
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
         """Text deltas as tokens arrive, several choices' at once; each choice ends with a finish reason."""

@@ -9,7 +9,7 @@ import pytest
 
 from ortpa.errors import InvalidRequest
 from ortpa.runtime.engine import RequestOutput
-from ortpa.serve.bridge import EngineBridge, ShuttingDown, TokenEvent
+from ortpa.serve.bridge import EngineBridge, Refused, ShuttingDown, TokenEvent
 from ortpa.serve.metrics import ServeMetrics
 
 
@@ -84,6 +84,11 @@ def test_tokens_errors_and_aborts():
 
         with pytest.raises(InvalidRequest):  # the engine's refusal reaches the submitter
             await bridge.submit([], _params(3), sink)
+        with pytest.raises(Refused) as refused:  # all or none: the first, accepted, is taken back
+            await bridge.submit_all([([1], _params(50)), ([], _params(3)), ([2], _params(3))], sink)
+        assert refused.value.index == 1 and isinstance(refused.value.cause, InvalidRequest)
+        assert not engine.requests and len(engine.aborted) == 1
+        engine.aborted.clear()
 
         engine.fail_next = True  # a failing step fails the requests in flight, and only them
         failed = await bridge.submit([1], _params(5), sink)

@@ -11,17 +11,23 @@ from ortpa.errors import InvalidParameter
 __all__ = ["register", "run"]
 
 
-def _positive(kind):
+def _bounded(kind, low, high=None, what=None):
+    what = what or f"a {kind.__name__} >= {low}"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 
     return parse
+
+
+def _positive(kind):
+    return _bounded(kind, 1 if kind is int else 1e-9, what=f"a positive {kind.__name__}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +95,7 @@ def register(sub) -> None:
     p.add_argument("model", help="a converted (paged) ONNX model" + MODEL_HELP)
     add_revision(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_bounded(int, 1, 65535, "a port number 1..65535"), default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
     p.add_argument("--tokenizer", default=None, help="folder with the tokenizer files (default: the model's)")
     p.add_argument("--provider", choices=["cpu", "cuda"], default=None, help="default: CUDA if present, else CPU")
@@ -100,7 +106,12 @@ def register(sub) -> None:
     )
     p.add_argument("--block-size", type=_positive(int), default=16)
     p.add_argument("--max-num-seqs", type=_positive(int), default=64, help="requests running at once")
-    p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the running ones; past it: 503")
+    p.add_argument(
+        "--max-queue",
+        type=_bounded(int, 0),
+        default=256,
+        help="requests waiting beyond the running ones; past it: 503",
+    )
     p.add_argument(
         "--threads",
         type=_positive(int),

@@ -28,7 +28,17 @@ def test_listed_with_its_options(capsys):
         assert option in out, option
 
 
-@pytest.mark.parametrize("bad", [["--num-blocks", "0"], ["--num-blocks", "8", "--kv-memory", "1"], ["--port", "x"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--num-blocks", "0"],
+        ["--num-blocks", "8", "--kv-memory", "1"],
+        ["--port", "x"],
+        ["--port", "70000"],
+        ["--max-queue", "-1"],
+        ["--kv-memory", "0"],
+    ],
+)
 def test_usage_errors_exit_2(model_folder, bad, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", str(model_folder), *bad])

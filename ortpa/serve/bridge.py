@@ -135,8 +135,9 @@ class EngineBridge:
             raise
         return [request_id for request_id, _, _ in batch]
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request (``reason`` labels it in the metrics: ``"stop"`` when a stop string ended it)."""
+        self._commands.put(("abort", request_id, reason))
         self._wake.set()
 
     # -- the driving thread ---------------------------------------------------------------------------
@@ -166,7 +167,7 @@ class EngineBridge:
             if command[0] == "add":
                 self._add(*command[1:])
             else:
-                self._engine_abort(command[1])
+                self._engine_abort(command[1], command[2])
 
     def _add(self, batch: list, loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, done) -> None:
         if self._stop.is_set():
@@ -190,13 +191,13 @@ class EngineBridge:
         self._changed = True
         done.set_result(None)
 
-    def _engine_abort(self, request_id: str) -> None:
+    def _engine_abort(self, request_id: str, reason: str = "abort") -> None:
         if self._live.pop(request_id, None) is None:
             return  # finished meanwhile
         self.engine.abort(request_id)
         self._changed = True
         if self.metrics is not None:
-            self.metrics.finished.labels("abort").inc()
+            self.metrics.finished.labels(reason).inc()
 
     def _step(self) -> None:
         try:

@@ -172,7 +172,7 @@ class Generation:
         reason = item.finish_reason
         if choice.text.stopped:
             reason = "stop"
-            self.bridge.abort(request_id)
+            self.bridge.abort(request_id, "stop")
         elif reason is not None:
             text += choice.text.finish()
         if reason is not None:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ortpa.runtime.engine import Engine
+from ortpa.runtime.engine import Engine, UnknownRequest
 from ortpa.runtime.sampling import SamplingParams
 from ortpa.serve.metrics import ServeMetrics
 
@@ -194,7 +194,10 @@ class EngineBridge:
     def _engine_abort(self, request_id: str, reason: str = "abort") -> None:
         if self._live.pop(request_id, None) is None:
             return  # finished meanwhile
-        self.engine.abort(request_id)
+        try:
+            self.engine.abort(request_id)
+        except UnknownRequest:  # the engine retired it in a step that then failed: nothing left to free
+            pass
         self._changed = True
         if self.metrics is not None:
             self.metrics.finished.labels(reason).inc()

@@ -12,7 +12,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from ortpa.cli import bench, convert, demo, export, generate, parity, validate
+from ortpa.cli import bench, convert, demo, export, generate, parity, serve, validate
 from ortpa.cli._common import EXIT_INVALID, EXIT_USAGE, Parser
 from ortpa.errors import OrtpaError
 
@@ -26,11 +26,12 @@ _EPILOG = """examples:
   ortpa generate paged.onnx --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8 --json
   ortpa generate paged.onnx --prompt "Hello" --max-new-tokens 32
   ortpa parity dense.onnx paged.onnx --prompt-ids 1,2,3
+  ortpa serve paged.onnx --port 8000               (OpenAI-compatible HTTP server)
 """
 
 
 # the order of `ortpa --help`
-COMMANDS = (demo, convert, validate, generate, parity, export, bench)
+COMMANDS = (demo, convert, validate, generate, serve, parity, export, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,7 @@ __all__ = [
 COMPANION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # where transformers 5 saves a chat template (ortpa serve reads it)
     "config.json",
     "generation_config.json",
     "special_tokens_map.json",

@@ -1,0 +1,124 @@
+"""``ortpa serve``: an OpenAI-compatible HTTP server over the Engine (needs the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision
+from ortpa.errors import InvalidParameter
+
+__all__ = ["register", "run"]
+
+
+def _bounded(kind, low, high=None, what=None):
+    what = what or f"a {kind.__name__} >= {low}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive(kind):
+    return _bounded(kind, 1 if kind is int else 1e-9, what=f"a positive {kind.__name__}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from ortpa.serve.model import ServingModel
+        from ortpa.serve.server import run_server
+    except ImportError as exc:
+        raise InvalidParameter(
+            "ortpa serve",
+            "the serve extra",
+            "fastapi, uvicorn, prometheus-client and jinja2 installed (pip install 'ortpa[serve]')",
+            str(exc),
+        ) from None
+    if args.quiet:
+        log_level = "error"
+    else:
+        log_level = "info" if args.verbose else "warning"
+        print(f"ortpa serve: loading {args.model}", file=sys.stderr, flush=True)
+    served = ServingModel.load(
+        args.model,
+        revision=args.revision,
+        tokenizer=args.tokenizer,
+        name=args.served_model_name,
+        num_blocks=args.num_blocks,
+        kv_budget_bytes=None if args.kv_memory is None else int(args.kv_memory * (1 << 30)),
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        provider=args.provider,
+        threads=args.threads,
+    )
+    if not args.quiet:
+        print(
+            f"ortpa serve: {served.name!r} on http://{args.host}:{args.port}/v1 ({served.engine.num_blocks} KV blocks "
+            f"of {args.block_size}, context {served.max_model_len or 'bounded by the pool'}, "
+            f"chat template: {'yes' if served.chat_template else 'no'})",
+            file=sys.stderr,
+            flush=True,
+        )
+    run_server(
+        served,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        drain_s=args.drain_timeout,
+        log_level=log_level,
+    )
+    return EXIT_OK
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a converted model over HTTP with OpenAI's completions and chat API",
+        description="Continuous batching over one Engine; /v1/completions, /v1/chat/completions (streamed as "
+        "Server-Sent Events or not), /v1/models, /health, /metrics (Prometheus). The tokenizer.json, "
+        "tokenizer_config.json (chat template), generation_config.json (EOS) and config.json (context length) "
+        "beside the model are used. SIGTERM drains in-flight requests, then exits.",
+        epilog="examples:\n  ortpa serve out/paged.onnx --port 8000\n"
+        "  ortpa serve out/ --served-model-name tiny --api-key secret --kv-memory 2\n"
+        "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' "
+        '-d \'{"model": "tiny", "prompt": "Hello", "max_tokens": 8}\'',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="a converted (paged) ONNX model" + MODEL_HELP)
+    add_revision(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=_bounded(int, 1, 65535, "a port number 1..65535"), default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
+    p.add_argument("--tokenizer", default=None, help="folder with the tokenizer files (default: the model's)")
+    p.add_argument("--provider", choices=["cpu", "cuda"], default=None, help="default: CUDA if present, else CPU")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=_positive(int), default=None, help="KV pool size in blocks")
+    pool.add_argument(
+        "--kv-memory", type=_positive(float), default=None, help="KV pool size in GiB (default: 0.25 GiB)"
+    )
+    p.add_argument("--block-size", type=_positive(int), default=16)
+    p.add_argument("--max-num-seqs", type=_positive(int), default=64, help="requests running at once")
+    p.add_argument(
+        "--max-queue",
+        type=_bounded(int, 0),
+        default=256,
+        help="requests waiting beyond the running ones; past it: 503",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive(int),
+        default=None,
+        help="ONNX Runtime intra-op threads (default: one per core; 1 suits a machine busy with other work)",
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish")
+    add_common(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,310 @@
+"""The ASGI app of ``ortpa serve``: OpenAI's completions and chat routes, health, models and metrics.
+
+:func:`build_app` wraps one :class:`~ortpa.serve.model.ServingModel`; its lifespan starts and stops the
+engine's driving thread (:class:`~ortpa.serve.bridge.EngineBridge`). Every error is answered in OpenAI's body
+shape (:mod:`ortpa.serve.protocol`); none leaves the server unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ortpa.serve.bridge import EngineBridge
+from ortpa.serve.chat import TemplateRenderError
+from ortpa.serve.generation import Admission, Generation
+from ortpa.serve.metrics import CONTENT_TYPE, ServeMetrics
+from ortpa.serve.model import ServingModel
+from ortpa.serve.protocol import (
+    MAX_N,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    parse_body,
+)
+
+__all__ = ["ServerState", "build_app"]
+
+
+class ServerState:
+    """What the routes share: the model, the engine's thread, admission and metrics."""
+
+    def __init__(self, served: ServingModel, *, api_key: str | None, max_queue: int) -> None:
+        self.served = served
+        self.api_key = api_key
+        self.metrics = ServeMetrics(served.engine.num_blocks)
+        self.bridge = EngineBridge(served.engine, self.metrics)
+        self.admission = Admission(served.engine.scheduler.max_num_seqs + max_queue)
+        self.created = int(time.time())
+
+
+def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
+    """The app serving ``served``. ``max_queue``: requests waiting beyond the running batch before a 503."""
+    state = ServerState(served, api_key=api_key, max_queue=max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        state.bridge.start()
+        try:
+            yield
+        finally:
+            state.bridge.stop()
+
+    app = FastAPI(title="ortpa", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ortpa = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        state.metrics.rejected.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+
+    def check_key(request: Request) -> None:
+        """``--api-key``: every /v1 route wants ``Authorization: Bearer KEY`` (a check per route rather than a
+        middleware, which would copy every streamed chunk through one more queue)."""
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            what = "no API key given" if not token else "the API key given is not valid"
+            raise ApiError(
+                401,
+                f"{what}: send 'Authorization: Bearer KEY' with the key the server was started with",
+                code="invalid_api_key",
+            )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.bridge.stopping:
+            return JSONResponse(error_body("the server is shutting down", "server_error"), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
+        card = {"id": served.name, "object": "model", "created": state.created, "owned_by": "ortpa"}
+        if served.max_model_len is not None:
+            card["max_model_len"] = served.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        body = parse_body(CompletionRequest, await request.body())
+        _check_common(body, served)
+        prompts = _completion_prompts(body.prompt, served)
+        return await _respond(state, request, body, prompts, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        body = parse_body(ChatCompletionRequest, await request.body())
+        _check_common(body, served)
+        if served.chat_template is None:
+            raise ApiError(
+                400,
+                f"model {served.name!r} has no chat template (no chat_template.jinja, nor a chat_template in "
+                "tokenizer_config.json, beside the model): use /v1/completions with a prompt instead",
+                param="messages",
+                code="no_chat_template",
+            )
+        try:
+            text = served.chat_template.render(
+                [m.for_template() for m in body.messages], add_generation_prompt=body.add_generation_prompt
+            )
+        except TemplateRenderError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        ids = served.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise ApiError(400, "the messages render to an empty prompt", param="messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await _respond(state, request, body, [ids], max_tokens, chat=True)
+
+    return app
+
+
+def _check_common(body: Any, served: ServingModel) -> None:
+    if body.model != served.name:
+        raise ApiError(
+            404,
+            f"the model {body.model!r} does not exist: this server serves {served.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    bad = body.unsupported()
+    if bad:
+        raise ApiError(400, f"'{bad[0]}' is not supported by this server (leave it unset)", param=bad[0])
+    if not 1 <= body.n <= MAX_N:
+        raise ApiError(400, f"'n': expected 1 to {MAX_N} choices, found {body.n}", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+
+
+def _completion_prompts(prompt: Any, served: ServingModel) -> list[list[int]]:
+    """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError(400, "'prompt': expected a string or token ids, found an empty list", param="prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for i, p in enumerate(prompt):
+        ids = served.tokenizer.encode(p).ids if isinstance(p, str) else list(p)
+        if not ids:
+            raise ApiError(400, f"'prompt': prompt {i} is empty (expected at least one token)", param="prompt")
+        out.append(ids)
+    return out
+
+
+def _max_tokens(requested: int | None, prompts: list[list[int]], served: ServingModel, chat: bool) -> int:
+    longest = max(len(p) for p in prompts)
+    limit = served.max_model_len
+    if requested is None:  # OpenAI's defaults: 16 for completions; chat: the rest of the context
+        requested = 16 if not chat else (limit - longest if limit is not None else 256)
+        requested = max(requested, 1)
+    elif requested < 1:
+        raise ApiError(400, f"'max_tokens': expected an integer >= 1, found {requested}", param="max_tokens")
+    if limit is not None and longest + requested > limit:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {limit} tokens, but {longest + requested} were requested "
+            f"({longest} in the prompt, {requested} in the completion): shorten the prompt or lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(gen: Generation, request: Request) -> list:
+    """Every choice to its end; a client gone meanwhile aborts them (blocks freed) instead of finishing them."""
+    work = asyncio.ensure_future(gen.collect())
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            gen.close()
+    if work.cancelled():
+        raise ApiError(499, "the client closed the connection", code="client_closed")  # nobody reads it
+    return work.result()
+
+
+async def _respond(
+    state: ServerState, request: Request, body: Any, prompts: list[list[int]], requested: int | None, chat: bool
+) -> Response:
+    served = state.served
+    max_tokens = _max_tokens(requested, prompts, served, chat)
+    gen = Generation(served, state.bridge, state.admission)
+    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings())
+    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    usage = lambda: {  # noqa: E731
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": sum(len(p) for p in prompts) + gen.completion_tokens,
+    }
+    head = {"id": ident, "created": created, "model": served.name}
+    if not body.stream:
+        try:
+            choices = await _collect(gen, request)
+        except ApiError:
+            raise
+        except Exception as exc:
+            raise ApiError(500, f"generation failed: {exc}", type="server_error") from None
+        if chat:
+            out = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": "".join(c.pieces)},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ]
+            return JSONResponse({**head, "object": "chat.completion", "choices": out, "usage": usage()})
+        out = [
+            {"index": c.index, "text": "".join(c.pieces), "logprobs": None, "finish_reason": c.finish_reason}
+            for c in choices
+        ]
+        return JSONResponse({**head, "object": "text_completion", "choices": out, "usage": usage()})
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list[dict[str, Any]], with_usage: bool = False) -> str:
+        chunk = {**head, "object": kind, "choices": choices}
+        if include_usage:
+            chunk["usage"] = usage() if with_usage else None
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            if chat:  # the role first, as OpenAI sends it
+                yield event(
+                    [
+                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                        | {"finish_reason": None}
+                        for c in gen.choices
+                    ]
+                )
+            async for deltas in gen.deltas():
+                if chat:
+                    parts = [
+                        {
+                            "index": d.index,
+                            "delta": {"content": d.text} if d.text else {},
+                            "logprobs": None,
+                            "finish_reason": d.finish_reason,
+                        }
+                        for d in deltas
+                    ]
+                else:
+                    parts = [
+                        {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                        for d in deltas
+                    ]
+                yield event(parts)
+            if include_usage:
+                yield event([], with_usage=True)
+        except ApiError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except Exception as exc:  # a failed step: the client learns why, the stream still ends properly
+            yield f"data: {json.dumps(error_body(f'generation failed: {exc}', 'server_error'))}\n\n"
+        finally:
+            gen.close()  # a client gone mid-stream lands here: its requests are aborted, their blocks freed
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

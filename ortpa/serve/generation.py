@@ -1,0 +1,192 @@
+"""One HTTP request's engine requests (its choices): admission, sampling parameters, and the merged stream of
+text deltas, with stop strings and EOS handled per choice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ortpa.errors import InvalidRequest, InvalidSamplingParams
+from ortpa.runtime.sampling import SamplingParams
+from ortpa.serve.bridge import EngineBridge, Refused, ShuttingDown, TokenEvent
+from ortpa.serve.detokenizer import TextStream
+from ortpa.serve.model import ServingModel
+from ortpa.serve.protocol import ApiError
+
+__all__ = ["Admission", "Choice", "Delta", "Generation", "sampling_params"]
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_len: int
+    text: TextStream
+    request_id: str | None = None
+    tokens: int = 0
+    finish_reason: str | None = None
+    pieces: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Admission:
+    """Engine requests admitted and unfinished, against ``max_num_seqs + max_queue``: past it, 503."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_flight = 0
+
+    def take(self, n: int) -> None:
+        if self.in_flight + n > self.capacity:
+            raise ApiError(
+                503,
+                f"the server is at capacity ({self.in_flight} requests running or queued, at most "
+                f"{self.capacity}); retry shortly",
+                type="server_error",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += n
+
+    def give(self, n: int = 1) -> None:
+        self.in_flight -= n
+
+
+def sampling_params(body: Any, max_tokens: int, choice: int, eos: Sequence[int]) -> SamplingParams:
+    """The engine's parameters for choice ``choice`` of ``body`` (seeds differ per choice so n > 1 differ)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if body.seed is not None and body.seed < 0:
+        raise ApiError(400, f"'seed': expected an integer >= 0, found {body.seed}", param="seed")
+    seed = None if body.seed is None else body.seed + choice
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_k=0 if body.top_k == -1 else body.top_k,
+            top_p=body.top_p,
+            seed=seed,
+            stop_token_ids=tuple(eos),
+        )
+    except InvalidSamplingParams as exc:
+        param = {"max_new_tokens": "max_tokens"}.get(exc.name, exc.name)
+        raise ApiError(400, f"'{param}': expected {exc.expected}, found {exc.found!r}", param=param) from None
+
+
+class Generation:
+    """The choices of one request: submitted together, streamed as one sequence of :class:`Delta` lists."""
+
+    def __init__(self, served: ServingModel, bridge: EngineBridge, admission: Admission) -> None:
+        self.served = served
+        self.bridge = bridge
+        self.admission = admission
+        self.choices: list[Choice] = []
+        self._sink: asyncio.Queue = asyncio.Queue()
+        self._by_id: dict[str, Choice] = {}
+        self._admitted = 0
+
+    async def start(self, prompts: list[list[int]], n: int, body: Any, max_tokens: int, stop: list[str]) -> None:
+        """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued."""
+        self.admission.take(len(prompts) * n)
+        self._admitted = len(prompts) * n
+        batch = []
+        try:
+            for prompt in prompts:
+                for j in range(n):
+                    params = sampling_params(body, max_tokens, j, self.served.eos_token_ids)
+                    choice = Choice(
+                        len(self.choices), len(prompt), TextStream(self.served.tokenizer, stop, params.stop_token_ids)
+                    )
+                    self.choices.append(choice)
+                    batch.append((prompt, params))
+            ids = await self.bridge.submit_all(batch, self._sink)
+        except ShuttingDown as exc:
+            self.close()
+            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+        except Refused as exc:
+            self.close()
+            if not isinstance(exc.cause, InvalidRequest):
+                raise exc.cause from None
+            raise ApiError(
+                400, f"prompt {exc.index // n}: {exc.cause}", param="prompt", code="invalid_prompt"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        for choice, request_id in zip(self.choices, ids, strict=True):
+            choice.request_id = request_id
+            self._by_id[request_id] = choice
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """Text deltas as tokens arrive, several choices' at once; each choice ends with a finish reason."""
+        try:
+            while not all(c.done for c in self.choices):
+                items = [await self._sink.get()]
+                while not self._sink.empty():
+                    items.append(self._sink.get_nowait())
+                merged: dict[int, Delta] = {}  # one entry per choice per chunk: clients read choices by index
+                for item in items:
+                    d = self._apply(*item)
+                    if d is not None:
+                        prev = merged.get(d.index)
+                        merged[d.index] = d if prev is None else Delta(d.index, prev.text + d.text, d.finish_reason)
+                if merged:
+                    yield list(merged.values())
+        finally:
+            self.close()
+
+    async def collect(self) -> list[Choice]:
+        async for _ in self.deltas():
+            pass
+        return self.choices
+
+    def close(self) -> None:
+        """Abort every unfinished choice (a client gone, an error) and return their admission slots."""
+        for c in self.choices:
+            if not c.done:
+                c.finish_reason = "abort"
+                if c.request_id is not None:
+                    self.bridge.abort(c.request_id)
+        if self._admitted:
+            self.admission.give(self._admitted)
+            self._admitted = 0
+
+    def _apply(self, request_id: str, item: TokenEvent | BaseException) -> Delta | None:
+        choice = self._by_id.get(request_id)
+        if choice is None or choice.done:
+            return None  # tokens of a choice stopped by a stop string, produced before its abort landed
+        if isinstance(item, BaseException):
+            raise item
+        choice.tokens += len(item.token_ids)
+        text = choice.text.push(item.token_ids)
+        reason = item.finish_reason
+        if choice.text.stopped:
+            reason = "stop"
+            self.bridge.abort(request_id, "stop")
+        elif reason is not None:
+            text += choice.text.finish()
+        if reason is not None:
+            choice.finish_reason = reason
+        if text:
+            choice.pieces.append(text)
+        if not text and reason is None:
+            return None
+        return Delta(choice.index, text, reason)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_len for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)

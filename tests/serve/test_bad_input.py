@@ -1,0 +1,109 @@
+"""Every bad input gets OpenAI's error body with the right status, and the server stays healthy after each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serve.helpers import CONTEXT, MODEL_NAME, get, request
+
+OK = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+
+
+def _with(base: dict, **change) -> bytes:
+    body = {**base, **change}
+    return json.dumps({k: v for k, v in body.items() if v is not _DROP}).encode()
+
+
+_DROP = object()
+
+# (route, raw body, status, param the error names)
+CASES = {
+    "malformed JSON": ("completions", b'{"model": "tiny", ', 400, None),
+    "empty body": ("completions", b"", 400, None),
+    "not an object": ("completions", b"[1, 2]", 400, None),
+    "model missing": ("completions", _with(OK, model=_DROP), 400, "model"),
+    "prompt missing": ("completions", _with(OK, prompt=_DROP), 400, "prompt"),
+    "prompt ill-typed": ("completions", _with(OK, prompt=5), 400, "prompt"),
+    "prompt mixed list": ("completions", _with(OK, prompt=[[1, 2], "hello"]), 400, "prompt"),
+    "prompt empty list": ("completions", _with(OK, prompt=[]), 400, "prompt"),
+    "prompt empty string": ("completions", _with(OK, prompt=""), 400, "prompt"),
+    "token id past vocab": ("completions", _with(OK, prompt=[5, 300]), 400, "prompt"),
+    "negative token id": ("completions", _with(OK, prompt=[-1]), 400, "prompt"),
+    "max_tokens a string": ("completions", _with(OK, max_tokens="5"), 400, "max_tokens"),
+    "max_tokens 0": ("completions", _with(OK, max_tokens=0), 400, "max_tokens"),
+    "max_tokens negative": ("completions", _with(OK, max_tokens=-3), 400, "max_tokens"),
+    "past the context": ("completions", _with(OK, max_tokens=CONTEXT), 400, "max_tokens"),
+    "stream not a bool": ("completions", _with(OK, stream=1), 400, "stream"),
+    "temperature a string": ("completions", _with(OK, temperature="hot"), 400, "temperature"),
+    "temperature negative": ("completions", _with(OK, temperature=-1.0), 400, "temperature"),
+    "top_p 0": ("completions", _with(OK, top_p=0.0), 400, "top_p"),
+    "top_k negative": ("completions", _with(OK, top_k=-5), 400, "top_k"),
+    "stop ill-typed": ("completions", _with(OK, stop=3), 400, "stop"),
+    "seed negative": ("completions", _with(OK, seed=-1), 400, "seed"),
+    "n 0": ("completions", _with(OK, n=0), 400, "n"),
+    "n too many": ("completions", _with(OK, n=17), 400, "n"),
+    "logprobs": ("completions", _with(OK, logprobs=2), 400, "logprobs"),
+    "echo": ("completions", _with(OK, echo=True), 400, "echo"),
+    "stream_options without stream": (
+        "completions",
+        _with(OK, stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    "unknown model": ("completions", _with(OK, model="gpt-4"), 404, "model"),
+    "chat: messages missing": ("chat/completions", _with(CHAT, messages=_DROP), 400, "messages"),
+    "chat: no messages": ("chat/completions", _with(CHAT, messages=[]), 400, "messages"),
+    "chat: content ill-typed": (
+        "chat/completions",
+        _with(CHAT, messages=[{"role": "user", "content": 5}]),
+        400,
+        "messages.0.content",
+    ),
+    "chat: the template refuses a role": (
+        "chat/completions",
+        _with(CHAT, messages=[{"role": "tool", "content": "x"}]),
+        400,
+        "messages",
+    ),
+    "chat: past the context": ("chat/completions", _with(CHAT, max_tokens=CONTEXT), 400, "max_tokens"),
+    "chat: unknown model": ("chat/completions", _with(CHAT, model="gpt-4"), 404, "model"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(server, case):
+    route, body, status, param = CASES[case]
+    got, _, raw = request("POST", f"{server.api}/{route}", body)
+    assert got == status, raw
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert error["param"] == param, error
+    assert get(server.base + "/health")[0] == 200
+
+
+def test_messages_say_what_was_expected_and_found(server):
+    cases = {
+        _with(OK, max_tokens="5"): ("max_tokens", "'5'"),
+        _with(OK, max_tokens=CONTEXT): ("256", f"{CONTEXT + 1}"),
+        _with(OK, prompt=[5, 300]): ("300", "vocabulary"),
+        _with(OK, model="gpt-4"): ("gpt-4", MODEL_NAME),
+    }
+    for body, words in cases.items():
+        _, _, raw = request("POST", server.api + "/completions", body)
+        message = json.loads(raw)["error"]["message"]
+        assert all(w in message for w in words), message
+
+
+def test_unknown_route_and_method(server):
+    status, _, raw = request("GET", server.api + "/nothing", None)
+    assert status == 404 and "error" in json.loads(raw)
+    status, _, raw = request("GET", server.api + "/completions", None)
+    assert status == 405 and "error" in json.loads(raw)
+
+
+def test_still_serving_after_the_bad_inputs(server):
+    status, _, raw = request("POST", server.api + "/completions", _with(OK, temperature=0))
+    assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] in ("stop", "length")

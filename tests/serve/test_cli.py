@@ -1,0 +1,52 @@
+"""``ortpa serve`` on the command line: listed, its options checked, a model it cannot serve refused clearly."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from ortpa.cli import main
+
+
+def test_listed_with_its_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for option in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--provider",
+        "--num-blocks",
+        "--kv-memory",
+        "--block-size",
+        "--max-num-seqs",
+        "--max-queue",
+        "--api-key",
+    ):
+        assert option in out, option
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--num-blocks", "0"],
+        ["--num-blocks", "8", "--kv-memory", "1"],
+        ["--port", "x"],
+        ["--port", "70000"],
+        ["--max-queue", "-1"],
+        ["--kv-memory", "0"],
+    ],
+)
+def test_usage_errors_exit_2(model_folder, bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", str(model_folder), *bad])
+    assert exit_.value.code == 2
+
+
+def test_a_model_without_tokenizer_is_refused_in_one_line(model_folder, tmp_path, capsys):
+    shutil.copy(model_folder / "model.onnx", tmp_path / "model.onnx")
+    assert main(["serve", str(tmp_path), "--num-blocks", "8"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "needs a tokenizer.json" in err[-1] and str(tmp_path) in err[-1], err

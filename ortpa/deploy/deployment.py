@@ -22,7 +22,7 @@ from ortpa.deploy.portable_file import PortableInfo, lower_file
 from ortpa.errors import ConversionError
 from ortpa.model.ref import ModelRef, locate_model
 
-__all__ = ["Deployment", "check_portable_options", "convert_deployment", "finish_deployment"]
+__all__ = ["Deployment", "check_portable_options", "convert_deployment", "convert_file", "finish_deployment"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +103,19 @@ def convert_deployment(
     if portable:  # the caller gets the file as written, not the op graph the conversion returned
         result = onnx.load(str(out_path), load_external_data=False)
     return result, deployment
+
+
+def convert_file(
+    in_path: str | os.PathLike | ModelRef,
+    out_path: str | os.PathLike,
+    revision: str | None = None,
+    *,
+    portable: bool = False,
+    genai: GenaiOptions | None = None,
+    **options,
+) -> onnx.ModelProto:
+    """``ortpa.convert_file``: :func:`ortpa.rewriter.pipeline.convert_file` (same arguments and result) plus the
+    deployment step: ``portable=True`` lowers the written file to standard ONNX ops, and a ``genai_config.json``
+    is written beside it (``genai``: its ``engine.dynamic_batching`` settings)."""
+    result, _ = convert_deployment(in_path, out_path, portable=portable, genai=genai, revision=revision, **options)
+    return result

@@ -14,7 +14,7 @@ import onnx
 
 from ortpa.ops.portable_graph import FUNCTION_DOMAIN
 
-__all__ = ["LoweredCachePort", "lowered_cache_ports"]
+__all__ = ["LoweredCachePort", "lowered_cache_ports", "lowered_rotary_tables"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +50,16 @@ def lowered_cache_ports(model: onnx.ModelProto) -> list[LoweredCachePort]:
             out = outs[pos] if len(outs) > pos and outs[pos] else None
             ports.append(LoweredCachePort(name, out, node.name or f"{node.op_type}_{i}"))
     return ports
+
+
+def lowered_rotary_tables(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """``(cos_cache, sin_cache)`` input names of every portable call that rotates in the op (``do_rotary=1``)."""
+    functions = {(f.domain, f.name): f for f in model.functions}
+    tables = []
+    for node in model.graph.node:
+        fn = functions.get((node.domain, node.op_type)) if node.domain == FUNCTION_DOMAIN else None
+        if fn is None or "cos_cache" not in fn.input or "sin_cache" not in fn.input:
+            continue
+        formal = list(fn.input)
+        tables.append((node.input[formal.index("cos_cache")], node.input[formal.index("sin_cache")]))
+    return tables

@@ -83,3 +83,25 @@ def test_int8_latent_cannot_be_split_and_leaves_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code != 0 and "cannot split the latent cache" in err and "\n" not in err, err
     assert not out.exists() and not (out.parent / "genai_config.json").exists()
+
+
+def test_external_weights_are_not_touched_by_the_lowering(tmp_path):
+    """A model with external data: lowering rewrites the graph file only; the weights file stays byte for byte."""
+    import hashlib
+
+    src = tmp_path / "src" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save_model(
+        onnx.load(str(LLAMA)), str(src), save_as_external_data=True, location="model.onnx.data", size_threshold=1024
+    )
+    out = tmp_path / "out" / "model.onnx"
+    ortpa.convert_file(src, out)
+    data = out.parent / "model.onnx.data"
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()
+    graph_bytes = out.stat().st_size
+    prompts, params = [[5, 6, 7], list(range(10, 30))], SamplingParams(max_new_tokens=4)
+    want = Engine(out, num_blocks=16).generate(prompts, params)  # the native file, lowered by the session
+    lower_file(out)
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == digest
+    assert out.stat().st_size < graph_bytes + 200_000 < data.stat().st_size  # the graph grew by the functions only
+    assert Engine(out, num_blocks=16).generate(prompts, params) == want

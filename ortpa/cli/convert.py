@@ -94,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         try:
             ref = locate_model(args.input, args.revision)
+            if args.keep_dense:
+                raise ConversionError(
+                    f"--keep-dense: expected a Hugging Face checkpoint folder as INPUT (the dense export to keep), "
+                    f"found the ONNX model {ref.path}"
+                )
         except NoOnnxFile as exc:  # a Hugging Face checkpoint (config.json, no ONNX file): export it first
             if not (exc.folder / "config.json").is_file():
                 raise

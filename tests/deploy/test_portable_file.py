@@ -105,3 +105,32 @@ def test_external_weights_are_not_touched_by_the_lowering(tmp_path):
     assert hashlib.sha256(data.read_bytes()).hexdigest() == digest
     assert out.stat().st_size < graph_bytes + 200_000 < data.stat().st_size  # the graph grew by the functions only
     assert Engine(out, num_blocks=16).generate(prompts, params) == want
+
+
+def test_dense_export_folder_is_temporary_unless_kept(tmp_path):
+    """`convert HF_DIR OUT` exports into a temporary folder next to OUT, removed when the conversion ends;
+    --keep-dense DIR keeps it (the export itself: tests/test_export.py)."""
+    import argparse
+    import contextlib
+
+    from ortpa.cli.convert import _dense_folder
+
+    args = argparse.Namespace(output=str(tmp_path / "out" / "model.onnx"), keep_dense=None)
+    with contextlib.ExitStack() as stack:
+        tmp = _dense_folder(args, stack)
+        assert tmp.parent == tmp_path / "out" and tmp.is_dir()
+        (tmp / "model.onnx").write_bytes(b"dense")
+    assert not tmp.exists() and list((tmp_path / "out").iterdir()) == []
+    args.keep_dense = str(tmp_path / "dense")
+    with contextlib.ExitStack() as stack:
+        kept = _dense_folder(args, stack)
+        (kept / "model.onnx").write_bytes(b"dense")
+    assert (tmp_path / "dense" / "model.onnx").read_bytes() == b"dense"
+
+
+def test_keep_dense_with_an_onnx_input_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out" / "model.onnx"
+    assert main(["convert", str(LLAMA), str(out), "--keep-dense", str(tmp_path / "d")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "--keep-dense: expected a Hugging Face checkpoint folder" in err and "\n" not in err, err
+    assert not out.exists()

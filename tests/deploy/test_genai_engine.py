@@ -203,3 +203,31 @@ def test_bad_genai_options_are_refused_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code != 0 and "block_size: expected a power of two >= 16, found 24" in err and "\n" not in err, err
     assert not out.exists()
+
+
+def test_genai_engine_with_convert_options(tmp_path, genai_python):
+    """int8 caches, RoPE in the op, a position_ids input and logits for every token: genai's Engine still runs the
+    folder as written, with ortpa's Engine's tokens on the same file (int8 is checked against the original in
+    tests/rewriter/test_kv_quant.py)."""
+    out = tmp_path / "model.onnx"
+    convert_deployment(
+        FIXTURES / "llama_sdpa_op18.onnx",
+        out,
+        portable=True,
+        genai=GenaiOptions(max_batch_size=MAX_BATCH, max_scheduled_tokens=CHUNK),
+        kv_cache_dtype="int8",
+        rope_in_op=True,
+        position_ids="input",
+        logits="all",
+    )
+    config = _json(out.parent / "genai_config.json")
+    assert config["model"]["decoder"]["inputs"]["position_ids"] == "position_ids"
+    prompts = _prompts(256)
+    ours = Engine(out, num_blocks=64, max_num_batched_tokens=CHUNK, max_num_seqs=MAX_BATCH).generate(
+        prompts, SamplingParams(max_new_tokens=NEW_TOKENS)
+    )
+    request = {
+        "folder": str(out.parent),
+        "scenarios": [{"name": "staggered", "prompts": prompts, "max_new_tokens": NEW_TOKENS, "stagger": 2}],
+    }
+    assert run_genai_driver(genai_python, request)["scenarios"]["staggered"]["tokens"] == ours

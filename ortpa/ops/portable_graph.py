@@ -136,23 +136,28 @@ class _Body:
         if c.rotary_dim > 0:
             q = self.rotary(q)
             k = self.rotary(k)
-        v_cache = None
         if c.split_latent:
-            ka, kb = self.op.Split(k, [c.head_size // 2] * 2, axis=2, _outputs=2)
-            k_cache = self.write(x["key_cache"], ka, c.k_quant, x.get("k_scale"))
-            v_cache = self.write(x["value_cache"], kb, c.k_quant, x.get("k_scale"))
-            out = self.attend(q, (k_cache, v_cache), None)  # read() joins the halves of each gathered row
-        else:
-            k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
-            if not c.latent:
-                v_cache = self.write(x["value_cache"], v, c.v_quant, x.get("v_scale"))
-            out = self.attend(q, k_cache, v_cache)
+            return self.split_latent_tail(q, k)
+        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
+        v_cache = None
+        if not c.latent:
+            v_cache = self.write(x["value_cache"], v, c.v_quant, x.get("v_scale"))
+        out = self.attend(q, k_cache, v_cache)
         outputs = [out]
         if "key_cache_out" in c.present_outputs:
             outputs.append(k_cache)  # straight from ScatterND: aliasing input and output makes it in place
         if "value_cache_out" in c.present_outputs:
             outputs.append(v_cache)
         return outputs
+
+    def split_latent_tail(self, q, k) -> list[ir.Value]:
+        """LATENT with the row split over the two caches (``PortableConfig.split_latent``): each half written by
+        its own ScatterND on the same slots; attention reads both halves of a gathered row (see :meth:`read`)."""
+        c, x = self.c, self.x
+        ka, kb = self.op.Split(k, [c.head_size // 2] * 2, axis=2, _outputs=2)
+        k_cache = self.write(x["key_cache"], ka, c.k_quant, x.get("k_scale"))
+        v_cache = self.write(x["value_cache"], kb, c.k_quant, x.get("k_scale"))
+        return [self.attend(q, (k_cache, v_cache), None), k_cache, v_cache]
 
     # ------------------------------------------------------------------ §3.4(a) sanitization
     def sizes_and_sanitize(self) -> None:

@@ -140,6 +140,15 @@ def run(args: argparse.Namespace) -> int:
         "genai_config": str(deployment.genai_config),
         "copied": copied,
     }
+    written = json.loads(deployment.genai_config.read_text(encoding="utf-8"))
+    if "eos_token_id" not in written["model"] and not args.quiet:
+        # genai then ends every request at its default id 0: say so rather than let a deployment stop early
+        print(
+            "ortpa convert: note: no eos_token_id found (no genai_config.json, config.json or generation_config.json "
+            "beside the input): genai_config.json has none, and onnxruntime-genai then stops at token id 0; add "
+            '"eos_token_id" to its "model" section',
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(result))
     elif not args.quiet:

@@ -134,3 +134,11 @@ def test_keep_dense_with_an_onnx_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--keep-dense: expected a Hugging Face checkpoint folder" in err and "\n" not in err, err
     assert not out.exists()
+
+
+def test_a_deployment_without_any_eos_says_so(tmp_path, capsys):
+    """A bare .onnx with no config beside it: genai_config.json cannot name an EOS, and genai would stop at id 0."""
+    out = tmp_path / "out" / "model.onnx"
+    assert main(["convert", str(FIXTURES / "formats" / "onnxexporter_llama.onnx"), str(out), "--portable"]) == 0
+    assert "no eos_token_id found" in capsys.readouterr().err
+    assert "eos_token_id" not in json.loads((out.parent / "genai_config.json").read_text())["model"]

@@ -19,6 +19,8 @@ import json
 import sys
 import time
 
+__all__ = ["main"]
+
 
 def _engine_run(og, np, model, prompts, max_new, stagger):
     """Greedy tokens of every prompt through one Engine; request i is admitted after ``i * stagger`` steps."""

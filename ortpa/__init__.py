@@ -2,7 +2,8 @@
 
 The public API, re-exported from the modules that implement it:
 
-* :func:`convert` / :func:`convert_file` — dense ONNX (MLA, MHA, GQA) -> paged PagedAttention model.
+* :func:`convert` / :func:`convert_file` — dense ONNX (MLA, MHA, GQA) -> paged PagedAttention model;
+  ``convert_file(..., portable=True)`` lowers it to standard ONNX ops, and writes a ``genai_config.json`` beside it.
 * :func:`validate` — check every PagedAttention node of a model against ONNX Runtime's rules and a backend.
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` running PagedAttention on any EP.
 * :class:`PagedSession` — caches owned as OrtValues and updated in place through IO binding.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ortpa.deploy.deployment import convert_file  # the conversion, then --portable / genai_config.json
 from ortpa.errors import (
     ConcurrentUse,
     ConversionError,
@@ -31,7 +33,7 @@ from ortpa.errors import (
 )
 from ortpa.model.ref import NoOnnxFile, resolve_model
 from ortpa.ops.validate import ValidationReport, check_inputs, validate
-from ortpa.rewriter.pipeline import convert, convert_file
+from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.engine import Engine, EngineStats, RequestOutput
 from ortpa.runtime.kv import PagedKVCache, StepInputs
 from ortpa.runtime.sampling import SamplingParams

@@ -14,6 +14,8 @@ tokenizer is built offline with ``tokenizers``); pass the tool as the first argu
   but does not declare it), torch 2.13.0 CPU, transformers 5.24 (the 0.18 builder does not import with 4.x),
   onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
   MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32.
+  ``genai_llama_paged_fp16``: the builder's own paged model (``-p fp16 -e cuda --extra_options
+  use_paged_attention=true``, which builds without a GPU), written to ``tests/fixtures/genai_paged/``.
 * ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
 * ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
@@ -39,6 +41,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FORMATS_DIR = ROOT / "tests" / "fixtures" / "formats"
+PAGED_DIR = ROOT / "tests" / "fixtures" / "genai_paged"  # paged models: not sources of tests/test_formats.py
 SEED = 0
 GENAI_NEW_TOKENS = 6  # greedy tokens recorded from onnxruntime-genai's own run of each genai fixture
 VOCAB = 256
@@ -99,6 +103,9 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_qwen3_int4": ("genai", QWEN3, {"precision": "int4"}),
     "genai_phi3_longrope_fp32": ("genai", PHI3_LONGROPE, {"precision": "fp32"}),
     "genai_gemma2_fp32": ("genai", GEMMA2, {"precision": "fp32"}),
+    # genai's own paged model (PagedAttention, packed QKV, RoPE in the op): fp16 for CUDA, the only paged build
+    # the builder makes besides WebGPU; it builds on a machine without a GPU. Same weights as genai_llama_fp16.
+    "genai_llama_paged_fp16": ("genai", LLAMA, {"precision": "fp16", "ep": "cuda", "paged": True}),
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
@@ -115,6 +122,10 @@ NOTES: dict[str, str] = {
     "genai_llama_int4": "MatMulNBits accuracy_level 4 quantizes activations to int8: incremental and one-shot runs "
     "differ by up to ~0.06 in logits where a rounding flips",
     "genai_qwen3_int4": "as genai_llama_int4",
+    "genai_llama_paged_fp16": "a paged model, not a dense one (kept in tests/fixtures/genai_paged/): inputs "
+    "input_ids [num_tokens], past_key_values.{i}.key/.value [num_blocks, block_size, 2, 16], block_table, "
+    "cumulative_sequence_lengths, past_sequence_lengths, attention_metadata; provider cuda. onnxruntime-genai "
+    "cannot run it on CPU (no PagedAttention CPU kernel); ortpa runs it through the portable op",
     "genai_phi3_longrope_fp32": "builder defect (0.18.0 with transformers 5.24, Phi-3 only): lm_head reads "
     "/model/layers.0/post_attention_layernorm/output_0 instead of the final norm, so layer 0's MLP, layer 1 and the "
     "final norm are dead code (present.1.* are still computed) and the logits differ from Phi3ForCausalLM on the "
@@ -198,8 +209,12 @@ def _run(cmd: list[str], log: Path) -> None:
 def _export_genai(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
     out, cache = work / "out", work / "cache"
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
-    cmd += ["-p", opts["precision"], "-e", "cpu", "-c", str(cache)]
+    cmd += ["-p", opts["precision"], "-e", opts.get("ep", "cpu"), "-c", str(cache)]
+    if opts.get("paged"):
+        cmd += ["--extra_options", "use_paged_attention=true"]
     _run(cmd, work / "builder.log")
+    if opts.get("ep", "cpu") != "cpu":  # genai's CPU wheel cannot open a CUDA build: no runtime record
+        return out / "model.onnx", cmd, {"genai_config.json": out / "genai_config.json"}
     (work / "genai_runtime.json").write_text(
         json.dumps(_genai_runtime_greedy(out, reference_prompts(opts["config"]), GENAI_NEW_TOKENS))
     )
@@ -360,6 +375,8 @@ def _numbers(cfg: dict) -> dict:
 
 def _source_format(tool: str, opts: dict) -> str:
     """The format a reader should detect (``ortpa.formats.SourceFormat``), from how the file was made."""
+    if tool == "genai" and opts.get("paged"):
+        return "genai_paged"
     if tool == "genai":  # on CPU the builder writes GroupQueryAttention, except at fp16: RotaryEmbedding + MHA
         return "genai_mha" if opts["precision"] == "fp16" else "genai_gqa"
     return {"optimum": "optimum", "onnx_exporter": "onnx_exporter", "ortpa": "ortpa_dynamo"}[tool]
@@ -418,17 +435,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("tool", choices=sorted(_TOOLS))
     ap.add_argument("--only", nargs="*", default=None, help="fixture names (default: every fixture of the tool)")
-    ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "formats"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: tests/fixtures/formats, paged builds in tests/fixtures/genai_paged)",
+    )
     ap.add_argument("--keep", default=None, help="also copy each tool's raw output and logs to this folder")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     keep = Path(args.keep) if args.keep else None
     names = [n for n, (tool, _, _) in FIXTURES.items() if tool == args.tool and (not args.only or n in args.only)]
     print(json.dumps(_versions(_TOOLS[args.tool][1])))
     failed = []
     for name in names:
         t = time.time()
+        out = Path(args.out) if args.out else FORMATS_DIR if not FIXTURES[name][2].get("paged") else PAGED_DIR
+        out.mkdir(parents=True, exist_ok=True)
         try:
             dst = make(name, out, keep)
         except Exception as exc:  # report every fixture, keep going

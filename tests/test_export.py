@@ -101,6 +101,15 @@ def test_convert_hf_folder_then_generate_text(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "[1/2] export" in err and "[2/2] convert" in err and "layer 0" in err and "torch.float16" in err, err
     assert (out.parent / "tokenizer.json").is_file()
+    # the output folder holds the deployment only: the dense export went to a temporary folder, now removed
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "config.json",
+        "genai_config.json",
+        "generation_config.json",
+        "paged.onnx",
+        "tokenizer.json",
+    ], sorted(p.name for p in out.parent.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
 
     reference = TorchModel(build_model(folder, random_weights=False, dtype="float32"))
     result = run_parity(onnx.load(str(out)), None, reference=reference, allow_ties=False)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision, progress_printer
@@ -23,8 +26,22 @@ def _convert_progress(args: argparse.Namespace):
     return ConvertProgress(sys.stderr)
 
 
-def _export_first(args: argparse.Namespace, folder: Path) -> str:
-    """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``OUT.dense.onnx`` first; that file's path."""
+def _dense_folder(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
+    """Where ``convert HF_DIR OUT`` exports the dense model: ``--keep-dense DIR``, else a temporary folder next to
+    the output (same disk), removed when the conversion ends: the output folder holds the deployment only."""
+    if args.keep_dense:
+        folder = Path(args.keep_dense)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    parent = Path(args.output).resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ortpa-dense.", dir=parent))
+    stack.callback(shutil.rmtree, tmp, True)
+    return tmp
+
+
+def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> str:
+    """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``dense_dir/model.onnx`` first; its path."""
     try:
         from ortpa.export.hf import export_hf
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -33,7 +50,7 @@ def _export_first(args: argparse.Namespace, folder: Path) -> str:
             f"(pip install 'ortpa[export]'): {exc}"
         ) from None
     progress = progress_printer(args)
-    dense = args.output + ".dense.onnx"
+    dense = str(dense_dir / "model.onnx")
     if progress:
         progress(f"[1/2] export {folder} -> {dense}")
     export_hf(
@@ -53,46 +70,91 @@ def _export_first(args: argparse.Namespace, folder: Path) -> str:
     return dense
 
 
-def run(args: argparse.Namespace) -> int:
-    from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, locate_model
-    from ortpa.rewriter.pipeline import convert_file
+def _genai_options(args: argparse.Namespace):
+    from ortpa.deploy.genai_config import DEFAULT_KV_BUDGET_BYTES, GenaiOptions
 
-    try:
-        ref = locate_model(args.input, args.revision)
-    except NoOnnxFile as exc:  # a Hugging Face checkpoint (config.json, no ONNX file): export it first
-        if not (exc.folder / "config.json").is_file():
-            raise
+    return GenaiOptions(
+        block_size=args.genai_block_size,
+        max_batch_size=args.genai_max_batch_size,
+        max_scheduled_tokens=args.genai_max_scheduled_tokens,
+        kv_budget_bytes=int(args.genai_kv_budget_mb * 2**20) if args.genai_kv_budget_mb else DEFAULT_KV_BUDGET_BYTES,
+        num_blocks=args.genai_num_blocks,
+        gpu_utilization_factor=args.genai_gpu_utilization,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ortpa.deploy.deployment import check_portable_options, convert_deployment
+    from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, locate_model
+
+    genai = _genai_options(args)
+    genai.check()  # bad deployment options: refused before any work
+    if args.portable:
+        check_portable_options(kv_cache_dtype=args.kv_cache_dtype)
+    with contextlib.ExitStack() as stack:
         try:
-            ref = ModelRef(Path(_export_first(args, exc.folder)), exc.folder)
-        except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
-            raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
-    progress = _convert_progress(args)
-    try:
-        proto = convert_file(
-            ref,
-            args.output,
-            dtype=args.dtype,
-            rope_in_op=args.rope_in_op,
-            logits=args.logits,
-            kv_cache_dtype=args.kv_cache_dtype,
-            absorb=args.absorb,
-            attention_metadata=not args.no_attention_metadata,
-            position_ids=args.position_ids,
-            max_positions=args.max_positions,
-            progress=progress,
-            kv_scale=args.kv_scale,
+            ref = locate_model(args.input, args.revision)
+            if args.keep_dense:
+                raise ConversionError(
+                    f"--keep-dense: expected a Hugging Face checkpoint folder as INPUT (the dense export to keep), "
+                    f"found the ONNX model {ref.path}"
+                )
+        except NoOnnxFile as exc:  # a Hugging Face checkpoint (config.json, no ONNX file): export it first
+            if not (exc.folder / "config.json").is_file():
+                raise
+            try:
+                ref = ModelRef(Path(_export_first(args, exc.folder, _dense_folder(args, stack))), exc.folder)
+            except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
+                raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
+        progress = _convert_progress(args)
+        try:
+            proto, deployment = convert_deployment(
+                ref,
+                args.output,
+                portable=args.portable,
+                genai=genai,
+                dtype=args.dtype,
+                rope_in_op=args.rope_in_op,
+                logits=args.logits,
+                kv_cache_dtype=args.kv_cache_dtype,
+                absorb=args.absorb,
+                attention_metadata=not args.no_attention_metadata,
+                position_ids=args.position_ids,
+                max_positions=args.max_positions,
+                progress=progress,
+                kv_scale=args.kv_scale,
+            )
+        finally:
+            if progress is not None:
+                progress.close()
+    portable = deployment.portable
+    nodes = portable.nodes if portable else sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
+    # genai_config.json is written for the paged model (a source's dense one is not copied as is)
+    copied = [n for n, _ in companion_files(ref.folder) if n != "genai_config.json"] if ref.folder is not None else []
+    result = {
+        "input": str(ref.path),
+        "output": args.output,
+        "paged_attention_nodes": nodes,
+        "portable": portable is not None,
+        "split_latent": bool(portable and portable.split_latent),
+        "genai_config": str(deployment.genai_config),
+        "copied": copied,
+    }
+    written = json.loads(deployment.genai_config.read_text(encoding="utf-8"))
+    if "eos_token_id" not in written["model"] and not args.quiet:
+        # genai then ends every request at its default id 0: say so rather than let a deployment stop early
+        print(
+            "ortpa convert: note: no eos_token_id found (no genai_config.json, config.json or generation_config.json "
+            "beside the input): genai_config.json has none, and onnxruntime-genai then stops at token id 0; add "
+            '"eos_token_id" to its "model" section',
+            file=sys.stderr,
         )
-    finally:
-        if progress is not None:
-            progress.close()
-    nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
-    copied = [name for name, _ in companion_files(ref.folder)] if ref.folder is not None else []
-    result = {"input": str(ref.path), "output": args.output, "paged_attention_nodes": nodes, "copied": copied}
     if args.json:
         print(json.dumps(result))
     elif not args.quiet:
         also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
-        print(f"wrote {args.output}: {nodes} PagedAttention node(s){also}")
+        kind = "lowered to standard ONNX ops (--portable)" if portable else "PagedAttention node(s)"
+        print(f"wrote {args.output}: {nodes} {kind}, genai_config.json{also}")
     return EXIT_OK
 
 
@@ -113,7 +175,7 @@ def register(sub) -> None:
         help="dense ONNX model (e.g. from `ortpa export` or torch.onnx.export)"
         + MODEL_HELP
         + "; a Hugging Face checkpoint folder (config.json and weights, no .onnx file) is exported to "
-        "OUTPUT.dense.onnx first (needs the export extra)",
+        "a temporary folder first (needs the export extra; --keep-dense DIR keeps it)",
     )
     p.add_argument(
         "output",
@@ -171,6 +233,40 @@ def register(sub) -> None:
         help="rows of the cos/sin tables with --rope-in-op (default: the model's, else 4096)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--portable",
+        action="store_true",
+        help="lower every PagedAttention node to standard ONNX ops (model-local functions) after validating it: "
+        "plain ONNX Runtime runs the file on any execution provider, onnxruntime-genai's Engine on CPU; MLA "
+        "(LATENT) caches are split into a key and a value half. Default: the native op (CUDA, WebGPU)",
+    )
+    p.add_argument(
+        "--keep-dense",
+        metavar="DIR",
+        default=None,
+        help="when INPUT is a Hugging Face folder: keep the intermediate dense export in DIR (default: a "
+        "temporary folder, removed after the conversion)",
+    )
+    g = p.add_argument_group("genai_config.json (onnxruntime-genai's engine.dynamic_batching)")
+    g.add_argument("--genai-block-size", type=int, default=16, help="tokens per KV block (power of two >= 16)")
+    g.add_argument("--genai-max-batch-size", type=int, default=16, help="requests genai runs at once (<= 256)")
+    g.add_argument(
+        "--genai-max-scheduled-tokens", type=int, default=256, help="tokens per step; smaller chunks prefills"
+    )
+    g.add_argument(
+        "--genai-kv-budget-mb",
+        type=float,
+        default=None,
+        help="--portable: KV pool memory genai allocates (default 256 MiB; never more blocks than "
+        "max-batch-size full-context sequences need)",
+    )
+    g.add_argument("--genai-num-blocks", type=int, default=None, help="--portable: the pool size in blocks")
+    g.add_argument(
+        "--genai-gpu-utilization",
+        type=float,
+        default=0.6,
+        help="native (CUDA) files: the share of free GPU memory genai gives the KV pool",
+    )
     add_export_options(p.add_argument_group("when INPUT is a Hugging Face folder"), dtype_dest="export_dtype")
     add_common(p)
     p.set_defaults(func=run)

@@ -73,6 +73,10 @@ class PortableConfig:
     k_quant: str  # NONE / PER_TENSOR / PER_CHANNEL
     v_quant: str
     opset: int
+    # LATENT only: each latent row is stored split in two, channels [0, H/2) in ``key_cache`` and [H/2, H) in
+    # ``value_cache`` (both [NB, BS, 1, H/2]): the layout of runtimes that allocate a key and a value cache of
+    # one head size per layer (onnxruntime-genai), at the LATENT memory of one row per token
+    split_latent: bool = False
 
     @property
     def group(self) -> int:
@@ -132,6 +136,8 @@ class _Body:
         if c.rotary_dim > 0:
             q = self.rotary(q)
             k = self.rotary(k)
+        if c.split_latent:
+            return self.split_latent_tail(q, k)
         k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
         v_cache = None
         if not c.latent:
@@ -143,6 +149,15 @@ class _Body:
         if "value_cache_out" in c.present_outputs:
             outputs.append(v_cache)
         return outputs
+
+    def split_latent_tail(self, q, k) -> list[ir.Value]:
+        """LATENT with the row split over the two caches (``PortableConfig.split_latent``): each half written by
+        its own ScatterND on the same slots; attention reads both halves of a gathered row (see :meth:`read`)."""
+        c, x = self.c, self.x
+        ka, kb = self.op.Split(k, [c.head_size // 2] * 2, axis=2, _outputs=2)
+        k_cache = self.write(x["key_cache"], ka, c.k_quant, x.get("k_scale"))
+        v_cache = self.write(x["value_cache"], kb, c.k_quant, x.get("k_scale"))
+        return [self.attend(q, (k_cache, v_cache), None), k_cache, v_cache]
 
     # ------------------------------------------------------------------ §3.4(a) sanitization
     def sizes_and_sanitize(self) -> None:
@@ -481,6 +496,10 @@ class _Body:
         value reaches the output through ``0 * NaN`` in ``P @ V``.
         """
         op = self.op
+        if isinstance(cache, tuple):  # split latent: the row's two halves, from the key and the value cache
+            halves = [self.read(part, row, quant, scale, width // 2, None) for part in cache]
+            rows = op.Concat(*halves, axis=-1)
+            return rows if row_ok is None else op.Where(row_ok, rows, 0.0)
         flat = op.Reshape(cache, self.ints([-1, width]))  # a view of the written cache, not a copy
         rows = self.f32(op.Gather(flat, row))
         if quant != "NONE":

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from ortpa.errors import InvalidModel
+from ortpa.ops.portable_calls import lowered_rotary_tables
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
 
 __all__ = [
@@ -93,6 +94,12 @@ def rotary_table_rows(model: onnx.ModelProto) -> int | None:
         if not attrs.get("do_rotary", 0):
             continue
         for name in node.input[8:10]:
+            n = static.get(name)
+            if n is None:
+                return None
+            rows.append(int(n))
+    for names in lowered_rotary_tables(model):  # a file lowered by `convert --portable`: the same tables
+        for name in names:
             n = static.get(name)
             if n is None:
                 return None

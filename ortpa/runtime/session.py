@@ -30,6 +30,7 @@ from ortpa.errors import InvalidArgument, InvalidModel, InvalidParameter, KVPool
 from ortpa.model.file import LoadedModel, ort_message_line, read_model
 from ortpa.model.ref import resolve_any
 from ortpa.ops.backends import backend_for_provider
+from ortpa.ops.portable_calls import lowered_cache_ports
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers
@@ -100,6 +101,11 @@ def find_cache_aliases(model: onnx.ModelProto) -> list[CacheAlias]:
                 continue
             out = node.output[out_idx] if len(node.output) > out_idx and node.output[out_idx] else None
             aliases.append(CacheAlias(node.input[in_idx], out if out in graph_outputs else None, node.name))
+    # a file lowered to portable function calls (`ortpa convert --portable`): the same caches, found by name
+    for port in lowered_cache_ports(model):
+        if port.input_name in graph_inputs:
+            out = port.output_name if port.output_name in graph_outputs else None
+            aliases.append(CacheAlias(port.input_name, out, port.node))
     return aliases
 
 

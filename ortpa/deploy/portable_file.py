@@ -1,0 +1,235 @@
+"""``convert --portable``: lower every PagedAttention node of a written, validated file to standard ONNX ops.
+
+The converted file is validated on the op first (the conversion's own checks); this step then re-reads its
+graph only (weights stay in ``<out>.data``, or in the protobuf of a small inline model, which is modified in
+place and never copied), replaces each node by a call to a model-local function (:mod:`ortpa.ops.portable`),
+checks that ONNX Runtime opens the result on CPU with no custom op, and replaces the file atomically.
+
+LATENT (MLA) layers: ``split_latent`` stores each latent row in two halves, channels ``[0, H/2)`` in
+``past_key_values.{i}.key`` and ``[H/2, H)`` in a new ``past_key_values.{i}.value`` (both ``[num_blocks,
+block_size, 1, H/2]``), with ``present.{i}.value`` beside ``present.{i}.key``. Runtimes that allocate a key and a
+value cache of one head size per layer (onnxruntime-genai's Engine) then run the file at the LATENT memory: one
+latent row per token, not a key and a value row of the full width.
+
+The metadata says what was done: ``ortpa.portable`` = JSON ``{"lowered": true, "nodes": n, "kv_cache_layout":
+..., "split_latent": ..., "head_size": H, "cache_head_size": ..., "kv_num_heads": ..., "num_heads": ...,
+"configs": [the PagedAttention attributes of each distinct node configuration]}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from onnx import helper
+
+from ortpa.errors import ConversionError
+from ortpa.ops.portable import portable_config, value_types
+from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
+from ortpa.ops.shape_inference import infer_shapes
+from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
+
+__all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "portable_info"]
+
+METADATA_KEY = "ortpa.portable"
+
+
+@dataclass(frozen=True)
+class PortableInfo:
+    """What :func:`lower_file` did, as recorded in the file's metadata."""
+
+    nodes: int
+    kv_cache_layout: str  # SEPARATE or LATENT
+    split_latent: bool
+    num_heads: int
+    kv_num_heads: int
+    head_size: int  # the op's head size (the latent width for LATENT)
+    cache_head_size: int  # the last dimension of each cache input as written (H/2 when split)
+    configs: tuple[dict, ...]
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["configs"] = list(self.configs)
+        return json.dumps({"lowered": True, **d}, sort_keys=True)
+
+
+def portable_info(model: onnx.ModelProto) -> PortableInfo | None:
+    """The lowering a file's metadata records, or None for a file that was not lowered by :func:`lower_file`."""
+    meta = {p.key: p.value for p in model.metadata_props}
+    if METADATA_KEY not in meta:
+        return None
+    d = json.loads(meta[METADATA_KEY])
+    d.pop("lowered", None)
+    d["configs"] = tuple(d.get("configs", ()))
+    return PortableInfo(**d)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        out[a.name] = v.decode() if isinstance(v, bytes) else v
+    return out
+
+
+def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
+    from ortpa.rewriter.model_store import weightless  # rewriter: the conversion's own weight-free view
+
+    return weightless(proto)
+
+
+def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_session: bool = True) -> PortableInfo:
+    """Lower every PagedAttention node of the model file ``path`` in place (atomically); what was done.
+
+    Raises :class:`~ortpa.errors.ConversionError` (the file untouched) when a node cannot be lowered (float8 or
+    packed int4 caches, symbolic head sizes), when ``split_latent`` meets an odd latent width or a quantized
+    latent cache, or when ONNX Runtime refuses the lowered graph.
+    """
+    path = Path(path)
+    proto = onnx.load(str(path), load_external_data=False)
+    if METADATA_KEY in {p.key for p in proto.metadata_props}:
+        raise ConversionError(f"{path} is already lowered (metadata {METADATA_KEY})")
+    opsets = {o.domain: o.version for o in proto.opset_import}
+    fn_opset = opsets.get("", opsets.get("ai.onnx", 0))
+    types = value_types(infer_shapes(_weightless(proto)))
+    graph = proto.graph
+    inputs = {vi.name: vi for vi in graph.input}
+    outputs = {vi.name: vi for vi in graph.output}
+    schema_index = {f.name: f.index for f in PAGED_ATTENTION.inputs}
+    functions: dict[PortableConfig, onnx.FunctionProto] = {}
+    configs: dict[str, dict] = {}
+    first: PortableConfig | None = None
+    split = False
+    nodes = 0
+    new_inputs: list[tuple[int, onnx.ValueInfoProto]] = []
+    new_outputs: list[tuple[int, onnx.ValueInfoProto]] = []
+    for i, node in enumerate(graph.node):
+        if node.op_type != OP_TYPE or node.domain != DOMAIN:
+            continue
+        where = node.name or f"{OP_TYPE}_{i}"
+        try:
+            cfg = portable_config(node, types, fn_opset)
+        except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
+            raise ConversionError(f"--portable cannot lower node {where}: {exc}") from None
+        call_inputs = [node.input[schema_index[name]] for name in cfg.present_inputs]
+        call_outputs = [o for o in node.output if o]
+        if cfg.latent and split_latent:
+            if cfg.head_size % 2 or cfg.k_quant != "NONE":
+                raise ConversionError(
+                    f"--portable cannot split the latent cache of node {where}: expected an even latent width and "
+                    f"a float cache, found width {cfg.head_size} and k_quant {cfg.k_quant}"
+                )
+            key_in = node.input[schema_index["key_cache"]]
+            key_out = node.output[1] if len(node.output) > 1 else ""
+            if key_in not in inputs or key_out not in outputs:
+                raise ConversionError(
+                    f"--portable cannot split the latent cache of node {where}: expected its key cache to be a "
+                    f"graph input and key_cache_out a graph output, found {key_in!r} / {key_out!r}"
+                )
+            value_in, value_out = _value_name(key_in), _value_name(key_out)
+            half = cfg.head_size // 2
+            for table, name, new_name, bucket in (
+                (inputs, key_in, value_in, new_inputs),
+                (outputs, key_out, value_out, new_outputs),
+            ):
+                vi = table[name]
+                vi.type.tensor_type.shape.dim[3].dim_value = half
+                twin = onnx.ValueInfoProto()
+                twin.CopyFrom(vi)
+                twin.name = new_name
+                bucket.append((list(table).index(name), twin))
+            ki = cfg.present_inputs.index("key_cache")
+            cfg = dataclasses.replace(
+                cfg,
+                split_latent=True,
+                present_inputs=(*cfg.present_inputs[: ki + 1], "value_cache", *cfg.present_inputs[ki + 1 :]),
+                present_outputs=("output", "key_cache_out", "value_cache_out"),
+            )
+            call_inputs.insert(ki + 1, value_in)
+            call_outputs = [node.output[0], key_out, value_out]
+            split = True
+        if cfg not in functions:
+            functions[cfg] = ir.serde.serialize_function(build_function(cfg))
+            configs[cfg.function_name()] = _attrs(node)
+        call = helper.make_node(cfg.function_name(), call_inputs, call_outputs, name=node.name, domain=FUNCTION_DOMAIN)
+        graph.node[i].CopyFrom(call)
+        first = first or cfg
+        nodes += 1
+    if first is None:
+        raise ConversionError(f"--portable: {path} has no PagedAttention node to lower")
+    _insert_after(graph.input, new_inputs)
+    _insert_after(graph.output, new_outputs)
+    proto.functions.extend(functions.values())
+    if FUNCTION_DOMAIN not in opsets:
+        proto.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
+    info = PortableInfo(
+        nodes=nodes,
+        kv_cache_layout="LATENT" if first.latent else "SEPARATE",
+        split_latent=split,
+        num_heads=first.num_heads,
+        kv_num_heads=first.kv_num_heads,
+        head_size=first.head_size,
+        cache_head_size=first.head_size // 2 if split else first.head_size,
+        configs=tuple(configs.values()),
+    )
+    helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, METADATA_KEY: info.to_json()})
+    if check_session:
+        _check_session(proto, path)
+    _replace(proto, path)
+    return info
+
+
+def _value_name(key_name: str) -> str:
+    """``past_key_values.{i}.key`` -> ``past_key_values.{i}.value``; ``present.{i}.key`` -> ``.value``."""
+    if key_name.endswith(".key"):
+        return key_name[: -len(".key")] + ".value"
+    return key_name + ".value"
+
+
+def _insert_after(field, additions: list[tuple[int, onnx.ValueInfoProto]]) -> None:
+    """Each twin right after its key (inputs/outputs keep the key, value, key, value order genai expects)."""
+    if not additions:
+        return
+    items = [onnx.ValueInfoProto() for _ in field]
+    for dst, src in zip(items, field, strict=True):
+        dst.CopyFrom(src)
+    after = {idx: twin for idx, twin in additions}
+    del field[:]
+    for idx, vi in enumerate(items):
+        field.append(vi)
+        if idx in after:
+            field.append(after[idx])
+
+
+def _check_session(proto: onnx.ModelProto, path: Path) -> None:
+    """ONNX Runtime's CPU EP must open the lowered graph (weights as typed inputs): no custom op is left."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(_weightless(proto).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        line = " ".join(str(exc).split())[:500]
+        raise ConversionError(f"--portable: ONNX Runtime (CPU) rejects the lowered {path.name}: {line}") from None
+
+
+def _replace(proto: onnx.ModelProto, path: Path) -> None:
+    """Write next to ``path`` then rename over it: the file is the old or the new model, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(proto.SerializeToString())
+        os.chmod(tmp, os.stat(path).st_mode & 0o777)  # the converted file's own mode, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

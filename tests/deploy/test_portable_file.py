@@ -1,0 +1,144 @@
+"""``lower_file`` / ``convert_file(portable=True)``: what the written file is, and what is refused (no genai here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import pytest
+
+import ortpa
+from ortpa.cli import main
+from ortpa.deploy import lower_file, portable_info
+from ortpa.errors import ConversionError, RequestTooLong
+from ortpa.runtime.engine import Engine
+from ortpa.runtime.sampling import SamplingParams
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+LLAMA = FIXTURES / "formats" / "genai_llama_fp32.onnx"  # RoPE in the op: cos/sin tables of 256 rows
+DSV3 = FIXTURES / "dsv3_sdpa_op18.onnx"
+
+
+@pytest.fixture(scope="module")
+def native_llama(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("native") / "model.onnx"
+    ortpa.convert_file(LLAMA, out)
+    return out
+
+
+def test_lowered_file_runs_in_plain_onnxruntime_with_the_same_interface(native_llama, tmp_path):
+    lowered = tmp_path / "model.onnx"
+    shutil.copyfile(native_llama, lowered)
+    os.chmod(lowered, 0o640)
+    info = lower_file(lowered)
+    assert os.stat(lowered).st_mode & 0o777 == 0o640  # the file's own mode survives the atomic replace
+    native = onnx.load(str(native_llama), load_external_data=False)
+    proto = onnx.load(str(lowered), load_external_data=False)
+    assert [i.name for i in proto.graph.input] == [i.name for i in native.graph.input]
+    assert [o.name for o in proto.graph.output] == [o.name for o in native.graph.output]
+    assert not [n for n in proto.graph.node if n.op_type == "PagedAttention"]
+    assert sum(n.domain == "ortpa.portable" for n in proto.graph.node) == 2
+    assert portable_info(proto) == info and info.kv_cache_layout == "SEPARATE" and not info.split_latent
+    assert info.configs[0]["num_heads"] == 4 and info.configs[0]["kv_num_heads"] == 2
+    # plain ONNX Runtime (no ortpa) opens it on CPU
+    ort.InferenceSession(str(lowered), providers=["CPUExecutionProvider"])
+    with pytest.raises(ConversionError, match="already lowered"):
+        lower_file(lowered)
+
+
+def test_engine_keeps_the_rope_table_limit_of_a_lowered_file(native_llama, tmp_path):
+    lowered = tmp_path / "model.onnx"
+    shutil.copyfile(native_llama, lowered)
+    lower_file(lowered)
+    rows = json.loads((FIXTURES / "formats" / "genai_llama_fp32.json").read_text())["max_position_embeddings"]
+    engine = Engine(lowered, num_blocks=32)  # (the lowered file has no PagedAttention node to read it from)
+    with pytest.raises(RequestTooLong):
+        engine.add_request(list(range(3, rows)), SamplingParams(max_new_tokens=8))
+
+
+def test_split_latent_halves_the_row_over_key_and_value(tmp_path):
+    cfg = json.loads((FIXTURES / "dsv3_sdpa_op18.json").read_text())["config"]
+    width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    out = tmp_path / "model.onnx"
+    ortpa.convert_file(DSV3, out, portable=True)
+    proto = onnx.load(str(out), load_external_data=False)
+    caches = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim[2:]] for i in proto.graph.input}
+    layers = cfg["num_hidden_layers"]
+    for i in range(layers):
+        assert caches[f"past_key_values.{i}.key"] == caches[f"past_key_values.{i}.value"] == [1, width // 2]
+    outputs = [o.name for o in proto.graph.output]
+    assert outputs[1:] == [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    info = portable_info(proto)
+    assert info.split_latent and info.head_size == width and info.cache_head_size == width // 2
+    # tokens against the original: tests/deploy/test_genai_engine.py (DeepSeek-V3 MoE, MiniCPM3)
+
+
+def test_int8_latent_cannot_be_split_and_leaves_nothing(tmp_path, capsys):
+    out = tmp_path / "out" / "model.onnx"
+    code = main(["convert", str(DSV3), str(out), "--portable", "--kv-cache-dtype", "int8", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "cannot split the latent cache" in err and "\n" not in err, err
+    assert not out.exists() and not (out.parent / "genai_config.json").exists()
+
+
+def test_external_weights_are_not_touched_by_the_lowering(tmp_path):
+    """A model with external data: lowering rewrites the graph file only; the weights file stays byte for byte."""
+    import hashlib
+
+    src = tmp_path / "src" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save_model(
+        onnx.load(str(LLAMA)), str(src), save_as_external_data=True, location="model.onnx.data", size_threshold=1024
+    )
+    out = tmp_path / "out" / "model.onnx"
+    ortpa.convert_file(src, out)
+    data = out.parent / "model.onnx.data"
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()
+    graph_bytes = out.stat().st_size
+    prompts, params = [[5, 6, 7], list(range(10, 30))], SamplingParams(max_new_tokens=4)
+    want = Engine(out, num_blocks=16).generate(prompts, params)  # the native file, lowered by the session
+    lower_file(out)
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == digest
+    assert out.stat().st_size < graph_bytes + 200_000 < data.stat().st_size  # the graph grew by the functions only
+    assert Engine(out, num_blocks=16).generate(prompts, params) == want
+
+
+def test_dense_export_folder_is_temporary_unless_kept(tmp_path):
+    """`convert HF_DIR OUT` exports into a temporary folder next to OUT, removed when the conversion ends;
+    --keep-dense DIR keeps it (the export itself: tests/test_export.py)."""
+    import argparse
+    import contextlib
+
+    from ortpa.cli.convert import _dense_folder
+
+    args = argparse.Namespace(output=str(tmp_path / "out" / "model.onnx"), keep_dense=None)
+    with contextlib.ExitStack() as stack:
+        tmp = _dense_folder(args, stack)
+        assert tmp.parent == tmp_path / "out" and tmp.is_dir()
+        (tmp / "model.onnx").write_bytes(b"dense")
+    assert not tmp.exists() and list((tmp_path / "out").iterdir()) == []
+    args.keep_dense = str(tmp_path / "dense")
+    with contextlib.ExitStack() as stack:
+        kept = _dense_folder(args, stack)
+        (kept / "model.onnx").write_bytes(b"dense")
+    assert (tmp_path / "dense" / "model.onnx").read_bytes() == b"dense"
+
+
+def test_keep_dense_with_an_onnx_input_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out" / "model.onnx"
+    assert main(["convert", str(LLAMA), str(out), "--keep-dense", str(tmp_path / "d")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "--keep-dense: expected a Hugging Face checkpoint folder" in err and "\n" not in err, err
+    assert not out.exists()
+
+
+def test_a_deployment_without_any_eos_says_so(tmp_path, capsys):
+    """A bare .onnx with no config beside it: genai_config.json cannot name an EOS, and genai would stop at id 0."""
+    out = tmp_path / "out" / "model.onnx"
+    assert main(["convert", str(FIXTURES / "formats" / "onnxexporter_llama.onnx"), str(out), "--portable"]) == 0
+    assert "no eos_token_id found" in capsys.readouterr().err
+    assert "eos_token_id" not in json.loads((out.parent / "genai_config.json").read_text())["model"]

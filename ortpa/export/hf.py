@@ -28,7 +28,16 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXTERNAL_DATA_THRESHOLD", "ExportInfo", "build_model", "export_hf", "fixtures_main", "versions"]
+__all__ = [
+    "EXTERNAL_DATA_THRESHOLD",
+    "ExportInfo",
+    "build_model",
+    "default_export_dtype",
+    "export_hf",
+    "fixtures_main",
+    "stored_dtype",
+    "versions",
+]
 
 # protobuf cannot hold more than 2 GB; past this many bytes of weights the export keeps them in a side file
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -81,6 +90,34 @@ def _torch_dtype(dtype: str | None):
     return getattr(torch, dtype)
 
 
+def stored_dtype(folder: str | os.PathLike) -> str:
+    """How a checkpoint folder stores its weights: ``fp8`` (``quantization_config`` of ``quant_method: fp8``),
+    else its config's ``torch_dtype`` / ``dtype`` (``float32`` when it names none)."""
+    path = Path(folder)
+    path = path.parent if path.is_file() else path
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
+        return "fp8"
+    stored = config.get("torch_dtype") or config.get("dtype") or "float32"
+    return str(stored).removeprefix("torch.")
+
+
+# What each stored dtype exports as when no dtype is asked for: a model that ONNX Runtime runs on CPU (portable
+# path; its CPU kernels lack bfloat16 arithmetic) and on CUDA, in the checkpoint's own 2 bytes per weight for
+# bfloat16. FP8 is dequantized in float32 and rounded once (2 bytes per weight, twice the FP8 checkpoint).
+_DEFAULT_EXPORT_DTYPE = {"bfloat16": "float16", "fp8": "float16"}
+
+
+def default_export_dtype(stored: str, requested: str | None = None) -> str:
+    """The export's dtype: ``requested``, else float16 for a bfloat16 or FP8 checkpoint, else as stored."""
+    if requested is not None:
+        return requested
+    return _DEFAULT_EXPORT_DTYPE.get(stored, stored if stored in _DTYPES else "float32")
+
+
 def build_model(
     config_or_model_dir: Any,
     *,
@@ -88,18 +125,22 @@ def build_model(
     seed: int = 0,
     attn_implementation="sdpa",
     dtype: str | None = None,
+    scratch_dir: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = None,
 ):
     """A causal LM in eval mode: random (seeded) weights from a config, or local pretrained weights.
 
-    ``dtype``: ``float32`` / ``float16`` / ``bfloat16``; default float32 for random weights and the checkpoint's
-    own dtype (``torch_dtype`` / ``dtype`` in its config, as stored) for pretrained ones. Pretrained weights are
-    loaded once, straight into that dtype (no float32 copy next to a bf16 one).
+    ``dtype``: ``float32`` / ``float16`` / ``bfloat16``; default float32 for random weights and
+    :func:`default_export_dtype` for pretrained ones (float16 for bfloat16 and FP8 checkpoints, else as stored).
+    Pretrained weights are loaded once, straight into that dtype (no float32 copy next to a bf16 one); FP8
+    block-quantized folders are dequantized by :mod:`ortpa.export.fp8` into a scratch folder under
+    ``scratch_dir`` first. A float16 model whose weights overflow float16 is refused, naming the tensor.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    wanted = _torch_dtype(dtype)
     if random_weights:
+        wanted = _torch_dtype(dtype)
         config = _load_config(config_or_model_dir)
         config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
@@ -113,15 +154,40 @@ def build_model(
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 elif p.ndim >= 2:
                     p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
-        model = model.to(wanted or torch.float32)
-    else:
-        path = Path(config_or_model_dir)
-        if path.is_file():  # a config.json inside the checkpoint folder
-            path = path.parent
+        return model.to(wanted or torch.float32).eval()
+    from ortpa.export.fp8 import dequantized_copy, fp8_spec
+
+    path = Path(config_or_model_dir)
+    if path.is_file():  # a config.json inside the checkpoint folder
+        path = path.parent
+    stored = stored_dtype(path)
+    dtype = default_export_dtype(stored, dtype)
+    spec = fp8_spec(path)
+    with contextlib.ExitStack() as stack:
+        if spec is not None:
+            path = stack.enter_context(dequantized_copy(path, spec, dtype, scratch_parent=scratch_dir, say=progress))
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, attn_implementation=attn_implementation, dtype=wanted or "auto"
+            str(path), local_files_only=True, attn_implementation=attn_implementation, dtype=_torch_dtype(dtype)
         )
+    if dtype == "float16" and stored != "float16":
+        _check_float16_range(model, str(config_or_model_dir), stored)
     return model.eval()
+
+
+def _check_float16_range(model, label: str, stored: str) -> None:
+    """A weight past float16's range became inf when cast: refuse, naming it, rather than export garbage."""
+    import torch
+
+    from ortpa.errors import InvalidModel
+
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise InvalidModel(
+                label,
+                f"weight {name} does not fit float16 (its {stored} values pass 65504); "
+                "export in float32 (--export-dtype float32) or, for CUDA only, bfloat16 "
+                "(--export-dtype bfloat16 --providers cuda)",
+            )
 
 
 def _has_sliding_layers(config) -> bool:
@@ -149,6 +215,15 @@ def _cache_shapes(model, batch: int, past: int) -> list[tuple[tuple[int, ...], t
     ids = torch.zeros((batch, 1), dtype=torch.long)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
+    if not bool(torch.isfinite(out.logits).all()):  # e.g. float16 activations past 65504
+        from ortpa.errors import InvalidModel
+
+        raise InvalidModel(
+            model.name_or_path or model.config.model_type,
+            f"a one-token forward in {model.dtype} gives non-finite logits (activations overflow it?); "
+            "export in float32 (--export-dtype float32) or, for CUDA only, bfloat16 "
+            "(--export-dtype bfloat16 --providers cuda)",
+        )
     shapes = []
     for layer in out.cache.layers:
         k, v = layer.keys, layer.values
@@ -250,7 +325,13 @@ def _export(
     from ortpa.export.errors import ExportError, summarize
     from ortpa.export.patches import export_patches, translation_table
 
-    say(f"loading {'config' if random_weights else 'weights'} from {config_or_model_dir}")
+    if random_weights:
+        say(f"loading config from {config_or_model_dir}")
+    else:
+        stored = stored_dtype(config_or_model_dir)
+        chosen = default_export_dtype(stored, dtype)
+        why = "" if dtype is not None or chosen == stored else " (runs on CPU and CUDA; see --export-dtype)"
+        say(f"loading weights from {config_or_model_dir}: stored {stored}, exporting in {chosen}{why}")
     try:
         model = build_model(
             config_or_model_dir,
@@ -258,7 +339,11 @@ def _export(
             seed=seed,
             attn_implementation=attn_implementation,
             dtype=dtype,
+            scratch_dir=out_path.parent,
+            progress=say,
         )
+    except InvalidModel:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' loaders: missing/bad files, configs
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
         what = "config" if random_weights else "Hugging Face checkpoint"

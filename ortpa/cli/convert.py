@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision, progress_printer
+from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
 from ortpa.cli.export import add_export_options
 from ortpa.errors import ConversionError, OrtpaError
 
@@ -26,12 +26,13 @@ def _convert_progress(args: argparse.Namespace):
 def _export_first(args: argparse.Namespace, folder: Path) -> str:
     """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``OUT.dense.onnx`` first; that file's path."""
     try:
-        from ortpa.export.hf import export_hf
+        from ortpa.export.hf import default_export_dtype, export_hf, stored_dtype
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConversionError(
             f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
             f"(pip install 'ortpa[export]'): {exc}"
         ) from None
+    refuse_cpu_bfloat16(args, default_export_dtype(stored_dtype(folder), args.export_dtype))
     progress = progress_printer(args)
     dense = args.output + ".dense.onnx"
     if progress:
@@ -53,6 +54,17 @@ def _export_first(args: argparse.Namespace, folder: Path) -> str:
     return dense
 
 
+def refuse_cpu_bfloat16(args: argparse.Namespace, export_dtype: str) -> None:
+    """Before any export: a bfloat16 export cannot run on CPU (ONNX Runtime's CPU kernels lack bfloat16
+    arithmetic: Mul, MatMul, ...); the conversion's check would refuse it after the whole export."""
+    if export_dtype == "bfloat16" and "cpu" in args.providers:
+        raise ConversionError(
+            f"{args.input}: a bfloat16 export cannot run on CPU (ONNX Runtime has no bfloat16 kernel for Mul, "
+            "MatMul, ...); pass --providers cuda if the model is meant for CUDA only, or --export-dtype float16 "
+            "(the default) or float32"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, locate_model
     from ortpa.rewriter.pipeline import convert_file
@@ -66,22 +78,25 @@ def run(args: argparse.Namespace) -> int:
             ref = ModelRef(Path(_export_first(args, exc.folder)), exc.folder)
         except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
             raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
+    from ortpa.rewriter.ort_check import meant_for
+
     progress = _convert_progress(args)
     try:
-        proto = convert_file(
-            ref,
-            args.output,
-            dtype=args.dtype,
-            rope_in_op=args.rope_in_op,
-            logits=args.logits,
-            kv_cache_dtype=args.kv_cache_dtype,
-            absorb=args.absorb,
-            attention_metadata=not args.no_attention_metadata,
-            position_ids=args.position_ids,
-            max_positions=args.max_positions,
-            progress=progress,
-            kv_scale=args.kv_scale,
-        )
+        with meant_for(args.providers):
+            proto = convert_file(
+                ref,
+                args.output,
+                dtype=args.dtype,
+                rope_in_op=args.rope_in_op,
+                logits=args.logits,
+                kv_cache_dtype=args.kv_cache_dtype,
+                absorb=args.absorb,
+                attention_metadata=not args.no_attention_metadata,
+                position_ids=args.position_ids,
+                max_positions=args.max_positions,
+                progress=progress,
+                kv_scale=args.kv_scale,
+            )
     finally:
         if progress is not None:
             progress.close()
@@ -121,11 +136,13 @@ def register(sub) -> None:
         "files are copied beside it)",
     )
     add_revision(p)
+    add_providers(p)
     p.add_argument(
         "--dtype",
         choices=["float16", "bfloat16"],
         default=None,
-        help="convert the whole model; default keeps its precision and casts at the attention boundary",
+        help="convert the whole model (float32, and bfloat16 for float16, become it); default keeps its precision "
+        "and casts at the attention boundary",
     )
     p.add_argument(
         "--kv-cache-dtype",

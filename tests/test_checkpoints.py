@@ -9,6 +9,7 @@ quiet output, and (``slow``) every MLA family in both stored dtypes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import torch
 from checkpoint_fixtures import _dequantize, fp8_reference_folder, save_checkpoint, save_fp8_checkpoint
 from parity import FIXTURES, run_parity
+from tolerances import FP16_WEIGHTS_EXTRA_ATOL
 from torch_reference import TorchModel
 
 from ortpa.cli import main
@@ -83,7 +85,15 @@ def _converts_with_pytorch_tokens(folder: Path, reference_folder: Path, out: Pat
     assert main(["convert", str(folder), str(out)]) == 0
     err = capsys.readouterr().err
     reference = TorchModel(build_model(reference_folder, random_weights=False, dtype="float32"))
-    result = run_parity(onnx.load(str(out)), None, reference=reference, allow_ties=False, scatter_blocks=True)
+    # a whole float16 model (weights and activations) against float32: the table's measured allowance for that
+    result = run_parity(
+        onnx.load(str(out)),
+        None,
+        reference=reference,
+        allow_ties=False,
+        scatter_blocks=True,
+        extra_atol=FP16_WEIGHTS_EXTRA_ATOL,
+    )
     assert result.tokens_checked == 24
     assert _generate(out, 6, capsys) == [_greedy(reference, p, 6) for p in PROMPTS]
     return err
@@ -159,7 +169,7 @@ def test_check_refuses_bfloat16_on_cpu_naming_the_op(bf16_dense, tmp_path, capsy
     assert main(["convert", str(bf16_dense), str(out), "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "cannot run on CPU: ONNX Runtime has no bfloat16 kernel for Mul(14)" in err[0], err
+    assert re.search(r"cannot run on CPU: ONNX Runtime has no bfloat16 kernel for \w+\(\d+\) \(\d+ node", err[0]), err
     assert "--dtype float16" in err[0] and "--providers cuda" in err[0]
     assert not out.parent.exists(), "nothing written"
     # meant for CUDA only: written (checked on CUDA where a device is present)
@@ -168,7 +178,8 @@ def test_check_refuses_bfloat16_on_cpu_naming_the_op(bf16_dense, tmp_path, capsy
     # --dtype float16: the same model at 2 bytes a weight, runs on CPU
     cpu = tmp_path / "cpu" / "paged.onnx"
     assert main(["convert", str(bf16_dense), str(cpu), "--quiet", "--dtype", "float16"]) == 0
-    assert {i.data_type for i in onnx.load(str(cpu)).graph.initializer if i.data_type in (1, 10, 16)} == {10}
+    weights = [i for i in onnx.load(str(cpu)).graph.initializer if len(i.raw_data) > 4096]
+    assert weights and {i.data_type for i in weights} == {onnx.TensorProto.FLOAT16}
     outputs = _generate(cpu, 4, capsys)
     assert [len(o) for o in outputs] == [4, 4, 4]
 

@@ -230,3 +230,28 @@ def test_family_checkpoint_converts_with_no_flags(name, stored, tmp_path, capsys
         reference = folder
     err = _converts_with_pytorch_tokens(folder, reference, tmp_path / "out" / "model.onnx", capsys)
     assert f"stored {stored}, exporting in float16" in err, err
+
+
+def test_dequantized_copy_of_a_single_file_checkpoint(tmp_path):
+    """One ``model.safetensors`` (no index), a per-tensor scale and a bfloat16 tensor: the copy holds the weights
+    times their scales in the asked dtype, no scales, and a config without quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    from ortpa.export.fp8 import dequantized_copy
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    w = torch.tensor([[1.0, -2.0, 0.5], [448.0, 3.0, -0.25]]).to(torch.float8_e4m3fn)
+    norm = torch.tensor([1.5, 2.25], dtype=torch.bfloat16)
+    save_file(
+        {"a.weight": w, "a.weight_scale_inv": torch.tensor(0.5), "norm.weight": norm}, str(folder / "model.safetensors")
+    )
+    config = {"model_type": "llama", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    (folder / "config.json").write_text(json.dumps(config))
+    with dequantized_copy(folder, fp8_spec(folder), "float32", scratch_parent=tmp_path / "scratch") as copy:
+        got = load_file(str(copy / "model.safetensors"))
+        assert sorted(got) == ["a.weight", "norm.weight"]
+        torch.testing.assert_close(got["a.weight"], w.float() * 0.5, rtol=0, atol=0)
+        torch.testing.assert_close(got["norm.weight"], norm.float(), rtol=0, atol=0)
+        assert "quantization_config" not in json.loads((copy / "config.json").read_text())
+    assert not list((tmp_path / "scratch").iterdir()), "the scratch copy is removed"

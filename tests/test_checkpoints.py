@@ -26,8 +26,9 @@ from tolerances import FP16_WEIGHTS_EXTRA_ATOL
 from torch_reference import TorchModel
 
 from ortpa.cli import main
+from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
 from ortpa.export.fp8 import dequantize_blocks, fp8_spec
-from ortpa.export.hf import build_model, default_export_dtype, stored_dtype
+from ortpa.export.hf import build_model
 from ortpa.rewriter.dtype import convert_float_type
 
 pytestmark = pytest.mark.export

@@ -26,13 +26,14 @@ def _convert_progress(args: argparse.Namespace):
 def _export_first(args: argparse.Namespace, folder: Path) -> str:
     """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``OUT.dense.onnx`` first; that file's path."""
     try:
-        from ortpa.export.hf import default_export_dtype, export_hf, stored_dtype
+        from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
+        from ortpa.export.hf import export_hf
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConversionError(
             f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
             f"(pip install 'ortpa[export]'): {exc}"
         ) from None
-    refuse_cpu_bfloat16(args, default_export_dtype(stored_dtype(folder), args.export_dtype))
+    refuse_cpu_bfloat16(args.input, default_export_dtype(stored_dtype(folder), args.export_dtype), args.providers)
     progress = progress_printer(args)
     dense = args.output + ".dense.onnx"
     if progress:
@@ -54,12 +55,12 @@ def _export_first(args: argparse.Namespace, folder: Path) -> str:
     return dense
 
 
-def refuse_cpu_bfloat16(args: argparse.Namespace, export_dtype: str) -> None:
+def refuse_cpu_bfloat16(label: str, export_dtype: str, providers: tuple[str, ...]) -> None:
     """Before any export: a bfloat16 export cannot run on CPU (ONNX Runtime's CPU kernels lack bfloat16
     arithmetic: Mul, MatMul, ...); the conversion's check would refuse it after the whole export."""
-    if export_dtype == "bfloat16" and "cpu" in args.providers:
+    if export_dtype == "bfloat16" and "cpu" in providers:
         raise ConversionError(
-            f"{args.input}: a bfloat16 export cannot run on CPU (ONNX Runtime has no bfloat16 kernel for Mul, "
+            f"{label}: a bfloat16 export cannot run on CPU (ONNX Runtime has no bfloat16 kernel for Mul, "
             "MatMul, ...); pass --providers cuda if the model is meant for CUDA only, or --export-dtype float16 "
             "(the default) or float32"
         )

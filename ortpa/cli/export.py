@@ -20,10 +20,9 @@ def run(args: argparse.Namespace) -> int:
     dense = args.output if args.dense_only else args.output + ".dense.onnx"
     if not args.dense_only and not args.random_weights:
         from ortpa.cli.convert import refuse_cpu_bfloat16
-        from ortpa.export.hf import default_export_dtype, stored_dtype
+        from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
 
-        args.input = args.model
-        refuse_cpu_bfloat16(args, default_export_dtype(stored_dtype(args.model), args.dtype))
+        refuse_cpu_bfloat16(args.model, default_export_dtype(stored_dtype(args.model), args.dtype), args.providers)
     progress = progress_printer(args)
     info = export_hf(
         args.model,

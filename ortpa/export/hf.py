@@ -14,8 +14,9 @@ complex RoPE through a real-valued equivalent: :mod:`ortpa.export.patches`. A fa
 :class:`ortpa.export.errors.ExportError`, one line naming the op or module and what to try.
 
 No network: models are built from a config with seeded random weights, or loaded from a local directory
-(safetensors, sharded or not) in the checkpoint's dtype or the one asked for. Models whose weights pass
-:data:`EXTERNAL_DATA_THRESHOLD` are written with external data (``<name>.onnx.data``).
+(safetensors, sharded or not; FP8 block-quantized through :mod:`ortpa.export.fp8`) in the dtype asked for, else
+:func:`ortpa.export.checkpoint_dtype.default_export_dtype` (float16 for bfloat16 and FP8, else as stored).
+Models whose weights pass :data:`EXTERNAL_DATA_THRESHOLD` are written with external data (``<name>.onnx.data``).
 torch and transformers are imported lazily so that ``import ortpa`` never needs them.
 """
 
@@ -32,10 +33,8 @@ __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
     "ExportInfo",
     "build_model",
-    "default_export_dtype",
     "export_hf",
     "fixtures_main",
-    "stored_dtype",
     "versions",
 ]
 
@@ -90,34 +89,6 @@ def _torch_dtype(dtype: str | None):
     return getattr(torch, dtype)
 
 
-def stored_dtype(folder: str | os.PathLike) -> str:
-    """How a checkpoint folder stores its weights: ``fp8`` (``quantization_config`` of ``quant_method: fp8``),
-    else its config's ``torch_dtype`` / ``dtype`` (``float32`` when it names none)."""
-    path = Path(folder)
-    path = path.parent if path.is_file() else path
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"
-    if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
-        return "fp8"
-    stored = config.get("torch_dtype") or config.get("dtype") or "float32"
-    return str(stored).removeprefix("torch.")
-
-
-# What each stored dtype exports as when no dtype is asked for: a model that ONNX Runtime runs on CPU (portable
-# path; its CPU kernels lack bfloat16 arithmetic) and on CUDA, in the checkpoint's own 2 bytes per weight for
-# bfloat16. FP8 is dequantized in float32 and rounded once (2 bytes per weight, twice the FP8 checkpoint).
-_DEFAULT_EXPORT_DTYPE = {"bfloat16": "float16", "fp8": "float16"}
-
-
-def default_export_dtype(stored: str, requested: str | None = None) -> str:
-    """The export's dtype: ``requested``, else float16 for a bfloat16 or FP8 checkpoint, else as stored."""
-    if requested is not None:
-        return requested
-    return _DEFAULT_EXPORT_DTYPE.get(stored, stored if stored in _DTYPES else "float32")
-
-
 def build_model(
     config_or_model_dir: Any,
     *,
@@ -155,6 +126,7 @@ def build_model(
                 elif p.ndim >= 2:
                     p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
         return model.to(wanted or torch.float32).eval()
+    from ortpa.export.checkpoint_dtype import check_float16_range, default_export_dtype, stored_dtype
     from ortpa.export.fp8 import dequantized_copy, fp8_spec
 
     path = Path(config_or_model_dir)
@@ -170,24 +142,8 @@ def build_model(
             str(path), local_files_only=True, attn_implementation=attn_implementation, dtype=_torch_dtype(dtype)
         )
     if dtype == "float16" and stored != "float16":
-        _check_float16_range(model, str(config_or_model_dir), stored)
+        check_float16_range(model, str(config_or_model_dir), stored)
     return model.eval()
-
-
-def _check_float16_range(model, label: str, stored: str) -> None:
-    """A weight past float16's range became inf when cast: refuse, naming it, rather than export garbage."""
-    import torch
-
-    from ortpa.errors import InvalidModel
-
-    for name, p in model.named_parameters():
-        if not bool(torch.isfinite(p).all()):
-            raise InvalidModel(
-                label,
-                f"weight {name} does not fit float16 (its {stored} values pass 65504); "
-                "export in float32 (--export-dtype float32) or, for CUDA only, bfloat16 "
-                "(--export-dtype bfloat16 --providers cuda)",
-            )
 
 
 def _has_sliding_layers(config) -> bool:
@@ -217,12 +173,11 @@ def _cache_shapes(model, batch: int, past: int) -> list[tuple[tuple[int, ...], t
         out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
     if not bool(torch.isfinite(out.logits).all()):  # e.g. float16 activations past 65504
         from ortpa.errors import InvalidModel
+        from ortpa.export.checkpoint_dtype import WIDER
 
         raise InvalidModel(
             model.name_or_path or model.config.model_type,
-            f"a one-token forward in {model.dtype} gives non-finite logits (activations overflow it?); "
-            "export in float32 (--export-dtype float32) or, for CUDA only, bfloat16 "
-            "(--export-dtype bfloat16 --providers cuda)",
+            f"a one-token forward in {model.dtype} gives non-finite logits (activations overflow it?); {WIDER}",
         )
     shapes = []
     for layer in out.cache.layers:
@@ -322,6 +277,7 @@ def _export(
     from transformers import DynamicCache
 
     from ortpa.errors import InvalidModel
+    from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
     from ortpa.export.errors import ExportError, summarize
     from ortpa.export.patches import export_patches, translation_table
 

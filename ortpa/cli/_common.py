@@ -67,9 +67,15 @@ def add_providers(p: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def library_logging(verbose: bool) -> Iterator[None]:
-    """Library chatter (onnxscript's, transformers', torch's logging and Python warnings) on stderr with
-    ``--verbose``, dropped otherwise, so that nothing comes between ortpa's own lines; ortpa's errors are its
-    own one-line messages either way. Restored on exit (``main`` may run many times in one process)."""
+    """Library chatter (onnxscript's, transformers', torch's logging, Python warnings, ONNX Runtime's warnings)
+    on stderr with ``--verbose``, dropped otherwise, so that nothing comes between ortpa's own lines; ortpa's
+    errors are its own one-line messages either way. Python's logging and warnings are restored on exit
+    (``main`` may run many times in one process)."""
+    import onnxruntime as ort
+
+    # ONNX Runtime's own C++ log (warnings such as buffer re-use notes) is process-wide, with no getter to restore:
+    # errors only, unless --verbose; its failures still reach ortpa as exceptions, said in one line
+    ort.set_default_logger_severity(2 if verbose else 3)
     root = logging.getLogger()
     handler: logging.Handler = logging.NullHandler()
     if verbose:

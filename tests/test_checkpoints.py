@@ -36,15 +36,16 @@ pytestmark = pytest.mark.export
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ([5, 17, 3, 99, 42], [7, 8], [200, 1, 64, 9, 31, 250, 12, 77, 5, 6, 18])
 
-# DeepSeek-V3 with MoE on layer 1 and dimensions past one 128x128 block, none a multiple of 128: the FP8 scale
-# grid has partial blocks in both directions (kv_a_proj_with_mqa: 144 x 160 -> 2 x 2 blocks, the last 16 x 32).
+# One DeepSeek-V3 MoE layer (routed and shared experts) with dimensions past one 128x128 block, none a multiple of
+# 128: the FP8 scale grid has partial blocks in both directions (kv_a_proj_with_mqa: 144 x 160 -> 2 x 2 blocks,
+# the last 16 x 32). The slow matrix below adds a dense layer 0 and the other families.
 _DSV3_FP8 = {
     "model_type": "deepseek_v3",
     "vocab_size": 256,
     "hidden_size": 160,
     "intermediate_size": 192,
     "moe_intermediate_size": 48,
-    "num_hidden_layers": 2,
+    "num_hidden_layers": 1,
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
     "q_lora_rank": 144,
@@ -52,7 +53,7 @@ _DSV3_FP8 = {
     "qk_nope_head_dim": 32,
     "qk_rope_head_dim": 16,
     "v_head_dim": 32,
-    "first_k_dense_replace": 1,
+    "first_k_dense_replace": 0,
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
     "n_group": 1,
@@ -146,7 +147,7 @@ def test_fp8_checkpoint_converts_with_no_flags_and_generates_pytorch_tokens(tmp_
     `ortpa convert` dequantizes it itself (no accelerate), exports float16, and the paged model's tokens on CPU
     are those of the checkpoint's weights (FP8 times scale, computed here by NumPy) run in float32."""
     folder = tmp_path / "fp8"
-    assert save_fp8_checkpoint(build_model(_DSV3_FP8, seed=7), folder) == 28
+    assert save_fp8_checkpoint(build_model(_DSV3_FP8, seed=7), folder) == 5 + 4 * 3 + 3
     reference = fp8_reference_folder(folder, tmp_path / "reference")
     out = tmp_path / "out" / "model.onnx"
     err = _converts_with_pytorch_tokens(folder, reference, out, capsys)

@@ -34,9 +34,7 @@ _REMEDY = {
     "bfloat16": "convert with --dtype float16 (a checkpoint folder: --export-dtype float16 or float32), "
     "or pass --providers cuda if the model is meant for CUDA only",
 }
-_REMEDY_ANY = (
-    "--verbose shows ONNX Runtime's message; convert with --dtype float16, or pass --providers for the EPs meant"
-)
+_REMEDY_ANY = "--verbose shows the traceback; --providers says where the model is meant to run"
 
 
 @contextlib.contextmanager
@@ -57,7 +55,8 @@ def providers_meant_for() -> tuple[str, ...]:
 
 
 def _input_dtypes(proto: onnx.ModelProto, node_name: str) -> tuple[str, list[str]]:
-    """(op_type, its nodes' names) for the failing node's op and input element type, found by shape inference."""
+    """(the failing node's input element type by name, the names of every node of its op on that type), found by
+    shape inference: what the message counts."""
     from ortpa.ops.shape_inference import infer_shapes
 
     inferred = infer_shapes(proto)
@@ -70,10 +69,6 @@ def _input_dtypes(proto: onnx.ModelProto, node_name: str) -> tuple[str, list[str
     elem = next((types[i] for i in node.input if i and types.get(i)), 0)
     same = [n.name for n in g.node if n.op_type == node.op_type and any(types.get(i) == elem for i in n.input if i)]
     return onnx.helper.tensor_dtype_to_np_dtype(elem).name if elem else "", same
-
-
-def _dtype_name(elem: str) -> str:
-    return {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}.get(elem, elem or "its input type")
 
 
 def _check_one(graph: onnx.ModelProto, provider: str) -> None:
@@ -95,7 +90,7 @@ def _check_one(graph: onnx.ModelProto, provider: str) -> None:
             ) from exc
         op, version, node = match.groups()
         elem, same = _input_dtypes(graph, node)
-        dtype = _dtype_name(elem)
+        dtype = elem or "a"
         count = f"{len(same)} node(s), e.g. {node}" if same else node
         raise ConversionError(
             f"the converted model cannot run on {provider.upper()}: ONNX Runtime has no {dtype} kernel for "

@@ -69,10 +69,11 @@ def _save_two_shards(folder, dtype=torch.bfloat16) -> torch.nn.Module:
 
 @pytest.mark.slow  # a third export (~25 s alone on 2 cores); the default run exports the checkpoint in float32
 def test_checkpoint_exported_in_its_dtype_with_its_weights(tmp_path):
-    """A sharded bf16 checkpoint exports as bf16 with the stored weights, bit for bit, in external data."""
+    """A sharded bf16 checkpoint exported in bf16 (asked for) keeps the stored weights, bit for bit, in external
+    data."""
     folder = tmp_path / "ckpt"
     model = _save_two_shards(folder)
-    info = export_hf(folder, tmp_path / "m.onnx", random_weights=False, external_data=True)
+    info = export_hf(folder, tmp_path / "m.onnx", random_weights=False, external_data=True, dtype="bfloat16")
     assert info["dtype"] == "bfloat16" and (tmp_path / "m.onnx.data").is_file()
     proto = onnx.load(str(tmp_path / "m.onnx"))
     inits = {i.name.removeprefix("inner."): i for i in proto.graph.initializer}
@@ -86,20 +87,22 @@ def test_checkpoint_exported_in_its_dtype_with_its_weights(tmp_path):
 
 
 def test_convert_hf_folder_then_generate_text(tmp_path, capsys):
-    """`ortpa convert HF_DIR OUT` exports a float16 two-shard checkpoint in its dtype then converts (parity, within
-    float16 tolerance, with the checkpoint's weights run by PyTorch in float32); `ortpa generate
-    OUT --prompt` finds the copied tokenizer, prints text and stops at generation_config's EOS."""
+    """`ortpa convert HF_DIR OUT` with no flags exports a bfloat16 two-shard checkpoint in float16 (the default for
+    bfloat16: ONNX Runtime's CPU lacks bfloat16 kernels) then converts (parity, within float16 tolerance, with the
+    checkpoint's weights run by PyTorch in float32); `ortpa generate OUT --prompt` finds the copied tokenizer,
+    prints text and stops at generation_config's EOS."""
     from tokenizer_fixture import write_tokenizer
 
     from ortpa.cli import main
 
     folder = tmp_path / "ckpt"
-    _save_two_shards(folder, torch.float16)  # exported as stored: float16 (ONNX Runtime's CPU kernels lack bf16)
+    _save_two_shards(folder, torch.bfloat16)
     tokenizer = write_tokenizer(folder / "tokenizer.json", vocab_size=256)
     out = tmp_path / "out" / "paged.onnx"
     assert main(["convert", str(folder), str(out)]) == 0
     err = capsys.readouterr().err
     assert "[1/2] export" in err and "[2/2] convert" in err and "layer 0" in err and "torch.float16" in err, err
+    assert "stored bfloat16, exporting in float16" in err, err
     assert (out.parent / "tokenizer.json").is_file()
     # the output folder holds the deployment only: the dense export went to a temporary folder, now removed
     assert sorted(p.name for p in out.parent.iterdir()) == [

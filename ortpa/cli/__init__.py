@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 
 from ortpa.cli import bench, convert, demo, export, generate, parity, serve, validate
-from ortpa.cli._common import EXIT_INVALID, EXIT_USAGE, Parser
+from ortpa.cli._common import EXIT_INVALID, EXIT_USAGE, Parser, library_logging
 from ortpa.errors import OrtpaError
 
 __all__ = ["build_parser", "main"]
@@ -58,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return int(args.func(args))
+        with library_logging(getattr(args, "verbose", False)):
+            return int(args.func(args))
     except OrtpaError as exc:  # ConversionError lists every failing layer with its reason
         if getattr(args, "verbose", False):
             traceback.print_exc()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 __all__ = [
     "EXIT_INVALID",
@@ -13,7 +16,9 @@ __all__ = [
     "MODEL_HELP",
     "Parser",
     "add_common",
+    "add_providers",
     "add_revision",
+    "library_logging",
     "progress_printer",
     "prompt_ids",
 ]
@@ -40,6 +45,54 @@ def add_revision(p: argparse.ArgumentParser) -> None:
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show tracebacks and debug detail")
     p.add_argument("--quiet", action="store_true", help="print only errors and the final result")
+
+
+def _providers(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(t.strip().lower() for t in text.split(",") if t.strip()))
+    if not names or any(n not in ("cpu", "cuda") for n in names):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cpu,cuda, got {text!r}")
+    return names
+
+
+def add_providers(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--providers",
+        type=_providers,
+        default=("cpu", "cuda"),
+        metavar="cpu,cuda",
+        help="where the model is meant to run (default: cpu,cuda); the conversion opens it on each and refuses "
+        "what cannot run there (CUDA is checked where this machine has a CUDA device)",
+    )
+
+
+@contextlib.contextmanager
+def library_logging(verbose: bool) -> Iterator[None]:
+    """Library chatter (onnxscript's, transformers', torch's logging, Python warnings, ONNX Runtime's warnings)
+    on stderr with ``--verbose``, dropped otherwise, so that nothing comes between ortpa's own lines; ortpa's
+    errors are its own one-line messages either way. Python's logging and warnings are restored on exit
+    (``main`` may run many times in one process)."""
+    import onnxruntime as ort
+
+    # ONNX Runtime's own C++ log (warnings such as buffer re-use notes) is process-wide, with no getter to restore:
+    # errors only, unless --verbose; its failures still reach ortpa as exceptions, said in one line
+    ort.set_default_logger_severity(2 if verbose else 3)
+    root = logging.getLogger()
+    handler: logging.Handler = logging.NullHandler()
+    if verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    previous_level = root.level
+    root.addHandler(handler)
+    if verbose:
+        root.setLevel(min(previous_level or logging.WARNING, logging.INFO))
+    with warnings.catch_warnings():
+        if not verbose:
+            warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            root.removeHandler(handler)
+            root.setLevel(previous_level)
 
 
 def progress_printer(args: argparse.Namespace) -> Callable[[str], None] | None:

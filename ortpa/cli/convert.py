@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision, progress_printer
+from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
 from ortpa.cli.export import add_export_options
 from ortpa.errors import ConversionError, OrtpaError
 
@@ -34,21 +34,31 @@ def _dense_folder(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path
         folder.mkdir(parents=True, exist_ok=True)
         return folder
     parent = Path(args.output).resolve().parent
+    made = [p for p in (parent, *parent.parents) if not p.exists()]
     parent.mkdir(parents=True, exist_ok=True)
+    for folder in reversed(made):  # last in, first out: on failure the innermost goes first, then those around it
+        stack.push(lambda failed, *_, folder=folder: _remove_if_empty(folder) if failed else None)
     tmp = Path(tempfile.mkdtemp(prefix=".ortpa-dense.", dir=parent))
     stack.callback(shutil.rmtree, tmp, True)
     return tmp
 
 
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
 def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> str:
     """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``dense_dir/model.onnx`` first; its path."""
     try:
+        from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
         from ortpa.export.hf import export_hf
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConversionError(
             f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
             f"(pip install 'ortpa[export]'): {exc}"
         ) from None
+    refuse_cpu_bfloat16(args.input, default_export_dtype(stored_dtype(folder), args.export_dtype), args.providers)
     progress = progress_printer(args)
     dense = str(dense_dir / "model.onnx")
     if progress:
@@ -68,6 +78,17 @@ def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> st
     if progress:
         progress(f"[2/2] convert {dense} -> {args.output}")
     return dense
+
+
+def refuse_cpu_bfloat16(label: str, export_dtype: str, providers: tuple[str, ...]) -> None:
+    """Before any export: a bfloat16 export cannot run on CPU (ONNX Runtime's CPU kernels lack bfloat16
+    arithmetic: Mul, MatMul, ...); the conversion's check would refuse it after the whole export."""
+    if export_dtype == "bfloat16" and "cpu" in providers:
+        raise ConversionError(
+            f"{label}: a bfloat16 export cannot run on CPU (ONNX Runtime has no bfloat16 kernel for Mul, "
+            "MatMul, ...); pass --providers cuda if the model is meant for CUDA only, or --export-dtype float16 "
+            "(the default) or float32"
+        )
 
 
 def _genai_options(args: argparse.Namespace):
@@ -106,8 +127,11 @@ def run(args: argparse.Namespace) -> int:
                 ref = ModelRef(Path(_export_first(args, exc.folder, _dense_folder(args, stack))), exc.folder)
             except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
                 raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
+        from ortpa.rewriter.ort_check import meant_for
+
         progress = _convert_progress(args)
         try:
+            stack.enter_context(meant_for(args.providers))
             proto, deployment = convert_deployment(
                 ref,
                 args.output,
@@ -183,11 +207,13 @@ def register(sub) -> None:
         "files are copied beside it)",
     )
     add_revision(p)
+    add_providers(p)
     p.add_argument(
         "--dtype",
         choices=["float16", "bfloat16"],
         default=None,
-        help="convert the whole model; default keeps its precision and casts at the attention boundary",
+        help="convert the whole model (float32, and bfloat16 for float16, become it); default keeps its precision "
+        "and casts at the attention boundary",
     )
     p.add_argument(
         "--kv-cache-dtype",

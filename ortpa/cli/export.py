@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ortpa.cli._common import EXIT_INVALID, EXIT_OK, add_common, progress_printer
+from ortpa.cli._common import EXIT_INVALID, EXIT_OK, add_common, add_providers, progress_printer
 
 __all__ = ["add_export_options", "register", "run"]
 
@@ -18,6 +18,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"ortpa export needs the export extra (pip install 'ortpa[export]'): {exc}", file=sys.stderr)
         return EXIT_INVALID
     dense = args.output if args.dense_only else args.output + ".dense.onnx"
+    if not args.dense_only and not args.random_weights:
+        from ortpa.cli.convert import refuse_cpu_bfloat16
+        from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
+
+        refuse_cpu_bfloat16(args.model, default_export_dtype(stored_dtype(args.model), args.dtype), args.providers)
     progress = progress_printer(args)
     info = export_hf(
         args.model,
@@ -33,8 +38,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.dense_only:
         from ortpa.deploy.deployment import convert_file  # + genai_config.json beside it
+        from ortpa.rewriter.ort_check import meant_for
 
-        convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress)
+        with meant_for(args.providers):
+            convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress)
     if args.json:
         print(json.dumps({"dense": dense, "output": args.output, "info": dict(info)}, default=str))
     elif not args.quiet:
@@ -57,7 +64,8 @@ def add_export_options(p, dtype_dest: str = "dtype") -> None:
         dest=dtype_dest,
         choices=["float32", "float16", "bfloat16"],
         default=None,
-        help="dtype of the export (default: the checkpoint's as stored; float32 for --random-weights)",
+        help="dtype of the export (default: float16 for a bfloat16 or FP8 checkpoint, which then runs on CPU and "
+        "CUDA; else as stored; float32 for --random-weights)",
     )
     p.add_argument(
         "--external-data", action="store_true", help="weights in OUTPUT.data (default: only past 1 GB of weights)"
@@ -89,6 +97,7 @@ def register(sub) -> None:
         help="convert the paged model to this dtype (as `ortpa convert --dtype`)",
     )
     p.add_argument("--dense-only", action="store_true", help="write only the dense export to OUTPUT")
+    add_providers(p)
     p.add_argument("--json", action="store_true")
     add_common(p)
     p.set_defaults(func=run)

@@ -14,8 +14,9 @@ complex RoPE through a real-valued equivalent: :mod:`ortpa.export.patches`. A fa
 :class:`ortpa.export.errors.ExportError`, one line naming the op or module and what to try.
 
 No network: models are built from a config with seeded random weights, or loaded from a local directory
-(safetensors, sharded or not) in the checkpoint's dtype or the one asked for. Models whose weights pass
-:data:`EXTERNAL_DATA_THRESHOLD` are written with external data (``<name>.onnx.data``).
+(safetensors, sharded or not; FP8 block-quantized through :mod:`ortpa.export.fp8`) in the dtype asked for, else
+:func:`ortpa.export.checkpoint_dtype.default_export_dtype` (float16 for bfloat16 and FP8, else as stored).
+Models whose weights pass :data:`EXTERNAL_DATA_THRESHOLD` are written with external data (``<name>.onnx.data``).
 torch and transformers are imported lazily so that ``import ortpa`` never needs them.
 """
 
@@ -28,7 +29,14 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXTERNAL_DATA_THRESHOLD", "ExportInfo", "build_model", "export_hf", "fixtures_main", "versions"]
+__all__ = [
+    "EXTERNAL_DATA_THRESHOLD",
+    "ExportInfo",
+    "build_model",
+    "export_hf",
+    "fixtures_main",
+    "versions",
+]
 
 # protobuf cannot hold more than 2 GB; past this many bytes of weights the export keeps them in a side file
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -88,18 +96,22 @@ def build_model(
     seed: int = 0,
     attn_implementation="sdpa",
     dtype: str | None = None,
+    scratch_dir: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = None,
 ):
     """A causal LM in eval mode: random (seeded) weights from a config, or local pretrained weights.
 
-    ``dtype``: ``float32`` / ``float16`` / ``bfloat16``; default float32 for random weights and the checkpoint's
-    own dtype (``torch_dtype`` / ``dtype`` in its config, as stored) for pretrained ones. Pretrained weights are
-    loaded once, straight into that dtype (no float32 copy next to a bf16 one).
+    ``dtype``: ``float32`` / ``float16`` / ``bfloat16``; default float32 for random weights and
+    :func:`default_export_dtype` for pretrained ones (float16 for bfloat16 and FP8 checkpoints, else as stored).
+    Pretrained weights are loaded once, straight into that dtype (no float32 copy next to a bf16 one); FP8
+    block-quantized folders are dequantized by :mod:`ortpa.export.fp8` into a scratch folder under
+    ``scratch_dir`` first. A float16 model whose weights overflow float16 is refused, naming the tensor.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    wanted = _torch_dtype(dtype)
     if random_weights:
+        wanted = _torch_dtype(dtype)
         config = _load_config(config_or_model_dir)
         config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
@@ -113,14 +125,24 @@ def build_model(
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 elif p.ndim >= 2:
                     p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
-        model = model.to(wanted or torch.float32)
-    else:
-        path = Path(config_or_model_dir)
-        if path.is_file():  # a config.json inside the checkpoint folder
-            path = path.parent
+        return model.to(wanted or torch.float32).eval()
+    from ortpa.export.checkpoint_dtype import check_float16_range, default_export_dtype, stored_dtype
+    from ortpa.export.fp8 import dequantized_copy, fp8_spec
+
+    path = Path(config_or_model_dir)
+    if path.is_file():  # a config.json inside the checkpoint folder
+        path = path.parent
+    stored = stored_dtype(path)
+    dtype = default_export_dtype(stored, dtype)
+    spec = fp8_spec(path)
+    with contextlib.ExitStack() as stack:
+        if spec is not None:
+            path = stack.enter_context(dequantized_copy(path, spec, dtype, scratch_parent=scratch_dir, say=progress))
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, attn_implementation=attn_implementation, dtype=wanted or "auto"
+            str(path), local_files_only=True, attn_implementation=attn_implementation, dtype=_torch_dtype(dtype)
         )
+    if dtype == "float16" and stored != "float16":
+        check_float16_range(model, str(config_or_model_dir), stored)
     return model.eval()
 
 
@@ -149,6 +171,14 @@ def _cache_shapes(model, batch: int, past: int) -> list[tuple[tuple[int, ...], t
     ids = torch.zeros((batch, 1), dtype=torch.long)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
+    if not bool(torch.isfinite(out.logits).all()):  # e.g. float16 activations past 65504
+        from ortpa.errors import InvalidModel
+        from ortpa.export.checkpoint_dtype import WIDER
+
+        raise InvalidModel(
+            model.name_or_path or model.config.model_type,
+            f"a one-token forward in {model.dtype} gives non-finite logits (activations overflow it?); {WIDER}",
+        )
     shapes = []
     for layer in out.cache.layers:
         k, v = layer.keys, layer.values
@@ -247,10 +277,17 @@ def _export(
     from transformers import DynamicCache
 
     from ortpa.errors import InvalidModel
+    from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
     from ortpa.export.errors import ExportError, summarize
     from ortpa.export.patches import export_patches, translation_table
 
-    say(f"loading {'config' if random_weights else 'weights'} from {config_or_model_dir}")
+    if random_weights:
+        say(f"loading config from {config_or_model_dir}")
+    else:
+        stored = stored_dtype(config_or_model_dir)
+        chosen = default_export_dtype(stored, dtype)
+        why = "" if dtype is not None or chosen == stored else " (runs on CPU and CUDA; see --export-dtype)"
+        say(f"loading weights from {config_or_model_dir}: stored {stored}, exporting in {chosen}{why}")
     try:
         model = build_model(
             config_or_model_dir,
@@ -258,7 +295,11 @@ def _export(
             seed=seed,
             attn_implementation=attn_implementation,
             dtype=dtype,
+            scratch_dir=out_path.parent,
+            progress=say,
         )
+    except InvalidModel:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' loaders: missing/bad files, configs
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
         what = "config" if random_weights else "Hugging Face checkpoint"

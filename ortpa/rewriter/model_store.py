@@ -393,32 +393,10 @@ def _itemsize(data_type: int) -> int:
 
 
 def check_session_from_path(proto: onnx.ModelProto) -> None:
-    """ORT on CPU must get as far as kernel lookup and fail only on PagedAttention's missing CPU kernel.
+    """ONNX Runtime must open the converted graph on every provider it is meant for (:mod:`.ort_check`)."""
+    from ortpa.rewriter.ort_check import check_runs
 
-    Runs on :func:`weightless` of the graph, so it needs neither the weights nor protobuf's 2 GB."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        ort.InferenceSession(weightless(proto).SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        text = str(exc)
-        if "NOT_IMPLEMENTED" in text and ("PagedAttention" in text or "Could not find an implementation" in text):
-            # kernel lookup runs after the whole graph resolved: a missing CPU kernel (PagedAttention's, or any
-            # bfloat16 kernel the CPU EP lacks) is the same verdict for the graph
-            return
-        # The CPU EP finds no PagedAttention kernel for float16 and wraps the node in float32 Casts
-        # (InsertCastTransformer), which the op's type constraint then rejects: the same "no CPU kernel" verdict,
-        # reached after the whole graph resolved.
-        if "InsertedPrecisionFreeCast" in text and "PagedAttention" in text:
-            return
-        raise ConversionError("ONNX Runtime rejects the converted model", [("session (CPU)", text[:2000])]) from exc
-    raise ConversionError(
-        "ONNX Runtime loaded the converted model on CPU; expected NOT_IMPLEMENTED for PagedAttention",
-        [("session (CPU)", "no PagedAttention node reached kernel lookup")],
-    )
+    check_runs(proto, getattr(_SINK.get(), "progress", None))
 
 
 # ------------------------------------------------------------------------------------------ files

@@ -75,13 +75,21 @@ def test_mla_with_quantized_kv_b_proj(accuracy_level, tmp_path: Path):
 
 @pytest.mark.parametrize("fixture", ["dsv3_sdpa_op18", "llama_sdpa_op18"])
 def test_bfloat16_conversion_of_a_float32_export_is_a_valid_model(fixture):
-    """``dtype="bfloat16"``: RoPE's Sin / Cos take no bfloat16 at opset 18, so they compute in float32 between
-    Casts; the result passes onnx.checker, ORT's graph resolution (its CPU EP has no bfloat16 kernels, the same
-    verdict as PagedAttention's missing CPU kernel) and the CUDA validation."""
+    """``dtype="bfloat16"``: a model for CUDA (ONNX Runtime's CPU has no bfloat16 arithmetic, so meant for CPU
+    as well it is refused, naming an op). RoPE's positions times frequencies and its Sin / Cos stay float32 (index
+    arithmetic; Sin / Cos take no bfloat16 at opset 18 anyway); the result passes onnx.checker and the CUDA
+    validation."""
+    from ortpa.errors import ConversionError
     from ortpa.ops.validate import validate
+    from ortpa.rewriter.ort_check import meant_for
 
-    paged = convert(FIXTURES / f"{fixture}.onnx", dtype="bfloat16")
+    with pytest.raises(ConversionError, match=r"cannot run on CPU: ONNX Runtime has no bfloat16 kernel for \w+"):
+        convert(FIXTURES / f"{fixture}.onnx", dtype="bfloat16")
+    with meant_for(["cuda"]):
+        paged = convert(FIXTURES / f"{fixture}.onnx", dtype="bfloat16")
     onnx.checker.check_model(paged)
     assert validate(paged, backend="cuda").ok
+    inferred = onnx.shape_inference.infer_shapes(paged)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.input]}
     trig = [n for n in paged.graph.node if n.op_type in ("Sin", "Cos")]
-    assert trig and all(n.input[0].endswith("_float32") for n in trig)
+    assert trig and all(types[n.input[0]] == TensorProto.FLOAT for n in trig)

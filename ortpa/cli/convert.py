@@ -10,6 +10,7 @@ from pathlib import Path
 from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision, progress_printer
 from ortpa.cli.export import add_export_options
 from ortpa.errors import ConversionError, OrtpaError
+from ortpa.tolerances import FAMILY_EXTRA_ATOL
 
 __all__ = ["register", "run"]
 
@@ -55,7 +56,7 @@ def _export_first(args: argparse.Namespace, folder: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, locate_model
-    from ortpa.rewriter.pipeline import convert_file
+    from ortpa.parity.convert_file import convert_file
 
     try:
         ref = locate_model(args.input, args.revision)
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
             raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
     progress = _convert_progress(args)
+    verified: list = []
     try:
         proto = convert_file(
             ref,
@@ -81,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
             max_positions=args.max_positions,
             progress=progress,
             kv_scale=args.kv_scale,
+            verify=not args.no_verify,
+            family=args.family,
+            on_verified=verified.append,
         )
     finally:
         if progress is not None:
@@ -88,11 +93,17 @@ def run(args: argparse.Namespace) -> int:
     nodes = sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
     copied = [name for name, _ in companion_files(ref.folder)] if ref.folder is not None else []
     result = {"input": str(ref.path), "output": args.output, "paged_attention_nodes": nodes, "copied": copied}
+    result["verification"] = verified[0].summary() if verified else None
     if args.json:
         print(json.dumps(result))
     elif not args.quiet:
         also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
-        print(f"wrote {args.output}: {nodes} PagedAttention node(s){also}")
+        check = (
+            f"; verified against the original: max |dlogit| {verified[0].parity.max_abs_logit_error:.2e}"
+            if verified
+            else "; NOT verified (--no-verify)"
+        )
+        print(f"wrote {args.output}: {nodes} PagedAttention node(s){also}{check}")
     return EXIT_OK
 
 
@@ -102,7 +113,9 @@ def register(sub) -> None:
         help="convert a dense-attention ONNX model to a paged PagedAttention model",
         description="Rewrite dense MLA attention (DeepSeek-style) into PagedAttention LATENT and MHA/GQA into "
         "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
-        "The input is never modified; a model or layer that does not match is reported and nothing is written.",
+        "The converted model is then run against the original (a few seeded prompts, a few greedy steps) before it is "
+        "moved into place. The input is never modified; a model or layer that does not match, or a converted model "
+        "that disagrees with the original, is reported and nothing is written.",
         epilog="examples:\n  ortpa convert dense.onnx paged.onnx\n"
         "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op\n"
         "  ortpa convert ORG/NAME out/model.onnx --revision main   # a repo in the local Hugging Face cache",
@@ -170,7 +183,21 @@ def register(sub) -> None:
         default=None,
         help="rows of the cos/sin tables with --rope-in-op (default: the model's, else 4096)",
     )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="write the model without running it against the original first. By default the converted model "
+        "and the original run a few seeded prompts for a few greedy steps (one model in memory at a time) and "
+        "nothing is written on a mismatch; skip it only for a model too large for this machine's memory to run",
+    )
+    p.add_argument(
+        "--family",
+        choices=sorted(FAMILY_EXTRA_ATOL),
+        default=None,
+        help="verification: a model family measured with larger logit error (default: from the input folder's "
+        "config.json)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON (with the verification's figures)")
     add_export_options(p.add_argument_group("when INPUT is a Hugging Face folder"), dtype_dest="export_dtype")
     add_common(p)
     p.set_defaults(func=run)

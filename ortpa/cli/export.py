@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         verbose=args.verbose,
     )
     if not args.dense_only:
-        from ortpa.rewriter.pipeline import convert_file
+        from ortpa.parity.convert_file import convert_file
 
         convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress)
     if args.json:

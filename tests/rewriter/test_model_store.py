@@ -12,9 +12,10 @@ import pytest
 import ortpa.ops.validate.model as node_check
 import ortpa.runtime.session as session_module
 from ortpa.errors import ConversionError
+from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import paged_greedy
 from ortpa.rewriter import model_store
-from ortpa.rewriter.pipeline import convert, convert_file
+from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import InferenceSession, PagedSession
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "dsv3_sdpa_op18.onnx"

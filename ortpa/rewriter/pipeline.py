@@ -21,6 +21,7 @@ import onnxscript.optimizer
 from ortpa.errors import ConversionError
 from ortpa.model.ref import resolve_any
 from ortpa.rewriter import kv_quant, model_store, paged_io
+from ortpa.rewriter._fold import fold_shape_values
 from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
@@ -277,6 +278,7 @@ def _convert(
     canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
+    fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
     graph = irm.graph
     _progress(progress, "matching MLA layers")
     mla_results = match_mla_layers(graph)

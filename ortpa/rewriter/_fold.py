@@ -33,7 +33,10 @@ _BINARY = {"Mul": np.multiply, "Div": np.divide, "Add": np.add, "Sub": np.subtra
 
 def _numeric(arr: np.ndarray | None) -> np.ndarray | None:
     """``arr`` when it holds only numbers (a shape with a symbolic dim holds None there)."""
-    if arr is None or (arr.dtype == object and any(v is None for v in arr.reshape(-1))):
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.dtype == object and any(v is None for v in arr.reshape(-1)):
         return None
     return arr.astype(np.int64) if arr.dtype == object else arr
 
@@ -73,7 +76,8 @@ def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:
         return None
     try:
         if op in ("Slice", "Gather", "Unsqueeze", "Squeeze", "Concat", "Reshape"):
-            return _layout(node, op, args)
+            moved = _layout(node, op, args)
+            return None if moved is None else np.asarray(moved, dtype=object if moved.dtype == object else None)
         nums = [_numeric(a) for a in args]
         if any(n is None for n in nums):
             return None
@@ -101,7 +105,8 @@ def _layout(node: ir.Node, op: str, args: list[np.ndarray | None]) -> np.ndarray
     if op == "Gather":
         if not rest or rest[0] is None:
             return None
-        return np.take(data, rest[0].astype(np.int64), axis=int(attr_value(node, "axis", 0)))
+        taken = np.take(data, rest[0].astype(np.int64), axis=int(attr_value(node, "axis", 0)))
+        return np.asarray(taken, dtype=data.dtype)
     if op == "Concat":
         if any(a is None for a in args):
             return None

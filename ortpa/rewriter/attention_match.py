@@ -147,9 +147,11 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     )
     need(h % kvh == 0, f"{h} query heads are not a multiple of {kvh} KV heads", core.query)
     # the key may reach the scores transposed / reshaped: its heads are checked through the repeated value
-    for what, v in (("value", core.value), ("output", core.attn_out)):
-        got = static_dim(v, 1)
-        need(got in (None, h), f"attention {what} has {got} heads, query has {h}", v)
+    got = static_dim(core.value, 1)
+    # multi-query attention may read its one value head broadcast over the query heads (no repeat_kv)
+    need(got in (None, h) or got == kvh == 1, f"attention value has {got} heads, query has {h}", core.value)
+    got = static_dim(core.attn_out, 1)
+    need(got in (None, h), f"attention output has {got} heads, query has {h}", core.attn_out)
     for what, v in (("key", k_new), ("value", v_new)):
         need(static_dim(v, 1) in (None, kvh), f"new {what} has {static_dim(v, 1)} heads, cache has {kvh}", v)
     need(d % 8 == 0, f"head size {d} is not a multiple of 8 (PagedAttention)", past_k)

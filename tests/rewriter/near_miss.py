@@ -82,7 +82,9 @@ def hide_scalar(model: onnx.ModelProto, const: str, ref: str, *, axis: int = -1)
     made = [
         helper.make_node("Shape", [ref], [p + "shape"], name=p + "Shape"),
         helper.make_node("Slice", [p + "shape", p + "starts", p + "ends"], [p + "dim"], name=p + "Slice"),
-        helper.make_node("Cast", [p + "dim"], [p + "dimf"], to=numpy_helper.from_array(value).data_type, name=p + "Cast"),
+        helper.make_node(
+            "Cast", [p + "dim"], [p + "dimf"], to=numpy_helper.from_array(value).data_type, name=p + "Cast"
+        ),
         helper.make_node("Mul", [p + "dimf", p + "per_dim"], [p + "value"], name=p + "Value"),
     ]
     nodes = list(graph.node)

@@ -17,7 +17,7 @@ from ortpa.rewriter._graph import attr_value, const_array
 
 _MAX_FOLDED_ELEMENTS = 64  # shapes and scalars; never a weight-sized tensor
 
-__all__ = ["fold_shape_values", "fold_static", "folded_scalar", "runtime_scalar"]
+__all__ = ["fold_partial", "fold_shape_values", "fold_static", "folded_scalar", "runtime_scalar"]
 
 _UNARY = {
     "Sqrt": np.sqrt,
@@ -57,6 +57,13 @@ def fold_static(value: ir.Value | None, depth: int = 16) -> np.ndarray | None:
     """
     arr = _fold(value, depth)
     return _numeric(arr)
+
+
+def fold_partial(value: ir.Value | None, depth: int = 16) -> np.ndarray | None:
+    """As :func:`fold_static`, but a shape-like vector may hold None where a dimension is symbolic
+    (``Concat(Shape(x)[:2], [4, 48])`` -> ``[None, None, 4, 48]``)."""
+    arr = _fold(value, depth)
+    return None if arr is None else np.asarray(arr)
 
 
 def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:

@@ -158,11 +158,13 @@ def fold_shape_values(model: ir.Model) -> int:
     graph = model.graph
     shape_fed: set[int] = set()  # nodes whose value depends on a Shape
     made: list[ir.Value] = []
+    folded: set[int] = set()  # ids of the constants made here: what reads them is shape arithmetic too
     for node in list(graph):
         if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
             continue
         if node.op_type != "Shape" and not any(
-            v is not None and v.producer() is not None and id(v.producer()) in shape_fed for v in node.inputs
+            v is not None and (id(v) in folded or (v.producer() is not None and id(v.producer()) in shape_fed))
+            for v in node.inputs
         ):
             continue
         shape_fed.add(id(node))
@@ -178,6 +180,7 @@ def fold_shape_values(model: ir.Model) -> int:
         graph.register_initializer(const)
         out.replace_all_uses_with(const)
         made.append(const)
+        folded.add(id(const))
     if not made:
         return 0
     for const in made:  # folded intermediates whose users were folded in turn

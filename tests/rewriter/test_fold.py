@@ -34,8 +34,10 @@ def _model(axis: int) -> ir.Model:
         nodes,
         "g",
         [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["B", 4, "S", 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("concat", TensorProto.INT64, None)],  # fmt: skip
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("concat", TensorProto.INT64, None),
+        ],
         inits,
     )
     model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))

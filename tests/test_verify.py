@@ -95,3 +95,13 @@ def test_tie_rule_accepts_near_ties_only():
     wrong = GreedyRun([[6, 3]], [np.stack([row, row])], 0.0, 2)
     fixed, flips = _with_ties(original, wrong, rtol, atol)
     assert fixed.tokens == [[3, 3]] and flips == 0
+
+
+def test_a_model_the_cpu_cannot_run_is_not_written_unverified(tmp_path):
+    """bfloat16 arithmetic has no ONNX Runtime CPU kernel: unverifiable here, so refused unless asked for."""
+    out = tmp_path / "paged.onnx"
+    with pytest.raises(ConversionError, match="cannot verify the converted model on this machine"):
+        ortpa.convert_file(GQA, out, dtype="bfloat16")
+    assert not out.exists()
+    ortpa.convert_file(GQA, out, dtype="bfloat16", verify=False)
+    assert out.is_file()

@@ -23,6 +23,7 @@ from ortpa.errors import ConversionError
 from ortpa.model.ref import ModelRef, companion_files, copy_companion_files, locate_model
 from ortpa.parity.verify import DEFAULT_STEPS, Verification, family_of, verify_conversion
 from ortpa.rewriter import pipeline
+from ortpa.tolerances import FP16_WEIGHTS_EXTRA_ATOL
 
 __all__ = ["convert", "convert_file"]
 
@@ -46,7 +47,9 @@ def convert_file(
     converted model batched on a few seeded prompts for ``verify_steps`` greedy steps; on a mismatch nothing is
     written and the :class:`~ortpa.errors.ConversionError` names the first diverging layer. Its figures go into the
     model's metadata (``ortpa.verify.*``) and to ``on_verified``. ``family`` adds that family's measured tolerance
-    (:data:`ortpa.tolerances.FAMILY_EXTRA_ATOL`); default: the original folder's ``config.json`` says.
+    (:data:`ortpa.tolerances.FAMILY_EXTRA_ATOL`); default: the original folder's ``config.json`` says. With
+    ``dtype="float16"`` the bound adds :data:`ortpa.tolerances.FP16_WEIGHTS_EXTRA_ATOL`. A model ONNX Runtime's
+    CPU kernels cannot run (``dtype="bfloat16"``) cannot be verified here and is refused unless ``verify=False``.
     ``verify=False`` skips it: for a model too large for the machine's memory to run (once the converted model,
     once the original: one after the other, never both at once).
 
@@ -65,9 +68,13 @@ def convert_file(
     before_move = None
     if verify:
         chosen = family if family is not None else family_of(ref.path)
+        # float16 weights add their rounding to the float16 attention's (measured: ortpa.tolerances)
+        extra = FP16_WEIGHTS_EXTRA_ATOL if options.get("dtype") == "float16" else 0.0
 
         def before_move(tmp_model: Path) -> dict[str, str]:
-            result = verify_conversion(ref.path, tmp_model, steps=verify_steps, family=chosen, progress=progress)
+            result = verify_conversion(
+                ref.path, tmp_model, steps=verify_steps, family=chosen, extra_atol=extra, progress=progress
+            )
             if on_verified is not None:
                 on_verified(result)
             return result.metadata()

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ortpa.errors import ConversionError
+from ortpa.errors import ConversionError, InvalidModel
 from ortpa.parity.check import ParityResult, compare_runs
 from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.tolerances import FAMILY_EXTRA_ATOL, logit_tolerance, max_tie_flips
@@ -147,10 +147,12 @@ def verify_conversion(
     *,
     steps: int = DEFAULT_STEPS,
     family: str | None = None,
+    extra_atol: float = 0.0,
     progress: Callable[[str], None] | None = None,
 ) -> Verification:
     """Run ``converted`` against ``original`` (paths); raise :class:`ConversionError` naming the first diverging
-    layer when they disagree, else return the figures."""
+    layer when they disagree, else return the figures. ``extra_atol`` adds to the tolerance table's bound (a
+    whole-model float16 conversion: :data:`ortpa.tolerances.FP16_WEIGHTS_EXTRA_ATOL`)."""
     import time
 
     from ortpa.formats.detect import length_thresholds
@@ -163,13 +165,23 @@ def verify_conversion(
     if progress is not None:
         progress(f"verifying against the original ({len(prompts)} prompts, {steps} greedy steps)")
     blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
-    paged = PagedSession(
-        converted,
-        num_blocks=blocks,
-        block_size=_BLOCK_SIZE,
-        providers=["CPUExecutionProvider"],
-        sess_options=_lean_options(),
-    )
+    try:
+        paged = PagedSession(
+            converted,
+            num_blocks=blocks,
+            block_size=_BLOCK_SIZE,
+            providers=["CPUExecutionProvider"],
+            sess_options=_lean_options(),
+        )
+    except InvalidModel as exc:
+        if "Could not find an implementation" not in str(exc):
+            raise
+        raise ConversionError(
+            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run it "
+            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
+            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
+            [("session (CPU)", str(exc)[-300:])],
+        ) from None
     cache_dtype = _cache_dtype(paged)
     got = paged_greedy(paged, prompts, steps)
     del paged
@@ -179,6 +191,7 @@ def verify_conversion(
     del session
     gc.collect()
     rtol, atol = logit_tolerance(cache_dtype, family)
+    atol += extra_atol
     ref, flips = _with_ties(want, got, rtol, atol)
     result = compare_runs(ref, got, rtol=rtol, atol=atol)
     checked = sum(len(t) for t in got.tokens)

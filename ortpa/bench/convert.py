@@ -227,7 +227,7 @@ def measure_verify(label: str, dims: dict, layers: int, root: Path) -> list[dict
             "peak_rss_anon_verified",
             verified_peak,
             "MB",
-            f"{note}; --no-verify: {plain_peak:.0f} MB; the original's ORT session is the largest part",
+            f"{note}; --no-verify: {plain_peak:.0f} MB (both sessions read the weights memory-mapped)",
         ),
         _row(name, "peak_rss_verified_over_size", verified_peak / (size / 2**20), "x", "peak private MB / input MB"),
     ]

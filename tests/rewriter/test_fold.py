@@ -76,3 +76,46 @@ def test_fold_pass_replaces_the_shape_arithmetic():
     assert "Concat" in ops  # a shape with symbolic dims stays computed
     unchanged = _model(-2)
     assert fold_shape_values(unchanged) == 0
+
+
+def _projection_graph(width: int, row: int, slice_axis: int, start: int, end: int) -> ir.Value:
+    """x [B, S, 64] @ W [64, width] -> Reshape(Concat(Shape(x)[:2], [-1, row])) -> Slice(axis) -> Transpose: the
+    query as the attention reads it, with symbolic heads (the TorchScript exporters' reshape)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["proj"]),
+        helper.make_node("Shape", ["x"], ["xs"], end=2),
+        helper.make_node("Concat", ["xs", "tail"], ["target"], axis=0),
+        helper.make_node("Reshape", ["proj", "target"], ["heads"]),
+        helper.make_node("Slice", ["heads", "starts", "ends", "axes"], ["q"]),
+        helper.make_node("Transpose", ["q"], ["query"], perm=[0, 2, 1, 3]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.zeros((64, width), np.float32), "w"),
+        numpy_helper.from_array(np.array([-1, row], np.int64), "tail"),
+        numpy_helper.from_array(np.array([start], np.int64), "starts"),
+        numpy_helper.from_array(np.array([end], np.int64), "ends"),
+        numpy_helper.from_array(np.array([slice_axis], np.int64), "axes"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 64])],
+        [helper.make_tensor_value_info("query", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    return next(o for n in model.graph for o in n.outputs if o.name == "query")
+
+
+def test_heads_of_a_fused_qkv_viewed_per_head():
+    """[B, S, H, 3*D] split along the last axis (q = [..., :D]): H = 4 heads, not 3 * 4."""
+    from ortpa.rewriter.attention_match import _heads_from_projection
+
+    assert _heads_from_projection(_projection_graph(3 * 4 * 16, 3 * 16, -1, 0, 16), 16) == 4
+
+
+def test_heads_of_multi_query_from_the_heads_slice():
+    """Falcon-style [B, S, H + 2, D] with q = [:, :, :H]: H = 4 query heads, not the 6 rows of the projection."""
+    from ortpa.rewriter.attention_match import _heads_from_projection
+
+    assert _heads_from_projection(_projection_graph(6 * 16, 16, 2, 0, 4), 16) == 4

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.dense_only:
         from ortpa.parity.convert_file import convert_file
 
-        convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress)
+        convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress, verify=not args.no_verify)
     if args.json:
         print(json.dumps({"dense": dense, "output": args.output, "info": dict(info)}, default=str))
     elif not args.quiet:
@@ -89,6 +89,12 @@ def register(sub) -> None:
         help="convert the paged model to this dtype (as `ortpa convert --dtype`)",
     )
     p.add_argument("--dense-only", action="store_true", help="write only the dense export to OUTPUT")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="write the paged model without running it against the dense export first (as `ortpa convert "
+        "--no-verify`: for a model this machine cannot run, e.g. bfloat16 on CPU)",
+    )
     p.add_argument("--json", action="store_true")
     add_common(p)
     p.set_defaults(func=run)

@@ -105,3 +105,11 @@ def test_a_model_the_cpu_cannot_run_is_not_written_unverified(tmp_path):
     assert not out.exists()
     ortpa.convert_file(GQA, out, dtype="bfloat16", verify=False)
     assert out.is_file()
+
+
+def test_public_convert_with_an_output_path_is_verified(tmp_path):
+    out = tmp_path / "paged.onnx"
+    ortpa.convert(str(GQA), out)
+    assert _metadata(out)["ortpa.verified"] == "1"
+    with pytest.raises(TypeError, match="model must be a path"):
+        ortpa.convert(onnx.load(str(GQA)), tmp_path / "other.onnx")

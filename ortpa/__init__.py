@@ -33,7 +33,7 @@ from ortpa.errors import (
 )
 from ortpa.model.ref import NoOnnxFile, resolve_model
 from ortpa.ops.validate import ValidationReport, check_inputs, validate
-from ortpa.rewriter.pipeline import convert
+from ortpa.parity.convert_file import convert
 from ortpa.runtime.engine import Engine, EngineStats, RequestOutput
 from ortpa.runtime.kv import PagedKVCache, StepInputs
 from ortpa.runtime.sampling import SamplingParams

@@ -35,8 +35,8 @@ import onnxruntime as ort
 
 from ortpa.errors import InvalidParameter
 from ortpa.ops.validate import validate_model
+from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
-from ortpa.rewriter.pipeline import convert_file
 from ortpa.runtime.device import best_providers, providers_for
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.runtime.session import PagedSession

@@ -177,12 +177,18 @@ def test_check_refuses_bfloat16_on_cpu_naming_the_op(bf16_dense, tmp_path, capsy
     assert re.search(r"cannot run on CPU: ONNX Runtime has no bfloat16 kernel for \w+\(\d+\) \(\d+ node", err[0]), err
     assert "--dtype float16" in err[0] and "--providers cuda" in err[0]
     assert not out.parent.exists(), "nothing written"
-    # meant for CUDA only: written (checked on CUDA where a device is present)
-    assert main(["convert", str(bf16_dense), str(out), "--quiet", "--providers", "cuda"]) == 0
+    # meant for CUDA only: this CPU machine cannot verify it, so it is written only when verification is skipped
+    # (checked on CUDA where a device is present)
+    assert main(["convert", str(bf16_dense), str(out), "--quiet", "--providers", "cuda"]) == 1
+    assert "cannot verify the converted model on this machine" in capsys.readouterr().err
+    assert main(["convert", str(bf16_dense), str(out), "--quiet", "--providers", "cuda", "--no-verify"]) == 0
     assert out.is_file()
-    # --dtype float16: the same model at 2 bytes a weight, runs on CPU
+    # --dtype float16: the same model at 2 bytes a weight, runs on CPU (the bfloat16 original itself cannot run
+    # here, so it cannot be verified against: a checkpoint folder is exported as float16 instead, and verified)
     cpu = tmp_path / "cpu" / "paged.onnx"
-    assert main(["convert", str(bf16_dense), str(cpu), "--quiet", "--dtype", "float16"]) == 0
+    assert main(["convert", str(bf16_dense), str(cpu), "--quiet", "--dtype", "float16"]) == 1
+    assert "cannot verify the converted model on this machine" in capsys.readouterr().err
+    assert main(["convert", str(bf16_dense), str(cpu), "--quiet", "--dtype", "float16", "--no-verify"]) == 0
     weights = [i for i in onnx.load(str(cpu)).graph.initializer if len(i.raw_data) > 4096]
     assert weights and {i.data_type for i in weights} == {onnx.TensorProto.FLOAT16}
     outputs = _generate(cpu, 4, capsys)

@@ -54,7 +54,7 @@ def test_cli_convert_progress_and_quiet(tmp_path, capsys):
 def test_convert_file_feeds_the_bar_layers_and_bytes(tmp_path, monkeypatch):
     """The converter tells the display how many layers there are and how many bytes are written."""
     import ortpa.rewriter.model_store as model_store
-    from ortpa.rewriter.pipeline import convert_file
+    from ortpa.parity.convert_file import convert_file
 
     monkeypatch.setattr(model_store, "EXTERNAL_DATA_THRESHOLD", 1)  # external data: bytes are reported
     stream = io.StringIO()

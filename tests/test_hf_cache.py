@@ -23,7 +23,8 @@ import ortpa
 from ortpa.cli import main
 from ortpa.errors import InvalidModel
 from ortpa.model.ref import NoOnnxFile, find_onnx_file, resolve_model
-from ortpa.rewriter.pipeline import convert, convert_file
+from ortpa.parity.convert_file import convert_file
+from ortpa.rewriter.pipeline import convert
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DENSE = FIXTURES / "llama_sdpa_op18.onnx"

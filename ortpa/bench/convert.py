@@ -15,6 +15,10 @@ the same run:
   its data file: ORT has no CPU kernel for PagedAttention, so this is what ORT itself loads), each the best of
   two fresh subprocesses: wall time after imports and peak private memory; the dense original for reference.
 
+Verification (issue 24): ``convert/verify/{0.1GB,1GB,3GB}``: the same ``ortpa convert`` child with and without
+``--no-verify``: ``verify_seconds`` (the difference), ``verify_share``, ``peak_rss_anon_verified`` and its ratio to
+the input's size (``python -m ortpa.bench.convert --verify-only [0.1GB 1GB 3GB]`` runs only these).
+
 Rows: ``convert/v2lite/layersN`` with ``peak_rss_anon`` (target in its notes), ``convert_seconds``,
 ``convert_mb_s``, ``cp_mb_s``, ``convert_over_cp``, ``session_startup_ratio``, ``session_rss_ratio``.
 Folders are deleted after each layer count.
@@ -110,7 +114,7 @@ try:
 except OSError:
     pass
 t0 = time.perf_counter()
-rc = main(["convert", sys.argv[1], sys.argv[2], "--quiet"])
+rc = main(["convert", sys.argv[1], sys.argv[2], "--quiet", *sys.argv[3:]])
 os.sync()
 print(json.dumps({"seconds": time.perf_counter() - t0, "rc": rc}))
 """
@@ -183,13 +187,66 @@ def measure(layers: int, root: Path) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False, counts: tuple[int, ...] | None = None) -> list[dict]:
+# Verification's cost (issue 24) at three model sizes: (label, config, layers). 0.1 GB is a narrower model
+# (hidden 512, vocab 8000); 1 and 3 GB are DeepSeek-V2-Lite dimensions with 1 and 7 layers.
+SMALL = dict(hidden=512, heads=8, q_lora_rank=None, kv_lora_rank=128, qk_nope=64, qk_rope=32, v_head=64,
+             vocab=8000, intermediate=2048)  # fmt: skip
+VERIFY_SIZES = (("0.1GB", SMALL, 3), ("1GB", V2_LITE, 1), ("3GB", V2_LITE, 7))
+
+
+def measure_verify(label: str, dims: dict, layers: int, root: Path) -> list[dict]:
+    """``ortpa convert`` with and without ``--no-verify`` on the same model: the verification's seconds (the
+    difference), its share of the conversion, and both runs' peak private memory."""
+    from ortpa.testing.dense_mla import DenseMlaConfig
+    from ortpa.testing.dense_mla_file import write_dense_mla
+
+    c = DenseMlaConfig(layers=layers, **dims)
+    dense = write_dense_mla(c, root / "dense" / "model.onnx")
+    size = _files_bytes(dense.parent)
+    name = f"convert/verify/{label}"
+    runs = {}
+    for flag in ("--no-verify", None):
+        out = root / ("plain" if flag else "verified") / "paged.onnx"
+        args = [sys.executable, "-c", _CONVERT_CHILD, str(dense), str(out), *([flag] if flag else [])]
+        _, peak, text = _peak_anon(args, timeout=3600)
+        runs[flag] = (json.loads(text.splitlines()[-1])["seconds"], peak)
+        shutil.rmtree(out.parent, ignore_errors=True)
+    (plain_s, plain_peak), (verified_s, verified_peak) = runs["--no-verify"], runs[None]
+    note = f"input {size / _MB:.0f} MB, {layers} layers"
+    return [
+        _row(
+            name,
+            "verify_seconds",
+            verified_s - plain_s,
+            "s",
+            f"{note}; convert {verified_s:.1f} s verified, {plain_s:.1f} s with --no-verify",
+        ),
+        _row(name, "verify_share", (verified_s - plain_s) / verified_s, "x", "of the verified conversion's time"),
+        _row(
+            name,
+            "peak_rss_anon_verified",
+            verified_peak,
+            "MB",
+            f"{note}; --no-verify: {plain_peak:.0f} MB (both sessions read the weights memory-mapped)",
+        ),
+        _row(name, "peak_rss_verified_over_size", verified_peak / (size / 2**20), "x", "peak private MB / input MB"),
+    ]
+
+
+def run(quick: bool = False, counts: tuple[int, ...] | None = None, verify_sizes=None) -> list[dict]:
     counts = counts or ((2, 4) if quick else (2, 4, 8, 16))
+    sizes = verify_sizes if verify_sizes is not None else (VERIFY_SIZES[:2] if quick else VERIFY_SIZES)
     rows: list[dict] = []
     for n in counts:
         root = Path(tempfile.mkdtemp(prefix=f"ortpa-bench-convert-{n}-"))
         try:
             rows += measure(n, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    for label, dims, layers in sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"ortpa-bench-verify-{label}-"))
+        try:
+            rows += measure_verify(label, dims, layers, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -198,5 +255,17 @@ def run(quick: bool = False, counts: tuple[int, ...] | None = None) -> list[dict
 if __name__ == "__main__":
     from ortpa.bench import format_table
 
-    layers = tuple(int(a) for a in sys.argv[1:] if a.isdigit())
-    print(format_table(run(quick="--quick" in sys.argv[1:], counts=layers or None)))
+    if "--verify-only" in sys.argv[1:]:
+        wanted = [a for a in sys.argv[1:] if a.endswith("GB")]
+        sizes = tuple(s for s in VERIFY_SIZES if not wanted or s[0] in wanted)
+        rows = []
+        for label, dims, n in sizes:
+            root = Path(tempfile.mkdtemp(prefix=f"ortpa-bench-verify-{label}-"))
+            try:
+                rows += measure_verify(label, dims, n, root)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+        print(format_table(rows))
+    else:
+        layers = tuple(int(a) for a in sys.argv[1:] if a.isdigit())
+        print(format_table(run(quick="--quick" in sys.argv[1:], counts=layers or None)))

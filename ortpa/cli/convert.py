@@ -13,6 +13,7 @@ from pathlib import Path
 from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
 from ortpa.cli.export import add_export_options
 from ortpa.errors import ConversionError, OrtpaError
+from ortpa.tolerances import FAMILY_EXTRA_ATOL
 
 __all__ = ["register", "run"]
 
@@ -51,7 +52,7 @@ def _remove_if_empty(folder: Path) -> None:
 def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> str:
     """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``dense_dir/model.onnx`` first; its path."""
     try:
-        from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
+        from ortpa.export.checkpoint_dtype import default_export_dtype, refuse_cpu_bfloat16, stored_dtype
         from ortpa.export.hf import export_hf
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConversionError(
@@ -78,17 +79,6 @@ def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> st
     if progress:
         progress(f"[2/2] convert {dense} -> {args.output}")
     return dense
-
-
-def refuse_cpu_bfloat16(label: str, export_dtype: str, providers: tuple[str, ...]) -> None:
-    """Before any export: a bfloat16 export cannot run on CPU (ONNX Runtime's CPU kernels lack bfloat16
-    arithmetic: Mul, MatMul, ...); the conversion's check would refuse it after the whole export."""
-    if export_dtype == "bfloat16" and "cpu" in providers:
-        raise ConversionError(
-            f"{label}: a bfloat16 export cannot run on CPU (ONNX Runtime has no bfloat16 kernel for Mul, "
-            "MatMul, ...); pass --providers cuda if the model is meant for CUDA only, or --export-dtype float16 "
-            "(the default) or float32"
-        )
 
 
 def _genai_options(args: argparse.Namespace):
@@ -127,11 +117,9 @@ def run(args: argparse.Namespace) -> int:
                 ref = ModelRef(Path(_export_first(args, exc.folder, _dense_folder(args, stack))), exc.folder)
             except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
                 raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
-        from ortpa.rewriter.ort_check import meant_for
-
         progress = _convert_progress(args)
+        verified: list = []
         try:
-            stack.enter_context(meant_for(args.providers))
             proto, deployment = convert_deployment(
                 ref,
                 args.output,
@@ -147,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
                 max_positions=args.max_positions,
                 progress=progress,
                 kv_scale=args.kv_scale,
+                providers=args.providers,
+                verify=not args.no_verify,
+                family=args.family,
+                on_verified=verified.append,
             )
         finally:
             if progress is not None:
@@ -163,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "split_latent": bool(portable and portable.split_latent),
         "genai_config": str(deployment.genai_config),
         "copied": copied,
+        "verification": verified[0].summary() if verified else None,
     }
     written = json.loads(deployment.genai_config.read_text(encoding="utf-8"))
     if "eos_token_id" not in written["model"] and not args.quiet:
@@ -178,7 +171,12 @@ def run(args: argparse.Namespace) -> int:
     elif not args.quiet:
         also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
         kind = "lowered to standard ONNX ops (--portable)" if portable else "PagedAttention node(s)"
-        print(f"wrote {args.output}: {nodes} {kind}, genai_config.json{also}")
+        check = (
+            f"; verified against the original: max |dlogit| {verified[0].parity.max_abs_logit_error:.2e}"
+            if verified
+            else "; NOT verified (--no-verify)"
+        )
+        print(f"wrote {args.output}: {nodes} {kind}, genai_config.json{also}{check}")
     return EXIT_OK
 
 
@@ -188,7 +186,9 @@ def register(sub) -> None:
         help="convert a dense-attention ONNX model to a paged PagedAttention model",
         description="Rewrite dense MLA attention (DeepSeek-style) into PagedAttention LATENT and MHA/GQA into "
         "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
-        "The input is never modified; a model or layer that does not match is reported and nothing is written.",
+        "The converted model is then run against the original (a few seeded prompts, a few greedy steps) before it is "
+        "moved into place. The input is never modified; a model or layer that does not match, or a converted model "
+        "that disagrees with the original, is reported and nothing is written.",
         epilog="examples:\n  ortpa convert dense.onnx paged.onnx\n"
         "  ortpa convert dense.onnx paged.onnx --dtype float16 --rope-in-op\n"
         "  ortpa convert ORG/NAME out/model.onnx --revision main   # a repo in the local Hugging Face cache",
@@ -258,7 +258,21 @@ def register(sub) -> None:
         default=None,
         help="rows of the cos/sin tables with --rope-in-op (default: the model's, else 4096)",
     )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="write the model without running it against the original first. By default the converted model "
+        "and the original run a few seeded prompts for a few greedy steps (one model in memory at a time) and "
+        "nothing is written on a mismatch; skip it only for a model too large for this machine's memory to run",
+    )
+    p.add_argument(
+        "--family",
+        choices=sorted(FAMILY_EXTRA_ATOL),
+        default=None,
+        help="verification: a model family measured with larger logit error (default: from the input folder's "
+        "config.json)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON (with the verification's figures)")
     p.add_argument(
         "--portable",
         action="store_true",

@@ -19,8 +19,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     dense = args.output if args.dense_only else args.output + ".dense.onnx"
     if not args.dense_only and not args.random_weights:
-        from ortpa.cli.convert import refuse_cpu_bfloat16
-        from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
+        from ortpa.export.checkpoint_dtype import default_export_dtype, refuse_cpu_bfloat16, stored_dtype
 
         refuse_cpu_bfloat16(args.model, default_export_dtype(stored_dtype(args.model), args.dtype), args.providers)
     progress = progress_printer(args)
@@ -37,11 +36,16 @@ def run(args: argparse.Namespace) -> int:
         verbose=args.verbose,
     )
     if not args.dense_only:
-        from ortpa.deploy.deployment import convert_file  # + genai_config.json beside it
-        from ortpa.rewriter.ort_check import meant_for
+        from ortpa.deploy.deployment import convert_file  # verified, + genai_config.json beside it
 
-        with meant_for(args.providers):
-            convert_file(dense, args.output, dtype=args.convert_dtype, progress=progress)
+        convert_file(
+            dense,
+            args.output,
+            dtype=args.convert_dtype,
+            progress=progress,
+            providers=args.providers,
+            verify=not args.no_verify,
+        )
     if args.json:
         print(json.dumps({"dense": dense, "output": args.output, "info": dict(info)}, default=str))
     elif not args.quiet:
@@ -98,6 +102,12 @@ def register(sub) -> None:
     )
     p.add_argument("--dense-only", action="store_true", help="write only the dense export to OUTPUT")
     add_providers(p)
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="write the paged model without running it against the dense export first (as `ortpa convert "
+        "--no-verify`: for a model this machine cannot run, e.g. bfloat16 on CPU)",
+    )
     p.add_argument("--json", action="store_true")
     add_common(p)
     p.set_defaults(func=run)

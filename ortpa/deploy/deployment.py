@@ -1,7 +1,8 @@
 """A converted model as a deployment: the paged file (native or ``--portable``) and its ``genai_config.json``.
 
-:func:`convert_deployment` is the conversion (:func:`ortpa.rewriter.pipeline.convert_file`, which validates the
-PagedAttention nodes and writes the file) followed by one separate post-conversion step,
+:func:`convert_deployment` is the conversion (:func:`ortpa.parity.convert_file.convert_file`, which validates
+the PagedAttention nodes, verifies the model against its original and writes the file) followed by one separate
+post-conversion step,
 :func:`finish_deployment`: with ``portable=True`` lower every node to standard ONNX ops in place
 (:mod:`ortpa.deploy.portable_file`), then write ``genai_config.json`` beside the model
 (:mod:`ortpa.deploy.genai_config`). A failure in that step removes what the conversion wrote: the output is a
@@ -88,7 +89,7 @@ def convert_deployment(
 ) -> tuple[onnx.ModelProto, Deployment]:
     """Convert ``in_path`` to ``out_path`` and finish it as a deployment: (the conversion's result, what was
     written). ``options`` are :func:`ortpa.convert`'s."""
-    from ortpa.rewriter.pipeline import convert_file
+    from ortpa.parity.convert_file import convert_file  # verified against the original unless verify=False
 
     if portable:
         check_portable_options(**options)
@@ -114,7 +115,7 @@ def convert_file(
     genai: GenaiOptions | None = None,
     **options,
 ) -> onnx.ModelProto:
-    """``ortpa.convert_file``: :func:`ortpa.rewriter.pipeline.convert_file` (same arguments and result) plus the
+    """``ortpa.convert_file``: :func:`ortpa.parity.convert_file.convert_file` (same arguments and result) plus the
     deployment step: ``portable=True`` lowers the written file to standard ONNX ops, and a ``genai_config.json``
     is written beside it (``genai``: its ``engine.dynamic_batching`` settings)."""
     result, _ = convert_deployment(in_path, out_path, portable=portable, genai=genai, revision=revision, **options)

@@ -79,7 +79,7 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 
 def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
-    from ortpa.rewriter.model_store import weightless  # rewriter: the conversion's own weight-free view
+    from ortpa.rewriter.ort_check import weightless  # rewriter: the conversion's own weight-free view
 
     return weightless(proto)
 

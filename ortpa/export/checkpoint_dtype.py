@@ -12,7 +12,9 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["WIDER", "check_float16_range", "default_export_dtype", "stored_dtype"]
+from ortpa.errors import ConversionError
+
+__all__ = ["WIDER", "check_float16_range", "default_export_dtype", "refuse_cpu_bfloat16", "stored_dtype"]
 
 _DTYPES = ("float32", "float16", "bfloat16")
 # what to pass when float16 is too narrow
@@ -61,3 +63,14 @@ def check_float16_range(model, label: str, stored: str) -> None:
                 label,
                 f"weight {name} does not fit float16 (its {stored} values pass 65504); {WIDER}",
             )
+
+
+def refuse_cpu_bfloat16(label: str, export_dtype: str, providers: tuple[str, ...]) -> None:
+    """Before any export: a bfloat16 export cannot run on CPU (ONNX Runtime's CPU kernels lack bfloat16
+    arithmetic: Mul, MatMul, ...); the conversion's check would refuse it after the whole export."""
+    if export_dtype == "bfloat16" and "cpu" in providers:
+        raise ConversionError(
+            f"{label}: a bfloat16 export cannot run on CPU (ONNX Runtime has no bfloat16 kernel for Mul, "
+            "MatMul, ...); pass --providers cuda if the model is meant for CUDA only, or --export-dtype float16 "
+            "(the default) or float32"
+        )

@@ -13,6 +13,7 @@ from typing import TypeVar
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
+from ortpa.rewriter._fold import fold_static, runtime_scalar
 from ortpa.rewriter._graph import consumers, int_attr, producer_op, scalar
 
 T = TypeVar("T")
@@ -77,10 +78,31 @@ def cache_concat(past: ir.Value) -> tuple[ir.Value, ir.Value]:
     raise MatchFail(f"expected Concat({past.name}, new, axis=-2), found consumers {consumer_ops(past)}", past)
 
 
-def strip_scales(value: ir.Value, *, through_layout: bool = False) -> tuple[ir.Value, float]:
-    """Walk back through Mul/Div by constant scalars and Casts (and Reshape/Transpose when asked).
+def _factor(value: ir.Value, node: ir.Node) -> float | None:
+    """A one-element operand of a Mul / Div as a float: a constant, or folded from static shapes and constants
+    (:func:`ortpa.rewriter._fold.fold_static`); a :class:`MatchFail` naming ``node`` when it is computed at run
+    time from something that is not static (never a default in its place); None when it is not a scalar."""
+    const = scalar(value)
+    if const is not None:
+        return const
+    folded = fold_static(value)
+    if folded is not None and folded.size == 1:
+        return float(folded.reshape(()))
+    need(
+        not runtime_scalar(value),
+        f"{node.op_type} by {value.name!r}, a factor computed at run time that is neither a constant nor "
+        "foldable from static shapes: ortpa cannot read it as the attention's scale or softcap",
+        node,
+    )
+    return None
 
-    Returns (base, factor): ``value == base * factor``. A Div by a zero constant is not stripped.
+
+def strip_scales(value: ir.Value, *, through_layout: bool = False) -> tuple[ir.Value, float]:
+    """Walk back through Mul/Div by scalars (constants, or folded from static shapes) and Casts (and
+    Reshape/Transpose when asked).
+
+    Returns (base, factor): ``value == base * factor``. A Div by zero is not stripped; a scalar factor computed
+    at run time raises :class:`MatchFail` naming its node.
     """
     factor = 1.0
     while True:
@@ -95,7 +117,8 @@ def strip_scales(value: ir.Value, *, through_layout: bool = False) -> tuple[ir.V
             value = node.inputs[0]
         else:
             a, b = node.inputs[0], node.inputs[1]
-            sa, sb = scalar(a), scalar(b)
+            sb = _factor(b, node)
+            sa = _factor(a, node) if sb is None else None
             if node.op_type == "Mul" and sb is not None:
                 factor, value = factor * sb, a
             elif node.op_type == "Mul" and sa is not None:

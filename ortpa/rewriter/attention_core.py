@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from ortpa.rewriter._fold import folded_scalar
 from ortpa.rewriter._graph import const_array, consumers, int_attr, producer_op, scalar, static_dim
 from ortpa.rewriter._match import MatchFail, consumer_ops, need, softmax_of, strip_scales
 
@@ -190,10 +191,10 @@ def _ancestors(values: list[ir.Value], limit: int = _MAX_MASK_NODES) -> list[ir.
 
 
 def _int_scalar(value: ir.Value | None) -> int | None:
-    arr = const_array(value)
-    if arr is None or arr.size != 1 or arr.dtype.kind not in "iu":
+    arr = folded_scalar(value)  # a constant, or one folded from static shapes
+    if arr is None or arr.dtype.kind not in "iu":
         return None
-    return int(arr.reshape(()))
+    return int(arr)
 
 
 def _offset(value: ir.Value) -> int | None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
+from ortpa.rewriter._fold import fold_partial, fold_static
 from ortpa.rewriter._graph import static_dim, static_width
 from ortpa.rewriter._match import (
     LayerFailure,
@@ -90,10 +91,14 @@ class AttentionLayer:
 
 
 def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40) -> int | None:
-    """Query heads = width of the projection the query was reshaped from / head size.
+    """Query heads = width of the projection the query was reshaped from / the width of one head's row there.
 
     Walks back from the attention's query (through RoPE's element-wise ops and the head transpose) to the first
-    ``Reshape`` whose input has a known last dimension (a MatMul weight's width when shapes are symbolic).
+    ``Reshape`` whose input has a known last dimension (a MatMul weight's width when shapes are symbolic). A row
+    is ``head_size`` wide, or the Reshape target's last entry when it states one: a fused QKV projection viewed
+    per head as ``[B, S, H, 3 * D]`` (each head's q, k, v adjacent, split along the last axis) has ``H`` heads,
+    not ``3 * H``. A ``Slice`` on the heads axis on the way (multi-query's fused ``[B, S, H + 2, D]`` cut into
+    q ``[:H]``, k, v) states the query's own count: its extent.
     """
     seen: set[int] = set()
     queue = deque([query])
@@ -102,10 +107,25 @@ def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40)
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        if node.op_type == "Slice" and len(node.inputs) >= 4:
+            starts, ends, axes = (fold_static(v) for v in node.inputs[1:4])
+            if (
+                starts is not None
+                and ends is not None
+                and axes is not None
+                and axes.reshape(-1).tolist() in ([2], [-2])
+            ):
+                start, end = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+                if 0 <= start < end < 2**31:
+                    return end - start
         if node.op_type == "Reshape":
             width = static_width(node.inputs[0])
-            if width is not None and width % head_size == 0:
-                return width // head_size
+            target = fold_partial(node.inputs[1]) if len(node.inputs) > 1 else None
+            row = head_size
+            if target is not None and target.ndim == 1 and target.size == 4 and (target[-1] or 0) > 0:
+                row = int(target[-1])
+            if width is not None and width % row == 0:
+                return width // row
             continue
         queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
     return None
@@ -147,9 +167,11 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     )
     need(h % kvh == 0, f"{h} query heads are not a multiple of {kvh} KV heads", core.query)
     # the key may reach the scores transposed / reshaped: its heads are checked through the repeated value
-    for what, v in (("value", core.value), ("output", core.attn_out)):
-        got = static_dim(v, 1)
-        need(got in (None, h), f"attention {what} has {got} heads, query has {h}", v)
+    got = static_dim(core.value, 1)
+    # multi-query attention may read its one value head broadcast over the query heads (no repeat_kv)
+    need(got in (None, h) or got == kvh == 1, f"attention value has {got} heads, query has {h}", core.value)
+    got = static_dim(core.attn_out, 1)
+    need(got in (None, h), f"attention output has {got} heads, query has {h}", core.attn_out)
     for what, v in (("key", k_new), ("value", v_new)):
         need(static_dim(v, 1) in (None, kvh), f"new {what} has {static_dim(v, 1)} heads, cache has {kvh}", v)
     need(d % 8 == 0, f"head size {d} is not a multiple of 8 (PagedAttention)", past_k)

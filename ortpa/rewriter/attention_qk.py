@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from ortpa.rewriter._fold import folded_scalar
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr, producer_op, scalar, static_dim
 
 __all__ = ["QkNorm", "before_transpose_norm", "rope_input"]
@@ -50,7 +51,8 @@ def _rms_norm(value: ir.Value) -> QkNorm | None:
             add = producer_op(sqrt.inputs[0], "Add") if sqrt else None
             if add is None:
                 continue
-            eps = scalar(add.inputs[1])
+            eps_arr = folded_scalar(add.inputs[1])  # a constant, or folded from static shapes
+            eps = None if eps_arr is None else float(eps_arr)
             mean = producer_op(add.inputs[0], "ReduceMean")
             pow_ = producer_op(mean.inputs[0], "Pow") if mean else None
             if eps is None or pow_ is None or pow_.inputs[0] is not x or scalar(pow_.inputs[1]) != 2.0:

@@ -4,8 +4,8 @@ Loading (:func:`load_ir`): a file is checked by :func:`ortpa.model.file.read_mod
 and by ``onnx.checker`` from its path, then deserialized into onnx-ir with every external tensor left lazy
 (``onnx_ir.ExternalTensor``, memory-mapped from the input's own folder on first use).
 
-Writing (:func:`convert_file` -> :func:`finish`): inside :func:`writing_to`, the converted ``ir.Model`` is
-streamed to a private temp folder next to the output: the graph as a small protobuf, every tensor of
+Writing (:func:`finish` with the sink :func:`writing_to` made for ``convert(..., out_path)``): the converted
+``ir.Model`` is streamed to a private temp folder next to the output: the graph as a small protobuf, every tensor of
 :data:`MIN_EXTERNAL_BYTES` or more one after the other in ``<output>.data`` (``onnx_ir.save`` reads a lazy
 tensor, writes it, drops it). Weights the rewrite computes (absorbed ``W_UK``/``W_UV``) are spilled to a scratch
 file after each layer (:func:`after_layer`), so they never accumulate in memory; dtype casts are lazy and
@@ -25,11 +25,10 @@ file each tensor lives in, what was spilled, what the temp folder holds); apart 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,14 +37,15 @@ import onnx_ir as ir
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model.file import read_model
-from ortpa.model.ref import ModelRef
+from ortpa.rewriter.ort_check import DEFAULT_PROVIDERS, check_runs, weightless
 
 __all__ = [
     "EXTERNAL_DATA_THRESHOLD",
     "MIN_EXTERNAL_BYTES",
+    "BeforeMove",
+    "Sink",
     "after_layer",
     "check_session_from_path",
-    "convert_file",
     "finish",
     "inline_copy",
     "load_ir",
@@ -55,11 +55,11 @@ __all__ = [
 
 EXTERNAL_DATA_THRESHOLD = 2**30  # weights past this go to external data even when the input had none
 MIN_EXTERNAL_BYTES = 1024  # tensors below stay in the protobuf (shapes, scalars: what ORT folds at load)
-_SESSION_CHECK_MIN_BYTES = 4096  # initializers the ORT load check sees as typed graph inputs instead
 _IN_FLIGHT_BYTES = 256 * 2**20  # onnx_ir.save's read-ahead budget while writing external data
 _PROTOBUF_LIMIT = 2**31 - 2**20
 
 Progress = Callable[[str], None]
+BeforeMove = Callable[[Path], Mapping[str, str] | None]
 
 
 def _say(progress: Progress | None, message: str) -> None:
@@ -68,7 +68,7 @@ def _say(progress: Progress | None, message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ loading
-def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
+def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike, sink: Sink | None = None) -> ir.Model:
     """A private ir.Model: the caller's model object is never modified.
 
     Paths: checked by the shared loader without reading the weights, by onnx.checker on the graph (weights as
@@ -97,7 +97,6 @@ def load_ir(model: onnx.ModelProto | ir.Model | str | os.PathLike) -> ir.Model:
     if loaded.base_dir is not None:
         ir.external_data.set_base_dir(irm.graph, loaded.base_dir)
         _point_at_checked_targets(irm, loaded.external)
-    sink = _SINK.get()
     layers = getattr(sink.progress, "layers", None) if sink is not None else None
     if layers is not None:  # a progress display that shows "layer i/n"
         layers(layer_count(irm))
@@ -134,7 +133,7 @@ def layer_count(irm: ir.Model) -> int:
 
 # ------------------------------------------------------------------------------------------ the sink
 @dataclass
-class _Sink:
+class Sink:
     """Where :func:`finish` writes: the final path and a private temp folder next to it, made on first use
     (nothing is created next to the output before the conversion has something to write)."""
 
@@ -165,29 +164,24 @@ class _Sink:
                     folder.rmdir()  # only when still empty
 
 
-_SINK: contextvars.ContextVar[_Sink | None] = contextvars.ContextVar("ortpa_model_sink", default=None)
-
-
 @contextlib.contextmanager
-def writing_to(out_path: str | os.PathLike, progress: Progress | None = None) -> Iterator[_Sink]:
-    """Within the block, :func:`finish` streams the converted model to ``out_path`` instead of returning an
-    in-memory proto. The temp folder is removed on any exit (success has moved its files out already), and on
-    failure so are the output's parent folders this call created."""
-    sink = _Sink(Path(out_path), progress)
-    token = _SINK.set(sink)
+def writing_to(out_path: str | os.PathLike, progress: Progress | None = None) -> Iterator[Sink]:
+    """A :class:`Sink` for ``out_path``: hand it to :func:`load_ir`, :func:`after_layer` and :func:`finish`.
+    The temp folder is removed on any exit (success has moved its files out already), and on failure so are the
+    output's parent folders this call created."""
+    sink = Sink(Path(out_path), progress)
     failed = True
     try:
         yield sink
         failed = False
     finally:
-        _SINK.reset(token)
         sink.cleanup(failed)
 
 
-def after_layer(irm: ir.Model) -> None:
-    """When writing to a file: move every computed in-memory initializer of :data:`MIN_EXTERNAL_BYTES` or more
-    to the scratch file, so the next layer starts with only the model's (memory-mapped) weights in memory."""
-    sink = _SINK.get()
+def after_layer(irm: ir.Model, sink: Sink | None) -> None:
+    """When writing to a file (``sink`` given): move every computed in-memory initializer of
+    :data:`MIN_EXTERNAL_BYTES` or more to the scratch file, so the next layer starts with only the model's
+    (memory-mapped) weights in memory."""
     if sink is None:
         return
     if sink.scratch is None:
@@ -215,12 +209,21 @@ def after_layer(irm: ir.Model) -> None:
 
 
 # ------------------------------------------------------------------------------------------ finishing
-def finish(irm: ir.Model, progress: Progress | None, check_session: bool) -> onnx.ModelProto:
-    """The converted model, checked: an in-memory proto, or (inside :func:`writing_to`) the written file's
-    graph (its tensors stored externally reference ``<output>.data`` next to the output)."""
-    sink = _SINK.get()
+def finish(
+    irm: ir.Model,
+    sink: Sink | None,
+    progress: Progress | None,
+    providers: Sequence[str],
+    before_move: BeforeMove | None = None,
+) -> onnx.ModelProto:
+    """The converted model, checked: an in-memory proto (``sink`` None), or the written file's graph (its tensors
+    stored externally reference ``<output>.data`` next to the output).
+
+    ``before_move(tmp_model_path)`` runs on the complete, checked model in the temp folder, before anything is
+    moved into place (the conversion's verification): it raises to stop the write, or returns metadata entries
+    to stamp into the written model."""
     if sink is None:
-        return _serialize_checked(irm, progress, check_session)
+        return _serialize_checked(irm, progress, providers)
     _write(irm, sink, progress)
     _say(progress, "checking")
     tmp_model = sink.tmp / sink.out.name
@@ -230,13 +233,29 @@ def finish(irm: ir.Model, progress: Progress | None, check_session: bool) -> onn
         raise ConversionError("the converted model fails onnx.checker", [("model", str(exc)[:2000])]) from exc
     header = onnx.load(str(tmp_model), load_external_data=False)
     _validate(header)
-    if check_session:
-        check_session_from_path(header)
+    if providers:
+        check_session_from_path(header, providers, progress)
+    if before_move is not None:
+        extra = before_move(tmp_model)
+        if extra:
+            header = _stamp_metadata(tmp_model, extra)
     _move_into_place(sink)
     _say(progress, "done")
     if _has_external(header):
         return header
     return onnx.load(str(sink.out))
+
+
+def _stamp_metadata(path: Path, entries: Mapping[str, str]) -> onnx.ModelProto:
+    """Add (or replace) metadata entries of the model at ``path``, its external data left where it is."""
+    proto = onnx.load(str(path), load_external_data=False)
+    kept = [p for p in proto.metadata_props if p.key not in entries]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    for key, value in entries.items():
+        proto.metadata_props.add(key=key, value=value)
+    onnx.save(proto, str(path))
+    return proto
 
 
 def _total_bytes(irm: ir.Model) -> int:
@@ -251,7 +270,7 @@ def _has_external_input(irm: ir.Model, scratch_dir: Path) -> bool:
     )
 
 
-def _write(irm: ir.Model, sink: _Sink, progress: Progress | None) -> None:
+def _write(irm: ir.Model, sink: Sink, progress: Progress | None) -> None:
     total = _total_bytes(irm)
     external = sink.force_external or _has_external_input(irm, sink.tmp) or total >= EXTERNAL_DATA_THRESHOLD
     data_name = sink.out.name + ".data"
@@ -302,7 +321,7 @@ def _write(irm: ir.Model, sink: _Sink, progress: Progress | None) -> None:
         raise ConversionError(f"cannot write {sink.out}: {exc.strerror or exc}") from exc
 
 
-def _move_into_place(sink: _Sink) -> None:
+def _move_into_place(sink: Sink) -> None:
     """Data file first, model last; an existing output is removed first, so a crash in between leaves no model
     (never an old model next to a new data file)."""
     data_name = sink.out.name + ".data"
@@ -334,8 +353,8 @@ def inline_copy(irm: ir.Model) -> onnx.ModelProto:
     return proto
 
 
-def _serialize_checked(irm: ir.Model, progress: Progress | None, check_session: bool) -> onnx.ModelProto:
-    """Serialize, then onnx.checker, ortpa's node validation and (optionally) ORT's session check."""
+def _serialize_checked(irm: ir.Model, progress: Progress | None, providers: Sequence[str]) -> onnx.ModelProto:
+    """Serialize, then onnx.checker, ortpa's node validation and ORT's session check on ``providers``."""
     proto = inline_copy(irm)
     _say(progress, "checking")
     try:
@@ -343,8 +362,8 @@ def _serialize_checked(irm: ir.Model, progress: Progress | None, check_session: 
     except Exception as exc:
         raise ConversionError("the converted model fails onnx.checker", [("model", str(exc)[:2000])]) from exc
     _validate(proto)
-    if check_session:
-        check_session_from_path(proto)
+    if providers:
+        check_session_from_path(proto, providers, progress)
     _say(progress, "done")
     return proto
 
@@ -367,73 +386,14 @@ def _report_pairs(report) -> list[tuple[str, str]]:
     return pairs or [("model", report.format() if hasattr(report, "format") else str(report))]
 
 
-def weightless(proto: onnx.ModelProto, min_bytes: int = _SESSION_CHECK_MIN_BYTES) -> onnx.ModelProto:
-    """A copy of ``proto`` whose initializers of ``min_bytes`` or more (inline or external) are typed graph
-    inputs: ONNX Runtime resolves the graph's types and kernels exactly as with the weights, without them."""
-    from ortpa.runtime.ort_session import copy_without_initializers  # runtime: no import cycle
-
-    out = copy_without_initializers(proto)
-    for init in proto.graph.initializer:
-        count = 1
-        for d in init.dims:
-            count *= int(d)
-        external = init.data_location == onnx.TensorProto.EXTERNAL
-        if external or count * _itemsize(init.data_type) >= min_bytes:
-            out.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-        else:
-            out.graph.initializer.append(init)
-    return out
-
-
-def _itemsize(data_type: int) -> int:
-    try:
-        return onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
-    except Exception:
-        return 1
-
-
-def check_session_from_path(proto: onnx.ModelProto) -> None:
-    """ONNX Runtime must open the converted graph on every provider it is meant for (:mod:`.ort_check`)."""
-    from ortpa.rewriter.ort_check import check_runs
-
-    check_runs(proto, getattr(_SINK.get(), "progress", None))
+def check_session_from_path(
+    proto: onnx.ModelProto, providers: Sequence[str] = DEFAULT_PROVIDERS, progress: Progress | None = None
+) -> None:
+    """ONNX Runtime must open the converted graph on every provider in ``providers`` (:mod:`.ort_check`)."""
+    check_runs(proto, providers, progress)
 
 
 # ------------------------------------------------------------------------------------------ files
-def convert_file(
-    in_path: str | os.PathLike | ModelRef, out_path: str | os.PathLike, revision: str | None = None, **options
-) -> onnx.ModelProto:
-    """:func:`ortpa.convert` a model file into ``out_path``: streamed, checked from the written files, then
-    moved into place (the output and its ``.data`` are complete or absent; the input is never modified).
-
-    ``in_path`` may be a folder or a Hugging Face repo id in the local cache (:mod:`ortpa.model.ref`); the
-    tokenizer and config files of such a model's folder are then copied beside ``out_path``, as regular files.
-
-    Returns the written model: the whole model when it is inline; when its weights are in ``<out>.data``,
-    the graph with external references relative to the output's folder (``onnx.load(out_path)`` or
-    ``onnx.load_external_data_for_model(model, out_dir)`` read them in; sessions take ``out_path`` itself).
-    """
-    from ortpa.model.ref import companion_files, copy_companion_files, locate_model
-    from ortpa.rewriter.pipeline import convert
-
-    ref = locate_model(in_path, revision)
-    # a plain file keeps the caller's spelling, which the loader's messages name
-    in_path = in_path if isinstance(in_path, (str, os.PathLike)) and ref.path == Path(in_path) else ref.path
-    companions = companion_files(ref.folder) if ref.folder is not None else []  # refused before the work
-    if Path(in_path).resolve() == Path(out_path).resolve():
-        raise ConversionError("refusing to overwrite the input model", [("out_path", str(out_path))])
-    if Path(out_path).is_dir():  # found before the work, not after it
-        raise ConversionError(f"cannot write {os.fspath(out_path)}: it is a directory")
-    try:
-        with writing_to(out_path, options.get("progress")) as sink:
-            sink.inputs = frozenset({Path(in_path).resolve()})
-            result = convert(in_path, **options)
-    except OSError as exc:
-        raise ConversionError(f"cannot write {os.fspath(out_path)}: {exc.strerror or exc}") from exc
-    copy_companion_files(companions, Path(out_path).parent)
-    return result
-
-
 def save_model(proto: onnx.ModelProto, out_path: str | os.PathLike) -> None:
     """Write an in-memory proto atomically (temp folder next to the target, then moved); ``proto`` is not
     modified. External data (``<out>.data``) when its weights reach :data:`EXTERNAL_DATA_THRESHOLD`."""

@@ -2,32 +2,31 @@
 
 Opened the way :class:`ortpa.InferenceSession` opens it (the same planning: PagedAttention native where the
 provider has a kernel that takes the node, ortpa's portable lowering elsewhere, i.e. always on CPU), on the graph
-with its large weights as typed inputs (:func:`ortpa.rewriter.model_store.weightless`), so ONNX Runtime resolves
+with its large weights as typed inputs (:func:`weightless`), so ONNX Runtime resolves
 every type and looks up every kernel without reading a weight. A missing kernel is therefore never excused: the
 only op ONNX Runtime's CPU lacks, PagedAttention, is not in the graph it is asked to run. What fails is an error
 naming the op, how many nodes have it, and what to pass instead; nothing is written.
 
-Which providers: :func:`meant_for` (the CLI's ``convert --providers``; default CPU and CUDA). CUDA is checked
+Which providers: the conversion's ``providers`` argument (the CLI's ``convert --providers``; default CPU and
+CUDA), passed down explicitly. CUDA is checked
 where this machine has a CUDA device; elsewhere the check says that it did not run (``progress``), rather than
 passing silently.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import onnx
 
-from ortpa.errors import ConversionError, OrtpaError
+from ortpa.errors import ConversionError, InvalidParameter, OrtpaError
 from ortpa.runtime.device import PROVIDER_NAMES, has_cuda, providers_for
 
-__all__ = ["check_runs", "meant_for", "providers_meant_for"]
+__all__ = ["DEFAULT_PROVIDERS", "check_runs", "checked_providers", "weightless"]
 
-_DEFAULT = ("cpu", "cuda")
-_MEANT_FOR: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("ortpa_meant_for", default=_DEFAULT)
+# where a converted model is meant to run unless the caller says otherwise (the CLI's --providers)
+DEFAULT_PROVIDERS: tuple[str, ...] = ("cpu", "cuda")
 _NO_KERNEL = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
 # what to pass instead, by the dtype the missing kernel was asked for
 _REMEDY = {
@@ -37,21 +36,40 @@ _REMEDY = {
 _REMEDY_ANY = "--verbose shows the traceback; --providers says where the model is meant to run"
 
 
-@contextlib.contextmanager
-def meant_for(providers: Sequence[str]) -> Iterator[None]:
-    """Within the block, conversions check the model on ``providers`` (``"cpu"``, ``"cuda"``)."""
+def checked_providers(providers: Sequence[str]) -> tuple[str, ...]:
+    """``providers`` (``"cpu"``, ``"cuda"``) as a tuple without repeats; anything else is an error."""
     unknown = [p for p in providers if p not in PROVIDER_NAMES]
-    if unknown or not providers:
-        raise ValueError(f"providers must be a non-empty subset of {sorted(PROVIDER_NAMES)}, got {list(providers)}")
-    token = _MEANT_FOR.set(tuple(dict.fromkeys(providers)))
+    if unknown:
+        raise InvalidParameter("convert", "providers", f"a subset of {sorted(PROVIDER_NAMES)}", list(providers))
+    return tuple(dict.fromkeys(providers))
+
+
+_SESSION_CHECK_MIN_BYTES = 4096  # initializers the ORT load check sees as typed graph inputs instead
+
+
+def weightless(proto: onnx.ModelProto, min_bytes: int = _SESSION_CHECK_MIN_BYTES) -> onnx.ModelProto:
+    """A copy of ``proto`` whose initializers of ``min_bytes`` or more (inline or external) are typed graph
+    inputs: ONNX Runtime resolves the graph's types and kernels exactly as with the weights, without them."""
+    from ortpa.runtime.ort_session import copy_without_initializers  # runtime: no import cycle
+
+    out = copy_without_initializers(proto)
+    for init in proto.graph.initializer:
+        count = 1
+        for d in init.dims:
+            count *= int(d)
+        external = init.data_location == onnx.TensorProto.EXTERNAL
+        if external or count * _itemsize(init.data_type) >= min_bytes:
+            out.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        else:
+            out.graph.initializer.append(init)
+    return out
+
+
+def _itemsize(data_type: int) -> int:
     try:
-        yield
-    finally:
-        _MEANT_FOR.reset(token)
-
-
-def providers_meant_for() -> tuple[str, ...]:
-    return _MEANT_FOR.get()
+        return onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except Exception:
+        return 1
 
 
 def _input_dtypes(proto: onnx.ModelProto, node_name: str) -> tuple[str, list[str]]:
@@ -98,13 +116,15 @@ def _check_one(graph: onnx.ModelProto, provider: str) -> None:
         ) from exc
 
 
-def check_runs(proto: onnx.ModelProto, progress: Callable[[str], None] | None = None) -> None:
+def check_runs(
+    proto: onnx.ModelProto,
+    providers: Sequence[str] = DEFAULT_PROVIDERS,
+    progress: Callable[[str], None] | None = None,
+) -> None:
     """Raise :class:`~ortpa.errors.ConversionError` unless ONNX Runtime opens ``proto`` (weights or not) on every
-    provider of :func:`providers_meant_for`; CUDA only where a CUDA device is present (else ``progress`` says so)."""
-    from ortpa.rewriter.model_store import weightless
-
+    provider of ``providers``; CUDA only where a CUDA device is present (else ``progress`` says so)."""
     graph = weightless(proto)
-    for provider in providers_meant_for():
+    for provider in checked_providers(providers):
         if provider == "cuda" and not has_cuda():
             if progress is not None:
                 progress("not checked on CUDA: no CUDA device on this machine")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -20,15 +21,17 @@ import onnxscript.optimizer
 from ortpa.errors import ConversionError
 from ortpa.model.ref import resolve_any
 from ortpa.rewriter import kv_quant, model_store, paged_io
+from ortpa.rewriter._fold import fold_shape_values
 from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
-from ortpa.rewriter.model_store import convert_file, save_model
+from ortpa.rewriter.model_store import BeforeMove, save_model
+from ortpa.rewriter.ort_check import DEFAULT_PROVIDERS
 from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
 from ortpa.rewriter.recognisers.caches import canonicalise_cache_io
 from ortpa.rewriter.rope import rope_caches
 
-__all__ = ["DEFAULT_MAX_POSITIONS", "convert", "convert_file", "save_model"]
+__all__ = ["DEFAULT_MAX_POSITIONS", "convert", "save_model"]
 
 DType = Literal["float16", "bfloat16"]
 DEFAULT_MAX_POSITIONS = 4096  # cos/sin rows when RoPE moves into the op and the model does not say otherwise
@@ -109,6 +112,7 @@ def _convert_separate(
     position_ids: paged_io.PositionMode,
     max_positions: int | None,
     progress: Callable[[str], None] | None,
+    sink: model_store.Sink | None,
     kv_plan: kv_quant.KVQuantPlan | None = None,
 ) -> None:
     """In place: every MHA/GQA layer -> one PagedAttention SEPARATE node, paged I/O, optional dtype."""
@@ -147,7 +151,7 @@ def _convert_separate(
         )
         paged_io.set_present(graph, m.layer, key_out, key_cache)
         paged_io.set_present_value(graph, m.layer, value_out, value_cache)
-        model_store.after_layer(irm)
+        model_store.after_layer(irm, sink)
     # present.{i}.key / .value next to each other, in layer order, after logits (as the inputs are ordered)
     _finish(
         irm,
@@ -179,6 +183,7 @@ def _finish(irm: ir.Model, io, kind: str, *, logits, dtype, rope_in_op: bool, pr
 
 def convert(
     model: onnx.ModelProto | ir.Model | str | os.PathLike,
+    out_path: str | os.PathLike | None = None,
     *,
     dtype: DType | None = None,
     rope_in_op: bool = False,
@@ -189,11 +194,12 @@ def convert(
     position_ids: paged_io.PositionMode = "derive",
     max_positions: int | None = None,
     progress: Callable[[str], None] | None = None,
-    check_session: bool = True,
+    providers: Sequence[str] = DEFAULT_PROVIDERS,
     kv_scale: kv_quant.KVScaleMode = "per-channel",
     kv_scale_margin: float = kv_quant.DEFAULT_MARGIN,
     calibration_prompts: Sequence[Sequence[int]] | None = None,
     revision: str | None = None,
+    before_move: BeforeMove | None = None,
 ) -> onnx.ModelProto:
     """Convert a dense MLA model (DeepSeek-V2/V3 style export with past/present KV) to PagedAttention LATENT.
 
@@ -207,22 +213,75 @@ def convert(
     * ``kv_cache_dtype="int8"``: int8 caches with static scales (``kv_scale`` per-channel or per-tensor, times
       ``kv_scale_margin``) calibrated by running the dense model on ``calibration_prompts`` (token-id lists;
       default: seeded random prompts); see :mod:`ortpa.rewriter.kv_quant`. float8e4m3fn is rejected.
+    * ``providers``: where the written model is meant to run (``"cpu"``, ``"cuda"``): ONNX Runtime must open the
+      converted graph on each (:mod:`ortpa.rewriter.ort_check`; CUDA where a device is present); ``()`` skips it.
     * ``model`` may also be a folder or a Hugging Face repo id in the local cache (``revision``: branch, tag or
       commit), found offline by :mod:`ortpa.model.ref`.
+    * ``out_path``: stream the converted model to this file (and ``<out_path>.data``) through a temp folder next
+      to it, checked from the written files, then moved into place: complete or absent. ``before_move(tmp)`` runs
+      on the checked temp model before the move (the verification of :func:`ortpa.convert_file`); it raises to
+      stop the write or returns metadata entries to stamp in. Without ``out_path`` the result is in memory and
+      nothing is written (``before_move`` must then be None).
+
+    This is the rewriter alone: :func:`ortpa.convert_file` adds the verification against the original.
     """
     model = resolve_any(model, revision)
+    if out_path is None:
+        if before_move is not None:
+            raise ValueError("before_move needs out_path: it runs on the written model")
+        return _convert(model, None, before_move=None, **_opts(locals()))
+    if isinstance(model, (str, os.PathLike)) and Path(model).resolve() == Path(out_path).resolve():
+        raise ConversionError("refusing to overwrite the input model", [("out_path", str(out_path))])
+    if Path(out_path).is_dir():  # found before the work, not after it
+        raise ConversionError(f"cannot write {os.fspath(out_path)}: it is a directory")
+    with model_store.writing_to(out_path, progress) as sink:
+        if isinstance(model, (str, os.PathLike)):
+            sink.inputs = frozenset({Path(model).resolve()})
+        return _convert(model, sink, before_move=before_move, **_opts(locals()))
+
+
+_OPTIONS = (
+    "dtype rope_in_op logits kv_cache_dtype absorb attention_metadata position_ids max_positions progress "
+    "providers kv_scale kv_scale_margin calibration_prompts"
+).split()
+
+
+def _opts(names: dict) -> dict:
+    return {k: names[k] for k in _OPTIONS}
+
+
+def _convert(
+    model,
+    sink: model_store.Sink | None,
+    *,
+    before_move: BeforeMove | None,
+    dtype: DType | None,
+    rope_in_op: bool,
+    logits: paged_io.LogitsMode,
+    kv_cache_dtype: str | None,
+    absorb: AbsorbMode,
+    attention_metadata: bool,
+    position_ids: paged_io.PositionMode,
+    max_positions: int | None,
+    progress: Callable[[str], None] | None,
+    providers: Sequence[str],
+    kv_scale: kv_quant.KVScaleMode,
+    kv_scale_margin: float,
+    calibration_prompts: Sequence[Sequence[int]] | None,
+) -> onnx.ModelProto:
     kv_plan = kv_quant.plan(
         kv_cache_dtype, kv_scale=kv_scale, margin=kv_scale_margin, calibration_prompts=calibration_prompts
     )
     if kv_plan is not None:
         kv_cache_dtype = None  # the op's T follows dtype / the model as for a float cache; the cache is int8
     _progress(progress, "loading")
-    irm = model_store.load_ir(model)
+    irm = model_store.load_ir(model, sink)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
         kv_plan.dense = model_store.inline_copy(irm)
     canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
+    fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
     graph = irm.graph
     _progress(progress, "matching MLA layers")
     mla_results = match_mla_layers(graph)
@@ -239,9 +298,10 @@ def convert(
             position_ids=position_ids,
             max_positions=max_positions,
             progress=progress,
+            sink=sink,
             kv_plan=kv_plan,
         )
-        return model_store.finish(irm, progress, check_session)
+        return model_store.finish(irm, sink, progress, providers, before_move)
     layers = _check_layers(mla_results)
     model_dtype = layers[0].q_nope.dtype or ir.DataType.FLOAT
     op_dtype = _op_dtype(model_dtype, dtype, kv_cache_dtype)
@@ -280,7 +340,7 @@ def convert(
             graph, m, cache, io.op_inputs(), rope_in_op=rope_in_op, absorb=absorb, op_dtype=op_dtype
         )
         paged_io.set_present(graph, m.layer, out, cache)
-        model_store.after_layer(irm)
+        model_store.after_layer(irm, sink)
     _finish(
         irm,
         io,
@@ -291,7 +351,7 @@ def convert(
         progress=progress,
         kv_plan=kv_plan,
     )
-    return model_store.finish(irm, progress, check_session)
+    return model_store.finish(irm, sink, progress, providers, before_move)
 
 
 def _const(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:

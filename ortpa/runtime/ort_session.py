@@ -55,14 +55,26 @@ class OrtSession:
 def _fresh_options(user: ort.SessionOptions | None) -> ort.SessionOptions:
     """A new SessionOptions with the caller's settings: add_external_initializers registers names on the
     object itself, and ORT refuses a name the next model lacks, so a caller's options are never reused.
-    Settable properties are copied; session config entries cannot be enumerated and are not."""
+    Settable properties are copied; session config entries cannot be enumerated: those of
+    :data:`_COPIED_CONFIG_KEYS` are copied when set."""
     options = ort.SessionOptions()
     if user is not None:
         for name in dir(ort.SessionOptions):
             attr = getattr(ort.SessionOptions, name)
             if isinstance(attr, property) and attr.fset is not None:
                 setattr(options, name, getattr(user, name))
+        for key in _COPIED_CONFIG_KEYS:
+            try:
+                value = user.get_session_config_entry(key)
+            except RuntimeError:  # not set
+                continue
+            options.add_session_config_entry(key, value)
     return options
+
+
+# config entries a caller's options keep through _fresh_options (conversion's verification turns prepacking off
+# so the weights stay memory-mapped instead of copied per MatMul)
+_COPIED_CONFIG_KEYS = ("session.disable_prepacking", "session.intra_op.allow_spinning")
 
 
 def _numpy_dtype(elem_type: int) -> np.dtype:

@@ -12,9 +12,10 @@ import pytest
 import ortpa.ops.validate.model as node_check
 import ortpa.runtime.session as session_module
 from ortpa.errors import ConversionError
+from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import paged_greedy
-from ortpa.rewriter import model_store
-from ortpa.rewriter.pipeline import convert, convert_file
+from ortpa.rewriter import model_store, ort_check
+from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import InferenceSession, PagedSession
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "dsv3_sdpa_op18.onnx"
@@ -104,7 +105,7 @@ def test_refuses_to_replace_the_input_data_file(tmp_path):
 
 def test_session_check_runs_without_weights():
     proto = convert(FIXTURE)
-    light = model_store.weightless(proto)
+    light = ort_check.weightless(proto)
     big = {t.name for t in proto.graph.initializer if len(t.raw_data) >= 4096}
     assert big and not big & {t.name for t in light.graph.initializer}
     assert big <= {i.name for i in light.graph.input}

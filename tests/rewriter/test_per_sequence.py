@@ -109,9 +109,9 @@ def test_graphs_without_step_wide_values_are_untouched(fixture, monkeypatch):
     seen: list[list[str]] = []
     real = per_sequence.per_sequence_reductions
     monkeypatch.setattr(per_sequence, "per_sequence_reductions", lambda g, io: seen.append(real(g, io)) or seen[-1])
-    with_pass = convert(path, check_session=False)
+    with_pass = convert(path, providers=())
     monkeypatch.setattr(per_sequence, "per_sequence_reductions", lambda graph, io: [])
-    without = convert(path, check_session=False)
+    without = convert(path, providers=())
     assert seen == [[]]
     digest = [hashlib.sha256(m.SerializeToString(deterministic=True)).hexdigest() for m in (with_pass, without)]
     assert digest[0] == digest[1]

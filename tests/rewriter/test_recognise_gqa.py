@@ -79,6 +79,6 @@ NEAR_MISSES = {
 def test_gqa_near_miss_reported_by_layer(case):
     mutate, reason = NEAR_MISSES[case]
     with pytest.raises(ConversionError) as info:
-        convert(_mutated(mutate), check_session=False)
+        convert(_mutated(mutate), providers=())
     (where, why), *rest = info.value.failures
     assert not rest and where.startswith("layer 1") and reason in why

@@ -1,0 +1,118 @@
+"""``convert`` proves each model against its original before writing it (ortpa.parity.verify).
+
+A conversion made wrong on purpose (one layer's attention scale off by 1.5x, injected into the rewriter) must be
+refused with nothing written and the error naming that layer, for both families (MHA/GQA SEPARATE and MLA
+LATENT); ``verify=False`` / ``--no-verify`` writes it anyway; a correct one carries the figures in its metadata
+and the CLI's ``--json`` result. The tie rule: a converted token within the tie margin of the original's argmax
+is accepted, one outside it is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import ortpa
+import ortpa.rewriter.pipeline as pipeline
+from ortpa.cli import main
+from ortpa.errors import ConversionError
+from ortpa.parity.greedy import GreedyRun
+from ortpa.parity.verify import _with_ties, verification_prompts
+from ortpa.tolerances import logit_tolerance
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GQA = FIXTURES / "llama_sdpa_op18.onnx"
+MLA = FIXTURES / "dsv3_sdpa_op18.onnx"
+
+
+def _wrong_scale_in_layer(monkeypatch, layer: int) -> None:
+    """Make the rewriter emit layer ``layer`` with 1.5x its attention scale: a wrong model that still loads."""
+    for name in ("rewrite_attention_layer", "rewrite_mla_layer"):
+        original = getattr(pipeline, name)
+
+        def wrong(graph, m, *args, _original=original, **kwargs):
+            if m.layer == layer:
+                m = dataclasses.replace(m, scale=m.scale * 1.5)
+            return _original(graph, m, *args, **kwargs)
+
+        monkeypatch.setattr(pipeline, name, wrong)
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+
+
+@pytest.mark.parametrize("fixture", [GQA, MLA], ids=["gqa", "mla"])
+def test_a_wrong_conversion_is_never_written_and_names_its_layer(tmp_path, monkeypatch, fixture):
+    _wrong_scale_in_layer(monkeypatch, 1)
+    out = tmp_path / "out" / "paged.onnx"
+    with pytest.raises(ConversionError) as err:
+        ortpa.convert_file(fixture, out)
+    text = str(err.value)
+    assert "does not match the original" in text
+    assert "first diverging layer: layer 1 " in text, text  # not layer 0: it was right
+    assert not (tmp_path / "out").exists()  # nothing written, not even the folder or a temp file
+    # the same wrong model, asked for explicitly
+    ortpa.convert_file(fixture, out, verify=False)
+    assert out.is_file() and "ortpa.verified" not in _metadata(out)
+
+
+def test_a_verified_model_carries_its_figures(tmp_path, capsys):
+    out = tmp_path / "paged.onnx"
+    assert main(["convert", str(GQA), str(out), "--json", "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out)["verification"]
+    rtol, atol = logit_tolerance("float16")
+    assert result["ok"] and (result["rtol"], result["atol"]) == (rtol, atol)
+    assert 0 < result["max_abs_logit_error"] <= atol  # float16 attention: never bit-exact, always within
+    assert result["prompt_lengths"] == [len(p) for p in verification_prompts([])]
+    meta = _metadata(out)
+    assert meta["ortpa.verified"] == "1"
+    assert float(meta["ortpa.verify.max_abs_logit_error"]) == pytest.approx(result["max_abs_logit_error"], rel=1e-3)
+    assert main(["convert", str(GQA), str(out), "--json", "--quiet", "--no-verify"]) == 0
+    assert json.loads(capsys.readouterr().out)["verification"] is None
+    assert "ortpa.verified" not in _metadata(out)
+
+
+def test_prompts_pass_every_length_threshold():
+    short, longer, past = verification_prompts([40, 7])
+    assert len(short) < len(longer) and len(past) > 40
+    assert verification_prompts([]) == [short, longer]  # seeded: the same prompts every time
+
+
+def test_tie_rule_accepts_near_ties_only():
+    rtol, atol = logit_tolerance("float16")
+    row = np.zeros(8, np.float32)
+    row[3], row[5], row[6] = 1.0, 1.0 - atol, 0.5  # 5 is a tie with 3, 6 is not
+    original = GreedyRun([[3, 3]], [np.stack([row, row])], 0.0, 2)
+    tied = GreedyRun([[5, 3]], [np.stack([row, row])], 0.0, 2)
+    fixed, flips = _with_ties(original, tied, rtol, atol)
+    assert fixed.tokens == [[5, 3]] and flips == 1
+    wrong = GreedyRun([[6, 3]], [np.stack([row, row])], 0.0, 2)
+    fixed, flips = _with_ties(original, wrong, rtol, atol)
+    assert fixed.tokens == [[3, 3]] and flips == 0
+
+
+def test_a_model_the_cpu_cannot_run_is_not_written_unverified(tmp_path):
+    """bfloat16 arithmetic has no ONNX Runtime CPU kernel: meant for CPU it is refused by the run check; meant for
+    CUDA only it cannot be verified on this machine, so refused unless verification is turned off."""
+    out = tmp_path / "paged.onnx"
+    with pytest.raises(ConversionError, match="cannot run on CPU"):
+        ortpa.convert_file(GQA, out, dtype="bfloat16")
+    with pytest.raises(ConversionError, match="cannot verify the converted model on this machine"):
+        ortpa.convert_file(GQA, out, dtype="bfloat16", providers=("cuda",))
+    assert not out.exists()
+    ortpa.convert_file(GQA, out, dtype="bfloat16", providers=("cuda",), verify=False)
+    assert out.is_file()
+
+
+def test_public_convert_with_an_output_path_is_verified(tmp_path):
+    out = tmp_path / "paged.onnx"
+    ortpa.convert(str(GQA), out)
+    assert _metadata(out)["ortpa.verified"] == "1"
+    with pytest.raises(TypeError, match="model must be a path"):
+        ortpa.convert(onnx.load(str(GQA)), tmp_path / "other.onnx")

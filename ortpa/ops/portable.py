@@ -40,7 +40,14 @@ from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS
 from ortpa.ops.params import PagedAttentionParams
-from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
+from ortpa.ops.portable_graph import (
+    FUNCTION_DOMAIN,
+    PLAN_OUTPUTS,
+    PlanConfig,
+    PortableConfig,
+    build_function,
+    build_plan_function,
+)
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
 from ortpa.ops.validate import TensorInfo, check_inputs, dtype_name
@@ -211,24 +218,41 @@ def lower_to_portable(
     fn_opset = main_opset
     types = _value_infos(out) if types is None else types
     wanted = None if node_names is None else set(node_names)
-    functions: dict[PortableConfig, onnx.FunctionProto] = {}
-    for i, node in enumerate(out.graph.node):
-        if node.op_type != OP_TYPE or node.domain != DOMAIN:
-            continue
-        if wanted is not None and node.name not in wanted:
+    functions: dict[PortableConfig | PlanConfig, onnx.FunctionProto] = {}
+    idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+    plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
+    nodes: list[onnx.NodeProto] = []
+    for node in out.graph.node:
+        if node.op_type != OP_TYPE or node.domain != DOMAIN or (wanted is not None and node.name not in wanted):
+            nodes.append(node)
             continue
         cfg = portable_config(node, types, fn_opset)
         if cfg not in functions:
             functions[cfg] = ir.serde.serialize_function(build_function(cfg))
-        idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+        plan = PlanConfig.of(cfg)
+        plan_inputs = [node.input[idx[name]] for name in plan.inputs]
+        key = _plan_key(plan, plan_inputs, types, node.name)
+        if key not in plans:
+            # placed before the first layer that uses it: its inputs (this layer's query included) exist there
+            if plan not in functions:
+                functions[plan] = ir.serde.serialize_function(build_plan_function(plan))
+            names = [f"{node.name}/plan/{o}" for o in PLAN_OUTPUTS]
+            nodes.append(
+                helper.make_node(
+                    plan.function_name(), plan_inputs, names, name=f"{node.name}/plan", domain=FUNCTION_DOMAIN
+                )
+            )
+            plans[key] = names
         call = helper.make_node(
             cfg.function_name(),
-            [node.input[idx[name]] for name in cfg.present_inputs],
+            [node.input[idx[name]] for name in cfg.present_inputs] + plans[key],
             [o for o in node.output if o],
             name=node.name,
             domain=FUNCTION_DOMAIN,
         )
-        out.graph.node[i].CopyFrom(call)
+        nodes.append(call)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
     if wanted is not None:
         missing = wanted - {n.name for n in out.graph.node if n.domain == FUNCTION_DOMAIN}
         if missing:
@@ -237,6 +261,25 @@ def lower_to_portable(
     if functions and FUNCTION_DOMAIN not in opsets:
         out.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
     return out
+
+
+def _plan_key(plan: PlanConfig, inputs: list[str], types: Mapping[str, onnx.TypeProto], node: str) -> tuple:
+    """Layers share one plan call when they pass the same index inputs and their token count (query dim 0) and
+    cache dims (key_cache dims 0 and 1) are declared the same (one symbol or one value); else a plan per layer."""
+    dims = []
+    for name, axes in ((inputs[0], (0,)), (inputs[1], (0, 1))):
+        shape = _tensor_info(types.get(name)).shape
+        sym = None
+        tt = types.get(name)
+        if shape is not None and tt is not None:
+            sym = tuple(
+                (d.dim_param or None) if not d.HasField("dim_value") else d.dim_value
+                for d in (tt.tensor_type.shape.dim[a] for a in axes)
+            )
+        if sym is None or None in sym:
+            return (plan, node)  # unknown: this layer's own plan
+        dims.append(sym)
+    return (plan, tuple(inputs[2:]), tuple(dims))
 
 
 def _elem(array: Any) -> int:

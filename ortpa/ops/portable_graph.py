@@ -37,7 +37,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-__all__ = ["FUNCTION_DOMAIN", "PortableConfig", "build_function"]
+__all__ = ["FUNCTION_DOMAIN", "PLAN_OUTPUTS", "PlanConfig", "PortableConfig", "build_function", "build_plan_function"]
 
 FUNCTION_DOMAIN = "ortpa.portable"
 
@@ -83,37 +83,97 @@ class PortableConfig:
         return f"PagedAttention_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"
 
 
-def build_function(cfg: PortableConfig) -> ir.Function:
-    inputs = [ir.val(name) for name in cfg.present_inputs]
+# What the plan function computes once per step for every layer that shares its index inputs; the layer
+# function takes them as its trailing inputs. ``p_*``: the prefilling group, ``d_*``: the decoding group.
+PLAN_OUTPUTS = (
+    "pos",  # [T] position of every token (RoPE)
+    "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
+    "write_index",  # [n, 2] (block, offset) of each written row
+    "any_prefill",  # bool scalar: the prefill group is not empty
+    "out_row",  # [T] each token's row in Concat(decode output, prefill output)
+    "has_keys",  # [T, 1] bool: the token's sequence attends to at least one key
+    "d_query",  # [D] the decoding sequences' tokens
+    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
+    "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
+    "d_allowed",  # [D, 1, kv_d, 1] keys the query attends (live, inside the local window)
+    "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
+    "p_row",  # [P, kvh, kv_p]
+    "p_row_ok",  # [P, 1, kv_p, 1]
+    "p_allowed",  # [P, 1, kv_p, 1, max_q] causal / window / live mask
+    "p_count",  # [1] P
+    "p_max_q",  # [1] max_q
+    "p_max_kv",  # [1] kv_p
+)
+# inputs of the plan function, in this order; slot_mapping only when the node passes it
+PLAN_INPUTS = ("query", "key_cache", "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What the per-step index work depends on besides its inputs; layers with equal plans and the same index
+    inputs (and token / cache dimensions) share one plan call."""
+
+    kv_num_heads: int
+    local_window_size: int
+    is_causal: bool
+    slot_mapping: bool
+    opset: int
+
+    @classmethod
+    def of(cls, cfg: PortableConfig) -> PlanConfig:
+        return cls(
+            kv_num_heads=cfg.kv_num_heads,
+            local_window_size=cfg.local_window_size,
+            is_causal=cfg.is_causal,
+            slot_mapping="slot_mapping" in cfg.present_inputs,
+            opset=cfg.opset,
+        )
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return PLAN_INPUTS if self.slot_mapping else PLAN_INPUTS[:-1]
+
+    def function_name(self) -> str:
+        return f"PagedAttentionPlan_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"
+
+
+def build_plan_function(plan: PlanConfig) -> ir.Function:
+    """The index work of one step (sanitization, write set, groups, masks, output rows): :data:`PLAN_OUTPUTS`."""
+    inputs = [ir.val(name) for name in plan.inputs]
 
     def trace(op, *vals):
-        x = dict(zip(cfg.present_inputs, vals, strict=True))
-        return _Body(op, cfg, x).run()
+        x = dict(zip(plan.inputs, vals, strict=True))
+        return _Plan(op, plan, x).run()
+
+    return onnxscript.build_function(
+        trace, inputs, domain=FUNCTION_DOMAIN, name=plan.function_name(), opset_imports={"": plan.opset}
+    )
+
+
+def build_function(cfg: PortableConfig) -> ir.Function:
+    """One layer's attention: inputs are the node's present inputs then :data:`PLAN_OUTPUTS` (``plan.``-prefixed)."""
+    inputs = [ir.val(name) for name in cfg.present_inputs] + [ir.val(f"plan.{n}") for n in PLAN_OUTPUTS]
+
+    def trace(op, *vals):
+        x = dict(zip(cfg.present_inputs, vals, strict=False))
+        plan = dict(zip(PLAN_OUTPUTS, vals[len(cfg.present_inputs) :], strict=True))
+        return _Body(op, cfg, x, plan).run()
 
     return onnxscript.build_function(
         trace, inputs, domain=FUNCTION_DOMAIN, name=cfg.function_name(), opset_imports={"": cfg.opset}
     )
 
 
-class _Body:
-    """Traces the op; methods mirror the oracle's steps. Index arithmetic is int64, attention float32."""
+class _Tracer:
+    """Helpers shared by the plan and the layer tracers."""
 
-    def __init__(self, op, cfg: PortableConfig, x: dict[str, ir.Value]) -> None:
-        self.op = op
-        self.c = cfg
-        self.x = x
-        self.t_dtype = ir.DataType(cfg.act_dtype)
+    op: object
 
-    # ------------------------------------------------------------------ helpers
     def i64(self, v):
         return self.op.Cast(v, to=_I64)
 
     def f32(self, v):
         return self.op.Cast(v, to=_F32)
-
-    def round_t(self, v):
-        """Round a float32 tensor to T and back: one T-arithmetic rounding, as the oracle's RoPE does."""
-        return self.f32(self.op.Cast(v, to=self.t_dtype))
 
     def dim(self, v, axis: int):
         return self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
@@ -121,28 +181,53 @@ class _Body:
     def ints(self, values: list[int]):
         return self.op.Constant(value_ints=values)
 
-    # ------------------------------------------------------------------ run
+
+class _Plan(_Tracer):
+    """The index work of a step, traced once for all the layers that share it (int64 throughout)."""
+
+    def __init__(self, op, plan: PlanConfig, x: dict[str, ir.Value]) -> None:
+        self.op = op
+        self.p = plan
+        self.x = x
+
     def run(self) -> list[ir.Value]:
-        c, x = self.c, self.x
+        op = self.op
         self.sizes_and_sanitize()
-        q, k, v = self.split_qkv()
-        if c.use_qk_norm:
-            q = self.rms_norm(q, x["q_norm_weight"])
-            k = self.rms_norm(k, x["k_norm_weight"])
-        if c.rotary_dim > 0:
-            q = self.rotary(q)
-            k = self.rotary(k)
-        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
-        v_cache = None
-        if not c.latent:
-            v_cache = self.write(x["value_cache"], v, c.v_quant, x.get("v_scale"))
-        out = self.attend(q, k_cache, v_cache)
-        outputs = [out]
-        if "key_cache_out" in c.present_outputs:
-            outputs.append(k_cache)  # straight from ScatterND: aliasing input and output makes it in place
-        if "value_cache_out" in c.present_outputs:
-            outputs.append(v_cache)
-        return outputs
+        rows, index = self.write_set()
+        is_dec = op.Equal(self.q_len, 1)
+        is_pre = op.Greater(self.q_len, 1)
+        dec = self.group(is_dec, one_query=True)
+        pre = self.group(is_pre, one_query=False)
+        any_pre = op.Greater(op.ReduceSum(op.Cast(is_pre, to=_I64), keepdims=0), 0)
+
+        # each sequence's first row in Concat(o_dec, o_pre): its rank within its group, times the group's max_q
+        rank_dec = op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0))  # rank + 1 where is_dec
+        rank_pre = op.CumSum(op.Cast(is_pre, to=_I64), op.Constant(value_int=0))
+        first_pre = op.Add(op.Mul(op.Sub(rank_pre, 1), pre["max_q"]), dec["count"])
+        first = op.Where(is_dec, op.Sub(rank_dec, 1), first_pre)
+        out_row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
+        # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
+        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
+        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
+        return [
+            self.pos,
+            rows,
+            index,
+            any_pre,
+            out_row,
+            has_keys,
+            dec["query"],
+            dec["row"],
+            dec["row_ok"],
+            dec["allowed"],
+            pre["query"],
+            pre["row"],
+            pre["row_ok"],
+            pre["allowed"],
+            pre["count"],
+            pre["max_q"],
+            pre["max_kv"],
+        ]
 
     # ------------------------------------------------------------------ §3.4(a) sanitization
     def sizes_and_sanitize(self) -> None:
@@ -151,7 +236,6 @@ class _Body:
         past = self.i64(x["past_seqlens"])
         bt = self.i64(x["block_table"])
         self.T = self.dim(x["query"], 0)
-        self.B = self.dim(past, 0)
         self.NB = self.dim(x["key_cache"], 0)
         self.BS = self.dim(x["key_cache"], 1)
         self.MB = self.dim(bt, 1)
@@ -185,6 +269,145 @@ class _Body:
         self.pos = op.Add(op.Gather(self.past, self.seq), self.s_in)
         self.live = op.Gather(valid, self.seq)
 
+    # ------------------------------------------------------------------ §3.4(c) the write set
+    def slots(self):
+        op = self.op
+        if "slot_mapping" in self.x:
+            return self.i64(self.x["slot_mapping"])
+        blk = op.Div(self.pos, self.BS)
+        inside = op.Less(blk, self.MB)
+        flat = op.Add(op.Mul(self.seq, self.MB), op.Min(blk, op.Sub(self.MB, 1)))
+        page = op.Where(inside, op.Gather(op.Reshape(self.bt, self.ints([-1])), flat), -1)
+        return op.Where(op.GreaterOrEqual(page, 0), op.Add(op.Mul(page, self.BS), op.Mod(self.pos, self.BS)), -1)
+
+    def write_set(self):
+        """(rows, index): the tokens whose K/V rows are stored, and their ``[block, offset]`` ScatterND index."""
+        op = self.op
+        slot = self.slots()
+        ok = op.And(self.live, op.And(op.GreaterOrEqual(slot, 0), op.Less(slot, op.Mul(self.NB, self.BS))))
+        rows = op.Reshape(op.NonZero(ok), self.ints([-1]))  # skipped tokens are dropped, not redirected
+        rows = self.last_writers(op.Gather(slot, rows), rows)
+        wslot = op.Gather(slot, rows)
+        index = op.Concat(op.Unsqueeze(op.Div(wslot, self.BS), [1]), op.Unsqueeze(op.Mod(wslot, self.BS), [1]), axis=1)
+        return rows, index
+
+    def last_writers(self, wslot, rows):
+        """The subset of ``rows`` that are the last (highest) token writing their slot.
+
+        Duplicate slots (a repeated slot_mapping entry, a block table repeating a block) would otherwise reach
+        ScatterND, whose result is then unspecified (ONNX) and racy (ONNX Runtime copies in parallel). Sorting
+        the unique keys ``slot * T + row`` groups each slot's writers with the last one at the end of its group.
+        """
+        op = self.op
+        t = op.Max(self.T, 1)  # ONNX Runtime's integer Div rejects a zero divisor even on empty tensors
+        key = op.Add(op.Mul(wslot, t), rows)  # slot < 2**31 * block_size and row < T: no int64 overflow
+        srt, _ = op.TopK(key, self.dim(key, 0), largest=0, sorted=1, _outputs=2)
+        sslot, srow = op.Div(srt, t), op.Mod(srt, t)
+        nxt = op.Concat(op.Slice(sslot, [1], [_INT64_MAX]), self.ints([-1]), axis=0)
+        keep = op.Reshape(op.NonZero(op.Not(op.Equal(sslot, nxt))), self.ints([-1]))
+        return op.Gather(srow, keep)
+
+    # ------------------------------------------------------------------ §3.4(d)/(e) the two groups
+    def group(self, member, *, one_query: bool) -> dict:
+        """Indices and masks of the sequences where ``member`` holds, padded to their longest query and KV length.
+
+        ``one_query`` (decodes): every member has one query at position ``past`` and ``kvlen == past + 1`` (an
+        invalid one has ``kvlen == 0``), so the causal mask is implied by the KV length.
+        """
+        op, p = self.op, self.p
+        kvh = p.kv_num_heads
+        sel = op.Reshape(op.NonZero(member), self.ints([-1]))
+        count = self.dim(sel, 0)
+        kvlen, past, c_lo = op.Gather(self.kvlen, sel), op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
+        bt = op.Gather(self.bt, sel, axis=0)
+        zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
+        maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
+        j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
+
+        # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
+        blk_j = op.Div(j, self.BS)
+        pages = op.Gather(bt, blk_j, axis=1)  # [S, max_kv]; max_kv <= capacity keeps blk_j in range
+        mapped = op.GreaterOrEqual(pages, 0)
+        slot = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))
+        row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [S,kvh,kv]
+        # rows past a sequence's live length or on an unmapped page read some other block (page 0), which may
+        # belong to another sequence or hold garbage: zeroed (values, LATENT keys), masked out (scores)
+        row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))), [1, 3])
+        if one_query:
+            # [S, 1, max_kv, 1]; the query sits at past, so j < kvlen is the causal mask too (Identity: a function
+            # output must be a value of its own)
+            allowed = op.Identity(row_ok)
+            if p.local_window_size > 0:
+                near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
+                allowed = op.And(row_ok, op.Unsqueeze(near, [1, 3]))
+            return {"query": c_lo, "row": row, "row_ok": row_ok, "allowed": allowed, "count": count}
+        maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
+        i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+        tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
+        tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
+        allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]
+        return {
+            "query": tok,
+            "row": row,
+            "row_ok": row_ok,
+            "allowed": allowed,
+            "count": count,
+            "max_q": maxq,
+            "max_kv": maxkv,
+        }
+
+    def mask(self, i, j, mapped, past, kvlen):
+        """[S, max_kv, max_q]: key j is attended by query i of the group's sequence s (oracle `_attend`)."""
+        op, p = self.op, self.p
+        jj = op.Reshape(j, self.ints([1, -1, 1]))
+        qpos = op.Unsqueeze(op.Add(op.Unsqueeze(past, [1]), op.Unsqueeze(i, [0])), [1])  # [S, 1, max_q]
+        # padding query rows (i >= q_len) are not masked: they are computed, never gathered into the output
+        ok = op.And(op.Less(jj, op.Reshape(kvlen, self.ints([-1, 1, 1]))), op.Unsqueeze(mapped, [2]))
+        if p.is_causal:
+            ok = op.And(ok, op.LessOrEqual(jj, qpos))
+        if p.local_window_size > 0:
+            ok = op.And(ok, op.Greater(jj, op.Sub(qpos, p.local_window_size)))
+        return ok
+
+
+class _Body(_Tracer):
+    """One layer's attention over a plan; methods mirror the oracle's steps. Attention in float32."""
+
+    def __init__(self, op, cfg: PortableConfig, x: dict[str, ir.Value], plan: dict[str, ir.Value]) -> None:
+        self.op = op
+        self.c = cfg
+        self.x = x
+        self.plan = plan
+        self.t_dtype = ir.DataType(cfg.act_dtype)
+        self._rope_rows: tuple | None = None
+
+    def round_t(self, v):
+        """Round a float32 tensor to T and back: one T-arithmetic rounding, as the oracle's RoPE does."""
+        return self.f32(self.op.Cast(v, to=self.t_dtype))
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> list[ir.Value]:
+        c, x = self.c, self.x
+        q, k, v = self.split_qkv()
+        if c.use_qk_norm:
+            q = self.rms_norm(q, x["q_norm_weight"])
+            k = self.rms_norm(k, x["k_norm_weight"])
+        if c.rotary_dim > 0:
+            # Q and K (both [T, heads, head_size]) rotated as one [T, N + kvh, H] tensor: half the kernels
+            qk = self.rotary(self.op.Concat(q, k, axis=1))
+            q, k = self.op.Split(qk, self.ints([c.num_heads, c.kv_num_heads]), axis=1, _outputs=2)
+        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
+        v_cache = None
+        if not c.latent:
+            v_cache = self.write(x["value_cache"], v, c.v_quant, x.get("v_scale"))
+        out = self.attend(q, k_cache, v_cache)
+        outputs = [out]
+        if "key_cache_out" in c.present_outputs:
+            outputs.append(k_cache)  # straight from ScatterND: aliasing input and output makes it in place
+        if "value_cache_out" in c.present_outputs:
+            outputs.append(v_cache)
+        return outputs
+
     # ------------------------------------------------------------------ §3.4(b) prologue
     def split_qkv(self):
         op, c, x = self.op, self.c, self.x
@@ -211,18 +434,32 @@ class _Body:
         inv = op.Reciprocal(op.Sqrt(op.Add(ms, self.c.qk_norm_epsilon)))
         return op.Cast(op.Mul(op.Mul(xf, inv), self.f32(weight)), to=self.t_dtype)
 
+    def rope_rows(self):
+        """cos and sin at every token's position, float32 ``[T, 1, half]``: gathered once per layer.
+
+        (T arithmetic is emulated by explicit roundings, not run in float16: ONNX Runtime's CPU EP has no float16
+        Mul/Add/Sub; the casts it inserts around them are then merged, dropping the roundings the oracle does.)"""
+        if self._rope_rows is None:
+            op = self.op
+            cos, sin = self.x["cos_cache"], self.x["sin_cache"]
+            # a position past the cos/sin rows is an out-of-bounds read on CUDA (the oracle raises); clamp so
+            # that Gather stays in bounds; only invalid sequences (zero output, no writes) reach it with sane inputs
+            rows = op.Min(self.dim(cos, 0), self.dim(sin, 0))
+            p = op.Min(op.Max(self.plan["pos"], 0), op.Sub(rows, 1))
+            self._rope_rows = (
+                op.Unsqueeze(self.f32(op.Gather(cos, p)), [1]),
+                op.Unsqueeze(self.f32(op.Gather(sin, p)), [1]),
+            )
+        return self._rope_rows
+
     def rotary(self, x):
-        """RoPE on channels [offset, offset + rotary_dim) at position past + i; products and sums rounded to T."""
+        """RoPE on channels [offset, offset + rotary_dim) at position past + i; products and sums rounded to T.
+
+        ``x`` is ``[T, heads, head_size]``; Q and K go through together (one set of kernels per layer)."""
         op, c = self.op, self.c
         off, rd, half = c.rotary_offset, c.rotary_dim, c.rotary_dim // 2
-        cos, sin = self.x["cos_cache"], self.x["sin_cache"]
-        # a position past the cos/sin rows is an out-of-bounds read on CUDA (the oracle raises); clamp so that
-        # Gather stays in bounds; only invalid sequences (zero output, no writes) reach it with sane inputs
-        rows = op.Min(self.dim(cos, 0), self.dim(sin, 0))
-        p = op.Min(op.Max(self.pos, 0), op.Sub(rows, 1))
-        cs = op.Unsqueeze(self.f32(op.Gather(cos, p)), [1])  # [T, 1, half]
-        sn = op.Unsqueeze(self.f32(op.Gather(sin, p)), [1])
-        seg = self.f32(op.Slice(x, [off], [off + rd], [2]))
+        cs, sn = self.rope_rows()
+        seg = self.f32(op.Slice(x, [off], [off + rd], [2]) if (off, rd) != (0, c.head_size) else x)
         if c.rotary_interleaved:
             pairs = op.Reshape(seg, self.ints([0, 0, half, 2]))
             a, b = op.Split(pairs, axis=3, num_outputs=2, _outputs=2)
@@ -246,51 +483,12 @@ class _Body:
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=2)
 
     # ------------------------------------------------------------------ §3.4(c) cache write
-    def slots(self):
-        op = self.op
-        if "slot_mapping" in self.x:
-            return self.i64(self.x["slot_mapping"])
-        blk = op.Div(self.pos, self.BS)
-        inside = op.Less(blk, self.MB)
-        flat = op.Add(op.Mul(self.seq, self.MB), op.Min(blk, op.Sub(self.MB, 1)))
-        page = op.Where(inside, op.Gather(op.Reshape(self.bt, self.ints([-1])), flat), -1)
-        return op.Where(op.GreaterOrEqual(page, 0), op.Add(op.Mul(page, self.BS), op.Mod(self.pos, self.BS)), -1)
-
     def write(self, cache, new, quant: str, scale):
-        """ScatterND(cache input, compacted slots, encoded rows): the only reader of the cache input."""
+        """ScatterND(cache input, the plan's write index, encoded rows): the only reader of the cache input."""
         op = self.op
-        if not hasattr(self, "_write_rows"):
-            slot = self.slots()
-            ok = op.And(
-                self.live,
-                op.And(op.GreaterOrEqual(slot, 0), op.Less(slot, op.Mul(self.NB, self.BS))),
-            )
-            rows = op.Reshape(op.NonZero(ok), self.ints([-1]))  # skipped tokens are dropped, not redirected
-            rows = self.last_writers(op.Gather(slot, rows), rows)
-            wslot = op.Gather(slot, rows)
-            self._write_rows = rows
-            self._write_index = op.Concat(
-                op.Unsqueeze(op.Div(wslot, self.BS), [1]), op.Unsqueeze(op.Mod(wslot, self.BS), [1]), axis=1
-            )
-        upd = op.Gather(new, self._write_rows)  # [n, kvh, H] in T
+        upd = op.Gather(new, self.plan["write_rows"])  # [n, kvh, H] in T
         upd = self.encode(upd, quant, scale)
-        return op.ScatterND(cache, self._write_index, upd)
-
-    def last_writers(self, wslot, rows):
-        """The subset of ``rows`` that are the last (highest) token writing their slot.
-
-        Duplicate slots (a repeated slot_mapping entry, a block table repeating a block) would otherwise reach
-        ScatterND, whose result is then unspecified (ONNX) and racy (ONNX Runtime copies in parallel). Sorting
-        the unique keys ``slot * T + row`` groups each slot's writers with the last one at the end of its group.
-        """
-        op = self.op
-        t = op.Max(self.T, 1)  # ONNX Runtime's integer Div rejects a zero divisor even on empty tensors
-        key = op.Add(op.Mul(wslot, t), rows)  # slot < 2**31 * block_size and row < T: no int64 overflow
-        srt, _ = op.TopK(key, self.dim(key, 0), largest=0, sorted=1, _outputs=2)
-        sslot, srow = op.Div(srt, t), op.Mod(srt, t)
-        nxt = op.Concat(op.Slice(sslot, [1], [_INT64_MAX]), self.ints([-1]), axis=0)
-        keep = op.Reshape(op.NonZero(op.Not(op.Equal(sslot, nxt))), self.ints([-1]))
-        return op.Gather(srow, keep)
+        return op.ScatterND(cache, self.plan["write_index"], upd)
 
     def encode(self, x, quant: str, scale):
         """T -> cache element type; int8: ``rint(clamp(x / s, -128, 127))``, zero where ``s == 0``."""
@@ -319,38 +517,22 @@ class _Body:
         (one query each) share a ``[D, 1, max_kv]`` grid padded over their keys only, and the prefilling ones
         (more than one query) a ``[P, max_q, max_kv]`` grid padded to the longest chunk among them; each token
         then gathers its row from the group its sequence is in. Empty sequences own no token and join neither.
+        The groups' indices and masks come from the plan, computed once per step for all layers.
         """
-        op = self.op
-        is_dec = op.Equal(self.q_len, 1)
-        is_pre = op.Greater(self.q_len, 1)
-        # each group runs under an If on its being non-empty: a decode-only step then costs what one group did
-        # before the split, instead of also dispatching ~100 kernels on empty tensors for the other group
-        o_dec = self.attend_group(q, k_cache, v_cache, is_dec, one_query=True)  # [D, N * vh]
-        o_pre, maxq_pre = self.unless_empty(
-            is_pre,
-            "prefills",
-            lambda: list(self.attend_group(q, k_cache, v_cache, is_pre, one_query=False)),
-            with_maxq=True,
+        op, pl = self.op, self.plan
+        o_dec = self.attend_group(q, k_cache, v_cache, "d_", one_query=True)  # [D, N * vh]
+        # the prefill group runs under an If on its being non-empty: a decode-only step does not dispatch it
+        (o_pre,) = self.unless_empty(
+            pl["any_prefill"], "prefills", lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)]
         )  # [P * max_q, N * vh]
+        out = op.Gather(op.Concat(o_dec, o_pre, axis=0), pl["out_row"])
+        return op.Cast(op.Where(pl["has_keys"], out, 0.0), to=self.t_dtype)
 
-        # each sequence's first row in Concat(o_dec, o_pre): its rank within its group, times the group's max_q
-        rank_dec = op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0))  # rank + 1 where is_dec
-        rank_pre = op.CumSum(op.Cast(is_pre, to=_I64), op.Constant(value_int=0))
-        first_pre = op.Add(op.Mul(op.Sub(rank_pre, 1), maxq_pre), self.dim(o_dec, 0))
-        first = op.Where(is_dec, op.Sub(rank_dec, 1), first_pre)
-        row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
-        out = op.Gather(op.Concat(o_dec, o_pre, axis=0), row)
-        # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
-        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
-        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
-        return op.Cast(op.Where(has_keys, out, 0.0), to=self.t_dtype)
-
-    def unless_empty(self, member, name: str, trace, *, with_maxq: bool = False) -> list:
-        """``trace()`` (the group's outputs) inside ``If(any(member))``; else an empty ``[0, N * vh]`` output
-        (and ``max_q = [0]``). The branches read the body's values from the enclosing scope."""
+    def unless_empty(self, condition, name: str, trace) -> list:
+        """``trace()`` (the group's output) inside ``If(condition)``; else an empty ``[0, N * vh]`` output.
+        The branches read the body's values from the enclosing scope."""
         op, c = self.op, self.c
         outer = op
-        count = 2 if with_maxq else 1
 
         def then_branch(sub):
             self.op = sub
@@ -361,15 +543,10 @@ class _Body:
 
         def else_branch(sub):
             empty = np.zeros((0, c.num_heads * c.v_head_size), np.float32)
-            outs = [sub.Constant(value=ir.tensor(empty))]
-            if with_maxq:
-                outs.append(sub.Constant(value_ints=[0]))
-            return outs
+            return [sub.Constant(value=ir.tensor(empty))]
 
         branches = {
-            key: outer.builder.subgraph(
-                fn, [], [ir.Value(name=f"{name}_{key}_{k}") for k in range(count)], name=f"{name}_{key}"
-            )
+            key: outer.builder.subgraph(fn, [], [ir.Value(name=f"{name}_{key}_0")], name=f"{name}_{key}")
             for key, fn in (("then", then_branch), ("else", else_branch))
         }
         for key, graph in branches.items():
@@ -380,58 +557,34 @@ class _Body:
                 for v in node.outputs:
                     if id(v) not in declared:
                         v.name = f"{name}_{key}/{v.name}"
-        any_member = op.Greater(op.ReduceSum(op.Cast(member, to=_I64), keepdims=0), 0)
-        outs = op.If(any_member, then_branch=branches["then"], else_branch=branches["else"], _outputs=count)
-        return list(outs) if count > 1 else [outs]
+        return [op.If(condition, then_branch=branches["then"], else_branch=branches["else"], _outputs=1)]
 
-    def attend_group(self, q, k_cache, v_cache, member, *, one_query: bool):
-        """Attention of the sequences where ``member`` holds, padded to their own longest query and KV length.
+    def attend_group(self, q, k_cache, v_cache, g_: str, *, one_query: bool):
+        """Attention of one group over the plan's ``{g_}*`` indices (``d_``: decodes, ``p_``: prefills).
 
-        ``one_query``: every member has exactly one query (decodes); the grid is then ``[S, 1, max_kv]`` with
-        static query shapes, and the causal mask is implied by the KV length: a valid sequence has
-        ``kvlen == past + 1`` and its query sits at ``past``; an invalid one has ``kvlen == 0``.
-        Returns the float32 output ``[S * max_q, N * vh]`` (row ``s * max_q + i``: query ``i`` of the group's
-        ``s``-th sequence, in batch order), with ``max_q`` (1-D [1]) unless ``one_query``.
+        ``one_query``: every member has exactly one query; the grid is then ``[S, 1, max_kv]`` with static
+        query shapes. Returns the float32 output ``[S * max_q, N * vh]`` (row ``s * max_q + i``: query ``i`` of
+        the group's ``s``-th sequence, in batch order).
         """
-        op, c = self.op, self.c
+        op, c, pl = self.op, self.c, self.plan
         n, kvh, g, h, vh = c.num_heads, c.kv_num_heads, c.group, c.head_size, c.v_head_size
-        sel = op.Reshape(op.NonZero(member), self.ints([-1]))
-        S = self.dim(sel, 0)
-        kvlen, past, c_lo = op.Gather(self.kvlen, sel), op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
-        bt = op.Gather(self.bt, sel, axis=0)
-        zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
-        maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
-        j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
+        row, row_ok = pl[g_ + "row"], pl[g_ + "row_ok"]
 
         # dynamic shapes: allowzero because S / max_q / max_kv may be 0, and no -1 next to a possible 0
         if one_query:
             # [S, N, H] -> Q^T per kv head [S, kvh, H, G]
-            qp = op.Mul(self.f32(op.Gather(q, c_lo)), c.scale)
+            qp = op.Mul(self.f32(op.Gather(q, pl[g_ + "query"])), c.scale)
             qt = op.Transpose(op.Reshape(qp, self.ints([0, kvh, g, h])), perm=[0, 1, 3, 2])
-            maxq = i = None
         else:
             # padded queries [S, max_q] -> Q^T per kv head [S, kvh, H, G*max_q] (column g*max_q + i)
-            maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
-            i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
-            tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
-            tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
-            qp = op.Mul(self.f32(op.Gather(q, tok)), c.scale)  # [S, max_q, N, H]
+            S, maxq, maxkv = pl["p_count"], pl["p_max_q"], pl["p_max_kv"]
+            qp = op.Mul(self.f32(op.Gather(q, pl[g_ + "query"])), c.scale)  # [S, max_q, N, H]
             gq = op.Mul(maxq, g)
             qp = op.Reshape(qp, op.Concat(S, maxq, self.ints([kvh, g, h]), axis=0), allowzero=1)
             qt = op.Reshape(
                 op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(S, self.ints([kvh, h]), gq, axis=0), allowzero=1
             )
 
-        # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
-        blk_j = op.Div(j, self.BS)
-        pages = op.Gather(bt, blk_j, axis=1)  # [S, max_kv]; max_kv <= capacity keeps blk_j in range
-        mapped = op.GreaterOrEqual(pages, 0)
-        slot = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))
-        row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [S,kvh,kv]
-        # rows past a sequence's live length or on an unmapped page read some other block (page 0), which may
-        # belong to another sequence or hold garbage: zero them, or NaN/Inf there would reach this sequence's
-        # output through 0 * NaN in the probability-weighted sum
-        row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))), [1, 3])
         # in LATENT the key rows are also the values, so they are zeroed like values (see `read`)
         kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h, row_ok if c.latent else None)
 
@@ -439,15 +592,9 @@ class _Body:
         s = op.MatMul(kf, qt)
         if c.softcap > 0:
             s = op.Mul(op.Tanh(op.Div(s, c.softcap)), c.softcap)
-        if one_query:
-            allowed = row_ok  # [S, 1, max_kv, 1]; the query sits at past, so j < kvlen is the causal mask too
-            if c.local_window_size > 0:
-                near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, c.local_window_size), [1]))
-                allowed = op.And(allowed, op.Unsqueeze(near, [1, 3]))
-        else:
+        if not one_query:
             s = op.Reshape(s, op.Concat(S, self.ints([kvh]), maxkv, self.ints([g]), maxq, axis=0), allowzero=1)
-            allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]
-        s = op.Where(allowed, s, float("-inf"))
+        s = op.Where(pl[g_ + "allowed"], s, float("-inf"))
         m = op.ReduceMax(s, [2], keepdims=1)
         sink = None
         if "head_sink" in self.x:
@@ -470,8 +617,7 @@ class _Body:
         if one_query:
             return op.Reshape(o, self.ints([0, n * vh]))  # [S, kvh, G, vh] -> [S, N*vh]
         o = op.Reshape(o, op.Concat(S, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
-        o = op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [S*max_q, N*vh]
-        return o, maxq
+        return op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [S*max_q, N*vh]
 
     def read(self, cache, row, quant: str, scale, width: int, row_ok):
         """Gather ``row`` ([S, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32.
@@ -490,16 +636,3 @@ class _Body:
             rows = op.Mul(rows, s)
         # in float32: ONNX Runtime's CPU Where has no bfloat16 kernel
         return rows if row_ok is None else op.Where(row_ok, rows, 0.0)
-
-    def mask(self, i, j, mapped, past, kvlen):
-        """[S, max_kv, max_q]: key j is attended by query i of the group's sequence s (oracle `_attend`)."""
-        op, c = self.op, self.c
-        jj = op.Reshape(j, self.ints([1, -1, 1]))
-        qpos = op.Unsqueeze(op.Add(op.Unsqueeze(past, [1]), op.Unsqueeze(i, [0])), [1])  # [S, 1, max_q]
-        # padding query rows (i >= q_len) are not masked: they are computed, never gathered into the output
-        ok = op.And(op.Less(jj, op.Reshape(kvlen, self.ints([-1, 1, 1]))), op.Unsqueeze(mapped, [2]))
-        if c.is_causal:
-            ok = op.And(ok, op.LessOrEqual(jj, qpos))
-        if c.local_window_size > 0:
-            ok = op.And(ok, op.Greater(jj, op.Sub(qpos, c.local_window_size)))
-        return ok

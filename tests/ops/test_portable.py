@@ -481,10 +481,14 @@ def test_lowering_keeps_names_and_does_not_mutate() -> None:
     assert model.SerializeToString() == before
     assert [i.name for i in lowered.graph.input] == [i.name for i in model.graph.input]
     assert [o.name for o in lowered.graph.output] == [o.name for o in model.graph.output]
-    assert [n.domain for n in lowered.graph.node] == [FUNCTION_DOMAIN]
+    # the step's plan (index work), then the layer
+    assert [(n.domain, n.name) for n in lowered.graph.node] == [
+        (FUNCTION_DOMAIN, "PagedAttention_0/plan"),
+        (FUNCTION_DOMAIN, "PagedAttention_0"),
+    ]
     assert all(n.domain in ("", FUNCTION_DOMAIN) for f in lowered.functions for n in f.node)
     # the cache outputs are ScatterND outputs whose data input is the cache graph input
-    f = lowered.functions[0]
+    (f,) = [f for f in lowered.functions if f.name == lowered.graph.node[1].op_type]
     scatters = [n for n in f.node if n.op_type == "ScatterND"]
     assert {n.input[0] for n in scatters} == {"key_cache", "value_cache"}
     assert {n.output[0] for n in scatters} == set(f.output[1:])
@@ -506,9 +510,13 @@ def test_node_selection_and_shared_function() -> None:
     for name in second.output:
         m.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT16, None))
     only_second = lower_to_portable(m, ["PagedAttention_1"])
-    assert [n.domain for n in only_second.graph.node] == ["com.microsoft", FUNCTION_DOMAIN]
+    assert [n.domain for n in only_second.graph.node] == ["com.microsoft", FUNCTION_DOMAIN, FUNCTION_DOMAIN]
     both = lower_to_portable(m)
-    assert len(both.functions) == 1  # identical configurations share one function
+    # identical configurations share one layer function, and the layers one plan call computed once per step
+    assert len(both.functions) == 2
+    assert [n.name for n in both.graph.node] == ["PagedAttention_0/plan", "PagedAttention_0", "PagedAttention_1"]
+    plan_outputs = list(both.graph.node[0].output)
+    assert all(list(n.input)[-len(plan_outputs) :] == plan_outputs for n in both.graph.node[1:])
     with pytest.raises(ValueError, match="unknown"):
         lower_to_portable(m, ["nope"])
 

@@ -96,10 +96,12 @@ PLAN_OUTPUTS = (
     "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
     "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
     "d_allowed",  # [D, 1, kv_d, 1] keys the query attends (live, inside the local window)
+    "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
     "p_row",  # [P, kvh, kv_p]
     "p_row_ok",  # [P, 1, kv_p, 1]
     "p_allowed",  # [P, 1, kv_p, 1, max_q] causal / window / live mask
+    "p_rows_ok",  # bool scalar
     "p_count",  # [1] P
     "p_max_q",  # [1] max_q
     "p_max_kv",  # [1] kv_p
@@ -220,10 +222,12 @@ class _Plan(_Tracer):
             dec["row"],
             dec["row_ok"],
             dec["allowed"],
+            dec["rows_ok"],
             pre["query"],
             pre["row"],
             pre["row_ok"],
             pre["allowed"],
+            pre["rows_ok"],
             pre["count"],
             pre["max_q"],
             pre["max_kv"],
@@ -333,6 +337,8 @@ class _Plan(_Tracer):
         # rows past a sequence's live length or on an unmapped page read some other block (page 0), which may
         # belong to another sequence or hold garbage: zeroed (values, LATENT keys), masked out (scores)
         row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))), [1, 3])
+        # no padding and no unmapped page (one sequence, or equal lengths): the layers then skip zeroing V
+        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(op.Not(row_ok), to=_I64), keepdims=0), 0))
         if one_query:
             # [S, 1, max_kv, 1]; the query sits at past, so j < kvlen is the causal mask too (Identity: a function
             # output must be a value of its own)
@@ -340,7 +346,7 @@ class _Plan(_Tracer):
             if p.local_window_size > 0:
                 near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
                 allowed = op.And(row_ok, op.Unsqueeze(near, [1, 3]))
-            return {"query": c_lo, "row": row, "row_ok": row_ok, "allowed": allowed, "count": count}
+            return {"query": c_lo, "row": row, "row_ok": row_ok, "allowed": allowed, "rows_ok": rows_ok, "count": count}
         maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
         i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
         tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
@@ -351,6 +357,7 @@ class _Plan(_Tracer):
             "row": row,
             "row_ok": row_ok,
             "allowed": allowed,
+            "rows_ok": rows_ok,
             "count": count,
             "max_q": maxq,
             "max_kv": maxkv,
@@ -522,32 +529,34 @@ class _Body(_Tracer):
         op, pl = self.op, self.plan
         o_dec = self.attend_group(q, k_cache, v_cache, "d_", one_query=True)  # [D, N * vh]
         # the prefill group runs under an If on its being non-empty: a decode-only step does not dispatch it
-        (o_pre,) = self.unless_empty(
-            pl["any_prefill"], "prefills", lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)]
+        empty = np.zeros((0, self.c.num_heads * self.c.v_head_size), np.float32)
+        (o_pre,) = self.branch(
+            pl["any_prefill"],
+            "prefills",
+            lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)],
+            lambda: [self.op.Constant(value=ir.tensor(empty))],
         )  # [P * max_q, N * vh]
         out = op.Gather(op.Concat(o_dec, o_pre, axis=0), pl["out_row"])
         return op.Cast(op.Where(pl["has_keys"], out, 0.0), to=self.t_dtype)
 
-    def unless_empty(self, condition, name: str, trace) -> list:
-        """``trace()`` (the group's output) inside ``If(condition)``; else an empty ``[0, N * vh]`` output.
-        The branches read the body's values from the enclosing scope."""
-        op, c = self.op, self.c
-        outer = op
+    def branch(self, condition, name: str, then_trace, else_trace) -> list:
+        """``If(condition)`` over two traced branches (each returns a list of one value); the branches read
+        the body's values from the enclosing scope."""
+        outer = self.op
 
-        def then_branch(sub):
-            self.op = sub
-            try:
-                return trace()
-            finally:
-                self.op = outer
+        def traced(trace):
+            def fn(sub):
+                self.op = sub
+                try:
+                    return trace()
+                finally:
+                    self.op = outer
 
-        def else_branch(sub):
-            empty = np.zeros((0, c.num_heads * c.v_head_size), np.float32)
-            return [sub.Constant(value=ir.tensor(empty))]
+            return fn
 
         branches = {
-            key: outer.builder.subgraph(fn, [], [ir.Value(name=f"{name}_{key}_0")], name=f"{name}_{key}")
-            for key, fn in (("then", then_branch), ("else", else_branch))
+            key: outer.builder.subgraph(traced(fn), [], [ir.Value(name=f"{name}_{key}_0")], name=f"{name}_{key}")
+            for key, fn in (("then", then_trace), ("else", else_trace))
         }
         for key, graph in branches.items():
             # the sub-builders number their values from 0 again: rename, or they would shadow the body's names
@@ -557,7 +566,7 @@ class _Body(_Tracer):
                 for v in node.outputs:
                     if id(v) not in declared:
                         v.name = f"{name}_{key}/{v.name}"
-        return [op.If(condition, then_branch=branches["then"], else_branch=branches["else"], _outputs=1)]
+        return [outer.If(condition, then_branch=branches["then"], else_branch=branches["else"], _outputs=1)]
 
     def attend_group(self, q, k_cache, v_cache, g_: str, *, one_query: bool):
         """Attention of one group over the plan's ``{g_}*`` indices (``d_``: decodes, ``p_``: prefills).
@@ -568,7 +577,7 @@ class _Body(_Tracer):
         """
         op, c, pl = self.op, self.c, self.plan
         n, kvh, g, h, vh = c.num_heads, c.kv_num_heads, c.group, c.head_size, c.v_head_size
-        row, row_ok = pl[g_ + "row"], pl[g_ + "row_ok"]
+        row = pl[g_ + "row"]
 
         # dynamic shapes: allowzero because S / max_q / max_kv may be 0, and no -1 next to a possible 0
         if one_query:
@@ -585,8 +594,7 @@ class _Body(_Tracer):
                 op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(S, self.ints([kvh, h]), gq, axis=0), allowzero=1
             )
 
-        # in LATENT the key rows are also the values, so they are zeroed like values (see `read`)
-        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h, row_ok if c.latent else None)
+        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
 
         # scores transposed: [S, kvh, max_kv, G*max_q] viewed as [S, kvh, max_kv, G, max_q]; softmax over axis 2
         s = op.MatMul(kf, qt)
@@ -610,22 +618,17 @@ class _Body(_Tracer):
         if not one_query:
             p = op.Reshape(p, op.Concat(S, self.ints([kvh]), maxkv, gq, axis=0), allowzero=1)
         p = op.Transpose(p, perm=[0, 1, 3, 2])  # [S, kvh, G*max_q, max_kv]
-        if c.latent:
-            o = op.Slice(op.MatMul(p, kf), [0], [vh], [3])  # V is the leading v_head_size channels of K
+        if c.latent:  # V is the leading v_head_size channels of K
+            o = op.Slice(self.weighted_sum(p, kf, g_), [0], [vh], [3])
         else:
-            o = op.MatMul(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h, row_ok))
+            o = self.weighted_sum(p, self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h), g_)
         if one_query:
             return op.Reshape(o, self.ints([0, n * vh]))  # [S, kvh, G, vh] -> [S, N*vh]
         o = op.Reshape(o, op.Concat(S, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
         return op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [S*max_q, N*vh]
 
-    def read(self, cache, row, quant: str, scale, width: int, row_ok):
-        """Gather ``row`` ([S, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32.
-
-        ``row_ok`` (or None): rows where it is false (past the live length, unmapped pages) become 0. Needed
-        for values only: masked scores are replaced by -inf with ``Where``, which drops a NaN key, but a NaN
-        value reaches the output through ``0 * NaN`` in ``P @ V``.
-        """
+    def read(self, cache, row, quant: str, scale, width: int):
+        """Gather ``row`` ([S, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32."""
         op = self.op
         flat = op.Reshape(cache, self.ints([-1, width]))  # a view of the written cache, not a copy
         rows = self.f32(op.Gather(flat, row))
@@ -634,5 +637,21 @@ class _Body(_Tracer):
             if quant == "PER_CHANNEL":
                 s = op.Unsqueeze(s, [1])  # [kvh, 1, H] against [S, kvh, max_kv, H]
             rows = op.Mul(rows, s)
-        # in float32: ONNX Runtime's CPU Where has no bfloat16 kernel
-        return rows if row_ok is None else op.Where(row_ok, rows, 0.0)
+        return rows
+
+    def weighted_sum(self, p, values, g_: str):
+        """``P @ V`` where V's rows outside a sequence's live range (padding, unmapped pages) count as 0.
+
+        Those rows read some other block (page 0), which may belong to another sequence or hold garbage: a
+        NaN or Inf there would reach this output through ``0 * NaN`` (keys need no such care: their masked
+        scores are replaced by -inf with ``Where``). Zeroing them is a full pass over the gathered values
+        (the cost of the MatMul itself at long contexts), so it runs only when the plan found such rows; a
+        single sequence or equal lengths have none. In float32: ONNX Runtime's CPU Where has no float16 or
+        bfloat16 kernel (it would wrap one in casts)."""
+        pl = self.plan
+        return self.branch(
+            pl[g_ + "rows_ok"],
+            f"{g_}pv",
+            lambda: [self.op.MatMul(p, values)],
+            lambda: [self.op.MatMul(p, self.op.Where(pl[g_ + "row_ok"], values, 0.0))],
+        )[0]

@@ -95,7 +95,7 @@ PLAN_OUTPUTS = (
     "d_query",  # [D] the decoding sequences' tokens
     "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
     "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
-    "d_allowed",  # [D, 1, kv_d, 1] keys the query attends (live, inside the local window)
+    "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
     "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
     "p_row",  # [P, kvh, kv_p]
@@ -335,17 +335,19 @@ class _Plan(_Tracer):
         slot = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))
         row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [S,kvh,kv]
         # rows past a sequence's live length or on an unmapped page read some other block (page 0), which may
-        # belong to another sequence or hold garbage: zeroed (values, LATENT keys), masked out (scores)
-        row_ok = op.Unsqueeze(op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))), [1, 3])
+        # belong to another sequence or hold garbage: masked out (scores) and zeroed in P @ V (weighted_sum)
+        live = op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1])))  # [S, max_kv]
+        row_ok = op.Unsqueeze(live, [1, 3])  # [S, 1, max_kv, 1] against the gathered [S, kvh, max_kv, H]
         # no padding and no unmapped page (one sequence, or equal lengths): the layers then skip zeroing V
-        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(op.Not(row_ok), to=_I64), keepdims=0), 0))
+        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(op.Not(live), to=_I64), keepdims=0), 0))
         if one_query:
-            # [S, 1, max_kv, 1]; the query sits at past, so j < kvlen is the causal mask too (Identity: a function
-            # output must be a value of its own)
-            allowed = op.Identity(row_ok)
+            # [S, 1, 1, max_kv] against the decode scores [S, kvh, G, max_kv]; the query sits at past, so
+            # j < kvlen is the causal mask too
+            allowed = live
             if p.local_window_size > 0:
                 near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
-                allowed = op.And(row_ok, op.Unsqueeze(near, [1, 3]))
+                allowed = op.And(live, near)
+            allowed = op.Unsqueeze(allowed, [1, 2])
             return {"query": c_lo, "row": row, "row_ok": row_ok, "allowed": allowed, "rows_ok": rows_ok, "count": count}
         maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
         i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
@@ -580,12 +582,19 @@ class _Body(_Tracer):
         row = pl[g_ + "row"]
 
         # dynamic shapes: allowzero because S / max_q / max_kv may be 0, and no -1 next to a possible 0
+        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
         if one_query:
-            # [S, N, H] -> Q^T per kv head [S, kvh, H, G]
+            # decodes: scores [S, kvh, G, max_kv], softmax over the last axis. Q K^T with K as gathered: ONNX
+            # Runtime folds the Transpose into its MatMul (no copy of K), and every broadcast below runs along
+            # contiguous rows (the [S, kvh, max_kv, G] layout broadcast [.., 1, G] over max_kv: ~10x slower)
+            axis = 3
             qp = op.Mul(self.f32(op.Gather(q, pl[g_ + "query"])), c.scale)
-            qt = op.Transpose(op.Reshape(qp, self.ints([0, kvh, g, h])), perm=[0, 1, 3, 2])
+            s = op.MatMul(op.Reshape(qp, self.ints([0, kvh, g, h])), op.Transpose(kf, perm=[0, 1, 3, 2]))
+            sink_shape = [1, kvh, g, 1]
         else:
-            # padded queries [S, max_q] -> Q^T per kv head [S, kvh, H, G*max_q] (column g*max_q + i)
+            # padded queries [S, max_q] -> Q^T per kv head [S, kvh, H, G*max_q] (column g*max_q + i); scores
+            # transposed: [S, kvh, max_kv, G*max_q] viewed as [S, kvh, max_kv, G, max_q]; softmax over axis 2
+            axis = 2
             S, maxq, maxkv = pl["p_count"], pl["p_max_q"], pl["p_max_kv"]
             qp = op.Mul(self.f32(op.Gather(q, pl[g_ + "query"])), c.scale)  # [S, max_q, N, H]
             gq = op.Mul(maxq, g)
@@ -593,31 +602,29 @@ class _Body(_Tracer):
             qt = op.Reshape(
                 op.Transpose(qp, perm=[0, 2, 4, 3, 1]), op.Concat(S, self.ints([kvh, h]), gq, axis=0), allowzero=1
             )
+            s = op.MatMul(kf, qt)
+            sink_shape = [1, kvh, 1, g, 1]
 
-        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
-
-        # scores transposed: [S, kvh, max_kv, G*max_q] viewed as [S, kvh, max_kv, G, max_q]; softmax over axis 2
-        s = op.MatMul(kf, qt)
         if c.softcap > 0:
             s = op.Mul(op.Tanh(op.Div(s, c.softcap)), c.softcap)
         if not one_query:
             s = op.Reshape(s, op.Concat(S, self.ints([kvh]), maxkv, self.ints([g]), maxq, axis=0), allowzero=1)
         s = op.Where(pl[g_ + "allowed"], s, float("-inf"))
-        m = op.ReduceMax(s, [2], keepdims=1)
+        m = op.ReduceMax(s, [axis], keepdims=1)
         sink = None
         if "head_sink" in self.x:
-            sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints([1, kvh, 1, g] + ([] if one_query else [1])))
+            sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints(sink_shape))
             m = op.Max(m, sink)
         m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
         e = op.Exp(op.Sub(s, m))
-        den = op.ReduceSum(e, [2], keepdims=1)
+        den = op.ReduceSum(e, [axis], keepdims=1)
         if sink is not None:
             den = op.Add(den, op.Exp(op.Sub(sink, m)))
         p = op.Div(e, op.Where(op.Greater(den, 0.0), den, 1.0))  # empty key range: a zero row, never NaN
 
         if not one_query:
             p = op.Reshape(p, op.Concat(S, self.ints([kvh]), maxkv, gq, axis=0), allowzero=1)
-        p = op.Transpose(p, perm=[0, 1, 3, 2])  # [S, kvh, G*max_q, max_kv]
+            p = op.Transpose(p, perm=[0, 1, 3, 2])  # [S, kvh, G*max_q, max_kv]
         if c.latent:  # V is the leading v_head_size channels of K
             o = op.Slice(self.weighted_sum(p, kf, g_), [0], [vh], [3])
         else:

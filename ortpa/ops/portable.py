@@ -2,9 +2,13 @@
 
 :func:`lower_to_portable` replaces each PagedAttention node by a call to a model-local ONNX function (built by
 :mod:`ortpa.ops.portable_graph`, one per distinct configuration) with the node's inputs and outputs, so graph
-input/output names are unchanged. The function is specialised on the node's attributes, on which optional
-inputs are present and on the declared element types; it computes in float32 from float16/bfloat16 inputs
-and writes the caches in their own element type.
+input/output names are unchanged. The index work of a step (sanitization, write set, decode / prefill groups,
+masks, output rows) depends only on the index inputs, so it is one *plan* call, placed before the first layer,
+whose outputs every layer with the same index inputs and the same declared token and cache dimensions takes as
+extra inputs: computed once per step instead of once per layer (:mod:`ortpa.ops.portable_plan`). The layer
+function is specialised on the node's attributes, on which optional inputs are present and on the declared
+element types; it computes in float32 from float16/bfloat16 inputs and writes the caches in their own element
+type.
 
 In-place cache update: ``key_cache_out`` / ``value_cache_out`` come straight out of a ``ScatterND`` whose
 data input is the cache graph input. Bind the same OrtValue to a cache input and its cache output
@@ -40,14 +44,8 @@ from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS
 from ortpa.ops.params import PagedAttentionParams
-from ortpa.ops.portable_graph import (
-    FUNCTION_DOMAIN,
-    PLAN_OUTPUTS,
-    PlanConfig,
-    PortableConfig,
-    build_function,
-    build_plan_function,
-)
+from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
+from ortpa.ops.portable_plan import PLAN_OUTPUTS, PlanConfig, build_plan_function
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
 from ortpa.ops.validate import TensorInfo, check_inputs, dtype_name

@@ -325,14 +325,22 @@ class _Plan(GraphTracer):
         blk_j = op.Div(j, self.BS)
         pages = op.Gather(bt, blk_j, axis=1)  # [S, max_kv]; max_kv <= capacity keeps blk_j in range
         mapped = op.GreaterOrEqual(pages, 0)
-        slot = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))
+        inside = op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))  # [S, max_kv]: j < the sequence's length
+        live = op.And(mapped, inside)
+        # Padding rows (j >= kvlen) would read some other block (page 0), which may belong to another sequence or
+        # hold garbage, and a NaN there would reach the output through 0 * NaN in P @ V. They read the sequence's
+        # own last row instead (position kvlen - 1, attended anyway: whatever it holds reaches the output already)
+        # when that page is mapped. Only unmapped pages inside the range, or a sequence without such a last row,
+        # are left, and the layers zero those values (an If on rows_ok): a full pass over the gathered values.
+        last = op.Unsqueeze(op.Max(op.Sub(kvlen, 1), 0), [1])  # [S, 1]
+        last_page = op.GatherElements(bt, op.Div(last, self.BS), axis=1)  # last < kvlen <= capacity: in range
+        last_slot = op.Add(op.Mul(op.Max(last_page, 0), self.BS), op.Mod(last, self.BS))
+        last_ok = op.And(op.Greater(op.Unsqueeze(kvlen, [1]), 0), op.GreaterOrEqual(last_page, 0))  # [S, 1]
+        slot = op.Where(inside, op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS)), last_slot)
         row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [S,kvh,kv]
-        # rows past a sequence's live length or on an unmapped page read some other block (page 0), which may
-        # belong to another sequence or hold garbage: masked out (scores) and zeroed in P @ V (weighted_sum)
-        live = op.And(mapped, op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1])))  # [S, max_kv]
         row_ok = op.Unsqueeze(live, [1, 3])  # [S, 1, max_kv, 1] against the gathered [S, kvh, max_kv, H]
-        # no padding and no unmapped page (one sequence, or equal lengths): the layers then skip zeroing V
-        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(op.Not(live), to=_I64), keepdims=0), 0))
+        unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
+        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
         if one_query:
             # [S, 1, 1, max_kv] against the decode scores [S, kvh, G, max_kv]; the query sits at past, so
             # j < kvlen is the causal mask too

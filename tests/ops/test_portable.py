@@ -354,6 +354,34 @@ def test_invalid_sequence_zero_output_others_unaffected(dtype) -> None:
         )
 
 
+@pytest.mark.parametrize("latent", [False, True], ids=["separate", "latent"])
+@pytest.mark.parametrize("unmapped", [False, True], ids=["well_formed", "unmapped_page"])
+def test_ragged_decodes_never_read_foreign_nan(latent: bool, unmapped: bool) -> None:
+    """Decodes of different lengths pad to the longest; the padding reads the sequence's own last row (no zeroing
+    pass) and an unmapped page inside a live range takes the zeroing branch. Either way NaN in blocks no sequence
+    owns never reaches an output, and the outputs match the oracle."""
+    rng = np.random.default_rng(11)
+    kw = dict(latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=48) if latent else {}
+    case = make_case(rng, np.float16, q_lens=(1, 1, 1), pasts=(40, 3, 17), spare_blocks=4, **kw)
+    x = case.inputs
+    bt = x["block_table"]
+    spare = sorted(set(range(x["key_cache"].shape[0])) - {int(b) for b in bt.reshape(-1)})[0]
+    if (bt == 0).any():  # make block 0 (where an unmapped page's row lands) a foreign, NaN-filled block
+        for name in ("key_cache", "value_cache"):
+            if name in x:
+                x[name][spare] = x[name][0]
+        bt[bt == 0] = spare
+    owned = {int(b) for b in bt.reshape(-1) if b >= 0}
+    for name in ("key_cache", "value_cache"):
+        if name in x:
+            for blk in set(range(x[name].shape[0])) - owned:
+                x[name][blk] = np.nan
+    if unmapped:
+        bt[0, 1] = -1  # inside sequence 0's live range (its past is 40, blocks of 16)
+    got = check(case)
+    assert np.isfinite(got["output"].astype(np.float32)).all()
+
+
 @pytest.mark.parametrize("pasts", [(4, 0), (0, 0)], ids=["with_past", "nothing_to_attend"])
 def test_zero_tokens(pasts) -> None:
     rng = np.random.default_rng(3)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import onnxruntime as ort
 
-__all__ = ["aliased_step", "median_ms", "row"]
+__all__ = ["aliased_step", "interleaved_ms", "median_ms", "row"]
 
 _CACHES = (("key_cache", "key_cache_out"), ("value_cache", "value_cache_out"))
 
@@ -22,6 +22,20 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1e3 * float(np.median(times))
+
+
+def interleaved_ms(fns: Mapping[str, Callable[[], object]], repeats: int, clock=time.perf_counter) -> dict:
+    """Median ms of each callable, run round-robin after one warm-up each (a burst of outside load then hits
+    every one alike); ``clock`` may be ``time.process_time`` (CPU time of this process)."""
+    for fn in fns.values():
+        fn()
+    times: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = clock()
+            fn()
+            times[k].append(clock() - t0)
+    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
 
 
 def aliased_step(sess: ort.InferenceSession, x: Mapping[str, np.ndarray], *, alias: bool = True):

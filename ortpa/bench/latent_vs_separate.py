@@ -29,7 +29,7 @@ import sys
 import numpy as np
 import onnxruntime as ort
 
-from ortpa.bench._timing import aliased_step, median_ms, row
+from ortpa.bench._timing import aliased_step, interleaved_ms, row
 from ortpa.bench.runner import format_table
 from ortpa.ops.portable import portable_single_node_model
 
@@ -86,9 +86,11 @@ def _inputs(layout: str, q: int, past: int, rng) -> tuple[dict, dict]:
     return {**x, **common}, attrs
 
 
-def _session(x: dict, attrs: dict) -> ort.InferenceSession:
+def _session(x: dict, attrs: dict, threads: int) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
     model = portable_single_node_model(x, attrs)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
@@ -97,8 +99,8 @@ def run(quick: bool = False) -> list[dict]:
     rng = np.random.default_rng(0)
     contexts = (256, 1024) if quick else (256, 1024, 2048, 4096, 8192)
     repeats = 3 if quick else 5
-    threads = os.environ.get("OMP_NUM_THREADS") or "default"
-    env = f"{os.cpu_count()} cpus, threads {threads}, median of {repeats}"
+    threads = os.cpu_count() or 1
+    env = f"ORT {ort.__version__} CPU, {threads} intra-op threads (1 inter-op), median of {repeats}, interleaved"
     dims = f"{HEADS} heads, L {LORA}, rope {ROPE}, nope {NOPE}, v {V_HEAD}, fp16, block {BS}"
     lat, sep = _latent_bytes(), _separate_bytes(HEADS)
     rows = [
@@ -115,11 +117,14 @@ def run(quick: bool = False) -> list[dict]:
         for ctx in contexts:
             if ctx < q:
                 continue
-            ms = {}
+            steps = {}
             for layout in ("LATENT", "SEPARATE"):
                 x, attrs = _inputs(layout, q, ctx - q, rng)
-                sess = sessions.get(layout) or sessions.setdefault(layout, _session(x, attrs))
-                ms[layout] = median_ms(aliased_step(sess, x), repeats if phase == "decode" else max(2, repeats // 2))
+                sess = sessions.get(layout) or sessions.setdefault(layout, _session(x, attrs, threads))
+                steps[layout] = aliased_step(sess, x)
+            # round-robin: a burst of load from other processes hits both layouts alike
+            ms = interleaved_ms(steps, repeats if phase == "decode" else max(2, repeats // 2))
+            for layout in ("LATENT", "SEPARATE"):
                 what = f"{q} new token{'s' * (q > 1)} at context {ctx}"
                 rows.append(row(f"{phase}_ms/{layout.lower()}/ctx{ctx}", "step_time", ms[layout], "ms",
                                  f"{what}; {dims}; {env}"))  # fmt: skip

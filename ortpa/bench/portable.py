@@ -3,13 +3,15 @@
 Rows (``run(quick)`` returns them; ``ortpa bench --only portable`` or ``python -m ortpa.bench.portable [--quick]``
 prints a table):
 
-* ``decode_ms/portable`` and ``decode_ms/ort_gqa`` at contexts 512 / 2048 / 8192: one new token per sequence,
-  GQA 32 query / 8 KV heads of 128, float16. The portable op binds its caches aliased (in place); ONNX
-  Runtime's own CPU attention (``com.microsoft::GroupQueryAttention``) binds past and present KV to one shared
-  buffer, its fastest decode mode. ``ratio`` = portable / GQA (target: within 2x).
-* ``ratio_1thread``: the same decode steps with one ONNX Runtime thread each, timed interleaved in CPU time of
+* ``decode_ms/portable/bB/ctxN`` and ``decode_ms/ort_gqa/bB/ctxN``: one new token for each of B sequences at
+  context N (B 1 / 4 / 16, N 256-8192), GQA 32 query / 8 KV heads of 128, float16. The portable op binds its
+  caches aliased (in place); ONNX Runtime's own CPU attention (``com.microsoft::GroupQueryAttention``) binds
+  past and present KV to one shared buffer, its fastest decode mode. ``ratio/bB/ctxN`` = portable / GQA
+  (target: <= 1.5 at batch 4, context 2048), with ``os.cpu_count()`` intra-op threads set explicitly (reported,
+  with ONNX Runtime's version, in the notes), the two timed interleaved.
+* ``ratio_1thread/bB/ctxN``: the same steps with one ONNX Runtime thread each, timed interleaved in CPU time of
   this process: on a shared machine the multi-threaded wall-clock ratio swings with the neighbours' load.
-* ``linearity``: time per 1k context tokens at 8192 over the same at 2048 (1.0 = linear).
+* ``linearity``: time per 1k context tokens at 8192 over the same at 2048, batch 1 (1.0 = linear).
 * ``pool_ratio``: the portable step with 4096 allocated blocks over 64 blocks at the same context (target ~1:
   the aliased ScatterND never copies the pool), and the unaliased 4096-block step for contrast.
 * ``mixed_ms`` / ``mixed_ratio``: one step holding a 256-token prompt chunk (its context ending at 2048) and 15
@@ -20,6 +22,7 @@ prints a table):
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -28,7 +31,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from ortpa.bench import format_table
-from ortpa.bench._timing import aliased_step, median_ms
+from ortpa.bench._timing import aliased_step, interleaved_ms, median_ms
 from ortpa.ops.portable import portable_single_node_model
 
 __all__ = ["run"]
@@ -93,19 +96,6 @@ def _mixed_inputs(decodes: int, ctx: int, chunk: int, rng) -> dict[str, dict]:
     return {"mixed": step(slice(0, batch)), "prefill": step(slice(0, 1)), "decode": step(slice(1, batch))}
 
 
-def _interleaved_ms(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
-    """Median ms of each callable, run round-robin (so a burst of outside load hits every one alike)."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = clock()
-            fn()
-            times[k].append(clock() - t0)
-    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
-
-
 def _gqa_model():
     f16 = TensorProto.FLOAT16
 
@@ -157,47 +147,57 @@ def _row(name: str, metric: str, value: float, unit: str, notes: str = "") -> di
     return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}
 
 
+def _shapes(quick: bool) -> list[tuple[int, int]]:
+    """(batch, context) of the decode comparison: batch 4 at 2048 is the target; 16 stops at 2048 (its
+    gathered float32 K/V at 8192 would be ~2 GB on a shared machine)."""
+    if quick:
+        return [(1, 256), (1, 2048), (4, 256), (4, 2048), (16, 256)]
+    return [(b, c) for b in (1, 4) for c in (256, 512, 2048, 8192)] + [(16, 256), (16, 2048)]
+
+
 def run(quick: bool = False) -> list[dict]:
     rng = np.random.default_rng(0)
-    batch = 1
-    repeats = 5 if quick else 20
-    contexts = (512, 2048, 8192)
+    repeats = 5 if quick else 15
     attrs = {"num_heads": N, "kv_num_heads": KVH}
-    portable = _session(portable_single_node_model(_paged_inputs(1, 16, 8, rng), attrs))
-    gqa = _session(_gqa_model())
+    threads = os.cpu_count() or 1
+    env = f"ORT {ort.__version__} CPU, {threads} intra-op threads (1 inter-op), median of {repeats} interleaved"
     rows: list[dict] = []
+    sessions = {
+        (kind, t): _session(portable_single_node_model(_paged_inputs(1, 16, 8, rng), attrs) if kind == "portable"
+                            else _gqa_model(), t)
+        for kind in ("portable", "gqa") for t in (threads, 1)
+    }  # fmt: skip
     per_k: dict[int, float] = {}
-    for ctx in contexts:
+    for batch, ctx in _shapes(quick):
         blocks = batch * (-(-(ctx + 1) // BS)) + 8
-        p_ms = median_ms(aliased_step(portable, _paged_inputs(batch, ctx, blocks, rng), alias=True), repeats)
-        g_ms = median_ms(_gqa_step(gqa, batch, ctx, rng), repeats)
-        per_k[ctx] = p_ms / (ctx / 1024)
-        shape = f"batch {batch}, GQA {N}/{KVH}x{H}, fp16, block {BS}"
-        rows.append(_row(f"decode_ms/portable/ctx{ctx}", "step_time", p_ms, "ms", shape + ", aliased caches"))
-        rows.append(_row(f"decode_ms/ort_gqa/ctx{ctx}", "step_time", g_ms, "ms", shape + ", shared past/present"))
-        rows.append(_row(f"ratio/ctx{ctx}", "portable_over_gqa", p_ms / g_ms, "x", "target <= 2"))
-    portable1, gqa1 = (
-        _session(portable_single_node_model(_paged_inputs(1, 16, 8, rng), attrs), 1),
-        _session(_gqa_model(), 1),
-    )
-    fns = {}
-    for ctx in contexts:
-        blocks = batch * (-(-(ctx + 1) // BS)) + 8
-        fns[("portable", ctx)] = aliased_step(portable1, _paged_inputs(batch, ctx, blocks, rng), alias=True)
-        fns[("gqa", ctx)] = _gqa_step(gqa1, batch, ctx, rng)
-    ms1 = _interleaved_ms(fns, repeats, time.process_time)
-    for ctx in contexts:
-        p1, g1 = ms1[("portable", ctx)], ms1[("gqa", ctx)]
-        note = f"1 ORT thread, CPU time, interleaved: portable {p1:.2f} ms, GQA {g1:.2f} ms"
-        rows.append(_row(f"ratio_1thread/ctx{ctx}", "portable_over_gqa", p1 / g1, "x", note + "; target <= 2"))
-    rows.append(
-        _row("linearity/8192_vs_2048", "ms_per_1k_ratio", per_k[8192] / per_k[2048], "x", "1.0 = linear in context")
-    )
+        x = _paged_inputs(batch, ctx, blocks, rng)
+        shape = f"batch {batch}, context {ctx}, GQA {N}/{KVH}x{H}, fp16, block {BS}"
+        tag = f"b{batch}/ctx{ctx}"
+        # wall time at the machine's threads, then CPU time at one thread; portable and GQA interleaved in each
+        for t, clock, suffix in ((threads, time.perf_counter, ""), (1, time.process_time, "_1thread")):
+            fns = {"portable": aliased_step(sessions["portable", t], x, alias=True)}
+            fns["gqa"] = _gqa_step(sessions["gqa", t], batch, ctx, rng)
+            ms = interleaved_ms(fns, repeats, clock)
+            what = f"{shape}; {env}" if t == threads else f"{shape}; 1 ORT thread, CPU time of this process"
+            if not suffix:
+                rows.append(_row(f"decode_ms/portable/{tag}", "step_time", ms["portable"], "ms", what + "; aliased"))
+                rows.append(_row(f"decode_ms/ort_gqa/{tag}", "step_time", ms["gqa"], "ms", "shared past/present"))
+                if batch == 1:
+                    per_k[ctx] = ms["portable"] / (ctx / 1024)
+            target = "; target <= 1.5" if (batch, ctx) == (4, 2048) else ""
+            note = f"portable {ms['portable']:.2f} ms, GQA {ms['gqa']:.2f} ms{target}"
+            rows.append(_row(f"ratio{suffix}/{tag}", "portable_over_gqa", ms["portable"] / ms["gqa"], "x",
+                             (what + "; " if suffix else "") + note))  # fmt: skip
+    if 8192 in per_k and 2048 in per_k:
+        rows.append(_row("linearity/8192_vs_2048", "ms_per_1k_ratio", per_k[8192] / per_k[2048], "x", "1.0 = linear"))
+    portable = sessions["portable", threads]
 
     ctx = 512
-    small = median_ms(aliased_step(portable, _paged_inputs(1, ctx, 64, rng), alias=True), repeats)
     big_x = _paged_inputs(1, ctx, 4096, rng)
-    big = median_ms(aliased_step(portable, big_x, alias=True), repeats)
+    pool = {"small": aliased_step(portable, _paged_inputs(1, ctx, 64, rng), alias=True)}
+    pool["big"] = aliased_step(portable, big_x, alias=True)
+    pool_ms = interleaved_ms(pool, repeats)
+    small, big = pool_ms["small"], pool_ms["big"]
     big_copy = median_ms(aliased_step(portable, big_x, alias=False), max(3, repeats // 4))
     note = f"ctx {ctx}, same step, 64 vs 4096 blocks of {BS}"
     rows.append(_row("pool/64_blocks", "step_time", small, "ms", note + ", aliased"))
@@ -207,7 +207,7 @@ def run(quick: bool = False) -> list[dict]:
 
     ctx, chunk, decodes = 2048, 256, 15
     steps = _mixed_inputs(decodes, ctx, chunk, rng)
-    ms = _interleaved_ms({k: aliased_step(portable, x, alias=True) for k, x in steps.items()}, repeats)
+    ms = interleaved_ms({k: aliased_step(portable, x, alias=True) for k, x in steps.items()}, repeats)
     shape = f"GQA {N}/{KVH}x{H}, fp16, block {BS}"
     rows.append(_row("mixed_ms/mixed", "step_time", ms["mixed"], "ms", f"{chunk}-token chunk + {decodes} decodes "
                      f"at context {ctx}, one step; {shape}"))  # fmt: skip

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
-import onnx_ir as ir
 from onnx import helper
 
 from ortpa.errors import ConversionError
-from ortpa.ops.portable import portable_config, value_types
-from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
+from ortpa.ops.portable import plan_call, portable_config, value_types
+from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
 
@@ -102,7 +101,9 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
     inputs = {vi.name: vi for vi in graph.input}
     outputs = {vi.name: vi for vi in graph.output}
     schema_index = {f.name: f.index for f in PAGED_ATTENTION.inputs}
-    functions: dict[PortableConfig, onnx.FunctionProto] = {}
+    functions: dict = {}  # layer and plan configurations -> their FunctionProto
+    plans: dict[tuple, list[str]] = {}  # the per-step plan calls layers share (ortpa.ops.portable.plan_call)
+    lowered: list[onnx.NodeProto] = []
     configs: dict[str, dict] = {}
     first: PortableConfig | None = None
     split = False
@@ -111,6 +112,7 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
     new_outputs: list[tuple[int, onnx.ValueInfoProto]] = []
     for i, node in enumerate(graph.node):
         if node.op_type != OP_TYPE or node.domain != DOMAIN:
+            lowered.append(node)
             continue
         where = node.name or f"{OP_TYPE}_{i}"
         try:
@@ -154,15 +156,20 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
             call_inputs.insert(ki + 1, value_in)
             call_outputs = [node.output[0], key_out, value_out]
             split = True
-        if cfg not in functions:
-            functions[cfg] = ir.serde.serialize_function(build_function(cfg))
-            configs[cfg.function_name()] = _attrs(node)
-        call = helper.make_node(cfg.function_name(), call_inputs, call_outputs, name=node.name, domain=FUNCTION_DOMAIN)
-        graph.node[i].CopyFrom(call)
+        configs.setdefault(cfg.function_name(), _attrs(node))
+        plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
+        if plan_node is not None:
+            lowered.append(plan_node)
+        call_inputs += plan_outputs
+        lowered.append(
+            helper.make_node(cfg.function_name(), call_inputs, call_outputs, name=node.name, domain=FUNCTION_DOMAIN)
+        )
         first = first or cfg
         nodes += 1
     if first is None:
         raise ConversionError(f"--portable: {path} has no PagedAttention node to lower")
+    del graph.node[:]
+    graph.node.extend(lowered)
     _insert_after(graph.input, new_inputs)
     _insert_after(graph.output, new_outputs)
     proto.functions.extend(functions.values())

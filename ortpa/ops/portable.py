@@ -2,9 +2,13 @@
 
 :func:`lower_to_portable` replaces each PagedAttention node by a call to a model-local ONNX function (built by
 :mod:`ortpa.ops.portable_graph`, one per distinct configuration) with the node's inputs and outputs, so graph
-input/output names are unchanged. The function is specialised on the node's attributes, on which optional
-inputs are present and on the declared element types; it computes in float32 from float16/bfloat16 inputs
-and writes the caches in their own element type.
+input/output names are unchanged. The index work of a step (sanitization, write set, decode / prefill groups,
+masks, output rows) depends only on the index inputs, so it is one *plan* call, placed before the first layer,
+whose outputs every layer with the same index inputs and the same declared token and cache dimensions takes as
+extra inputs: computed once per step instead of once per layer (:mod:`ortpa.ops.portable_plan`). The layer
+function is specialised on the node's attributes, on which optional inputs are present and on the declared
+element types; it computes in float32 from float16/bfloat16 inputs and writes the caches in their own element
+type.
 
 In-place cache update: ``key_cache_out`` / ``value_cache_out`` come straight out of a ``ScatterND`` whose
 data input is the cache graph input. Bind the same OrtValue to a cache input and its cache output
@@ -41,6 +45,7 @@ from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS
 from ortpa.ops.params import PagedAttentionParams
 from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
+from ortpa.ops.portable_plan import PLAN_OUTPUTS, PlanConfig, build_plan_function
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
 from ortpa.ops.validate import TensorInfo, check_inputs, dtype_name
@@ -211,24 +216,28 @@ def lower_to_portable(
     fn_opset = main_opset
     types = _value_infos(out) if types is None else types
     wanted = None if node_names is None else set(node_names)
-    functions: dict[PortableConfig, onnx.FunctionProto] = {}
-    for i, node in enumerate(out.graph.node):
-        if node.op_type != OP_TYPE or node.domain != DOMAIN:
-            continue
-        if wanted is not None and node.name not in wanted:
+    functions: dict[PortableConfig | PlanConfig, onnx.FunctionProto] = {}
+    idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+    plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
+    nodes: list[onnx.NodeProto] = []
+    for node in out.graph.node:
+        if node.op_type != OP_TYPE or node.domain != DOMAIN or (wanted is not None and node.name not in wanted):
+            nodes.append(node)
             continue
         cfg = portable_config(node, types, fn_opset)
-        if cfg not in functions:
-            functions[cfg] = ir.serde.serialize_function(build_function(cfg))
-        idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+        plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
+        if plan_node is not None:
+            nodes.append(plan_node)
         call = helper.make_node(
             cfg.function_name(),
-            [node.input[idx[name]] for name in cfg.present_inputs],
+            [node.input[idx[name]] for name in cfg.present_inputs] + plan_outputs,
             [o for o in node.output if o],
             name=node.name,
             domain=FUNCTION_DOMAIN,
         )
-        out.graph.node[i].CopyFrom(call)
+        nodes.append(call)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
     if wanted is not None:
         missing = wanted - {n.name for n in out.graph.node if n.domain == FUNCTION_DOMAIN}
         if missing:
@@ -237,6 +246,55 @@ def lower_to_portable(
     if functions and FUNCTION_DOMAIN not in opsets:
         out.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
     return out
+
+
+def plan_call(
+    node: onnx.NodeProto,
+    cfg: PortableConfig,
+    types: Mapping[str, onnx.TypeProto],
+    plans: dict[tuple, list[str]],
+    functions: dict,
+) -> tuple[onnx.NodeProto | None, list[str]]:
+    """The per-step plan a lowered layer ``node`` (configuration ``cfg``) takes: ``(a new plan call to place before
+    the layer, or None when an earlier layer's is shared; the plan output names to append to the layer call's
+    inputs)``. ``plans`` (sharing key -> output names) and ``functions`` (config -> FunctionProto, the layer's own
+    function added here too) carry what earlier layers made."""
+    idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+    if cfg not in functions:
+        functions[cfg] = ir.serde.serialize_function(build_function(cfg))
+    plan = PlanConfig.of(cfg)
+    plan_inputs = [node.input[idx[name]] for name in plan.inputs]
+    key = _plan_key(plan, plan_inputs, types, node.name)
+    if key in plans:
+        return None, plans[key]
+    # placed before the first layer that uses it: its inputs (this layer's query included) exist there
+    if plan not in functions:
+        functions[plan] = ir.serde.serialize_function(build_plan_function(plan))
+    names = [f"{node.name}/plan/{o}" for o in PLAN_OUTPUTS]
+    plans[key] = names
+    plan_node = helper.make_node(
+        plan.function_name(), plan_inputs, names, name=f"{node.name}/plan", domain=FUNCTION_DOMAIN
+    )
+    return plan_node, names
+
+
+def _plan_key(plan: PlanConfig, inputs: list[str], types: Mapping[str, onnx.TypeProto], node: str) -> tuple:
+    """Layers share one plan call when they pass the same index inputs and their token count (query dim 0) and
+    cache dims (key_cache dims 0 and 1) are declared the same (one symbol or one value); else a plan per layer."""
+    dims = []
+    for name, axes in ((inputs[0], (0,)), (inputs[1], (0, 1))):
+        shape = _tensor_info(types.get(name)).shape
+        sym = None
+        tt = types.get(name)
+        if shape is not None and tt is not None:
+            sym = tuple(
+                (d.dim_param or None) if not d.HasField("dim_value") else d.dim_value
+                for d in (tt.tensor_type.shape.dim[a] for a in axes)
+            )
+        if sym is None or None in sym:
+            return (plan, node)  # unknown: this layer's own plan
+        dims.append(sym)
+    return (plan, tuple(inputs[2:]), tuple(dims))
 
 
 def _elem(array: Any) -> int:

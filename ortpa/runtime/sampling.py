@@ -60,9 +60,9 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     Filtering order is vLLM's: temperature, then top-k, then top-p over what top-k kept. Candidates are sorted
     by descending logit with a stable sort, so ties keep the lowest id first and ``top_k=1`` equals greedy.
     """
+    if params.greedy:  # argmax in the logits' own dtype: no float64 copy of the row
+        return int(np.argmax(np.asarray(logits).reshape(-1)))
     row = np.asarray(logits, dtype=np.float64).reshape(-1)
-    if params.greedy:
-        return int(np.argmax(row))
     if rng is None:
         raise InvalidSamplingParams("seed", "a random generator for temperature > 0", None)
     order = np.argsort(-row, kind="stable")

@@ -343,6 +343,8 @@ class PagedSession:
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._cache_outputs = {a.output_name: a.input_name for a in self.aliases if a.output_name}
         self._lock = threading.Lock()  # serializes every use of the cache buffers (see the class docstring)
+        self._io: ort.IOBinding | None = None  # made on the first run (see _binding)
+        self._io_key: tuple = ()  # (fetched outputs, fed inputs) self._io was made for
 
     @property
     def cache_names(self) -> list[str]:
@@ -394,27 +396,40 @@ class PagedSession:
 
     def _run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None) -> dict[str, np.ndarray]:
         sess = self.session._sess
-        io = sess.io_binding()
+        wanted = list(output_names) if output_names else [n for n in self._outputs if n not in self._cache_outputs]
+        fetched = [n for n in wanted if n not in self._cache_outputs]
+        io = self._binding(fetched, list(feeds))
         keep = []
         for name, value in feeds.items():
             if name in self._values:
                 raise ValueError(f"{name!r} is a cache owned by this PagedSession; do not feed it")
             ov = value if isinstance(value, ort.OrtValue) else to_ortvalue(np.ascontiguousarray(value), "cpu")
             keep.append(ov)
-            io.bind_ortvalue_input(name, ov)
-        for name, ov in self._values.items():
-            io.bind_ortvalue_input(name, ov)
-        wanted = list(output_names) if output_names else [n for n in self._outputs if n not in self._cache_outputs]
-        for out_name, in_name in self._cache_outputs.items():
-            io.bind_ortvalue_output(out_name, self._values[in_name])
-        for name in wanted:
-            if name not in self._cache_outputs:
-                io.bind_output(name, "cpu")
+            io.bind_ortvalue_input(name, ov)  # replaces the previous step's binding of that name
+        for name in fetched:
+            io.bind_output(name, "cpu")  # a fresh, unallocated output: its shape changes from step to step
         sess.run_with_iobinding(io)
-        outs = io.get_outputs()
-        bound_names = list(self._cache_outputs) + [n for n in wanted if n not in self._cache_outputs]
-        by_name = dict(zip(bound_names, outs, strict=True))
-        return {name: ortvalue_to_numpy(by_name[name]) for name in wanted if name not in self._cache_outputs}
+        by_name = dict(zip([*self._cache_outputs, *fetched], io.get_outputs(), strict=True))
+        # a numpy view of each fetched output (the view keeps its buffer alive, and the next step binds a fresh
+        # output, so nothing overwrites it): no copy of logits rows the caller never samples
+        return {
+            name: ortvalue_to_numpy(ov) if _is_raw_type_str(ov.data_type()) else ov.numpy()
+            for name, ov in ((n, by_name[n]) for n in fetched)
+        }
+
+    def _binding(self, fetched: list[str], fed: list[str]):
+        """The IO binding kept across steps: the caches are bound once (input and aliasing output); each step
+        rebinds only its feeds and fetched outputs. Made again when the fed or fetched names change: a name
+        bound before and not rebound now would keep the previous step's buffer (an input's may be freed)."""
+        key = (fetched, sorted(fed))
+        if self._io is None or self._io_key != key:
+            io = self.session._sess.io_binding()
+            for name, ov in self._values.items():
+                io.bind_ortvalue_input(name, ov)
+            for out_name, in_name in self._cache_outputs.items():
+                io.bind_ortvalue_output(out_name, self._values[in_name])
+            self._io, self._io_key = io, key
+        return self._io
 
 
 def _raw(dtype: np.dtype):

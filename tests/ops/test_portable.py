@@ -354,6 +354,34 @@ def test_invalid_sequence_zero_output_others_unaffected(dtype) -> None:
         )
 
 
+@pytest.mark.parametrize("latent", [False, True], ids=["separate", "latent"])
+@pytest.mark.parametrize("unmapped", [False, True], ids=["well_formed", "unmapped_page"])
+def test_ragged_decodes_never_read_foreign_nan(latent: bool, unmapped: bool) -> None:
+    """Decodes of different lengths pad to the longest; the padding reads the sequence's own last row (no zeroing
+    pass) and an unmapped page inside a live range takes the zeroing branch. Either way NaN in blocks no sequence
+    owns never reaches an output, and the outputs match the oracle."""
+    rng = np.random.default_rng(11)
+    kw = dict(latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=48) if latent else {}
+    case = make_case(rng, np.float16, q_lens=(1, 1, 1), pasts=(40, 3, 17), spare_blocks=4, **kw)
+    x = case.inputs
+    bt = x["block_table"]
+    spare = sorted(set(range(x["key_cache"].shape[0])) - {int(b) for b in bt.reshape(-1)})[0]
+    if (bt == 0).any():  # make block 0 (where an unmapped page's row lands) a foreign, NaN-filled block
+        for name in ("key_cache", "value_cache"):
+            if name in x:
+                x[name][spare] = x[name][0]
+        bt[bt == 0] = spare
+    owned = {int(b) for b in bt.reshape(-1) if b >= 0}
+    for name in ("key_cache", "value_cache"):
+        if name in x:
+            for blk in set(range(x[name].shape[0])) - owned:
+                x[name][blk] = np.nan
+    if unmapped:
+        bt[0, 1] = -1  # inside sequence 0's live range (its past is 40, blocks of 16)
+    got = check(case)
+    assert np.isfinite(got["output"].astype(np.float32)).all()
+
+
 @pytest.mark.parametrize("pasts", [(4, 0), (0, 0)], ids=["with_past", "nothing_to_attend"])
 def test_zero_tokens(pasts) -> None:
     rng = np.random.default_rng(3)
@@ -481,10 +509,14 @@ def test_lowering_keeps_names_and_does_not_mutate() -> None:
     assert model.SerializeToString() == before
     assert [i.name for i in lowered.graph.input] == [i.name for i in model.graph.input]
     assert [o.name for o in lowered.graph.output] == [o.name for o in model.graph.output]
-    assert [n.domain for n in lowered.graph.node] == [FUNCTION_DOMAIN]
+    # the step's plan (index work), then the layer
+    assert [(n.domain, n.name) for n in lowered.graph.node] == [
+        (FUNCTION_DOMAIN, "PagedAttention_0/plan"),
+        (FUNCTION_DOMAIN, "PagedAttention_0"),
+    ]
     assert all(n.domain in ("", FUNCTION_DOMAIN) for f in lowered.functions for n in f.node)
     # the cache outputs are ScatterND outputs whose data input is the cache graph input
-    f = lowered.functions[0]
+    (f,) = [f for f in lowered.functions if f.name == lowered.graph.node[1].op_type]
     scatters = [n for n in f.node if n.op_type == "ScatterND"]
     assert {n.input[0] for n in scatters} == {"key_cache", "value_cache"}
     assert {n.output[0] for n in scatters} == set(f.output[1:])
@@ -506,9 +538,13 @@ def test_node_selection_and_shared_function() -> None:
     for name in second.output:
         m.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT16, None))
     only_second = lower_to_portable(m, ["PagedAttention_1"])
-    assert [n.domain for n in only_second.graph.node] == ["com.microsoft", FUNCTION_DOMAIN]
+    assert [n.domain for n in only_second.graph.node] == ["com.microsoft", FUNCTION_DOMAIN, FUNCTION_DOMAIN]
     both = lower_to_portable(m)
-    assert len(both.functions) == 1  # identical configurations share one function
+    # identical configurations share one layer function, and the layers one plan call computed once per step
+    assert len(both.functions) == 2
+    assert [n.name for n in both.graph.node] == ["PagedAttention_0/plan", "PagedAttention_0", "PagedAttention_1"]
+    plan_outputs = list(both.graph.node[0].output)
+    assert all(list(n.input)[-len(plan_outputs) :] == plan_outputs for n in both.graph.node[1:])
     with pytest.raises(ValueError, match="unknown"):
         lower_to_portable(m, ["nope"])
 

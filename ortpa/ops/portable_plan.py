@@ -1,0 +1,380 @@
+"""The plan of a portable PagedAttention step: the index work every layer shares, traced once per step.
+
+:func:`build_plan_function` traces, as one ONNX function, everything a step's attention needs that depends only
+on the index inputs (``cumulative_sequence_length``, ``past_seqlens``, ``block_table``, ``slot_mapping``), the
+token count and the cache dims: sanitization (reference §3.4(a)), the de-duplicated write set (§3.4(c)), the
+decode and prefill groups' gather rows and masks, and each token's output row (§3.4(d)/(e)). The lowering
+(:mod:`ortpa.ops.portable`) calls it once before the first layer; the layer functions
+(:mod:`ortpa.ops.portable_graph`) take its :data:`PLAN_OUTPUTS` as extra inputs. :class:`GraphTracer` holds the
+tracing helpers both share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+import onnxscript
+
+if TYPE_CHECKING:
+    from ortpa.ops.portable_graph import PortableConfig
+
+__all__ = ["FUNCTION_DOMAIN", "PLAN_INPUTS", "PLAN_OUTPUTS", "GraphTracer", "PlanConfig", "build_plan_function"]
+
+FUNCTION_DOMAIN = "ortpa.portable"
+
+_F32 = ir.DataType.FLOAT
+_I64 = ir.DataType.INT64
+_INT64_MAX = 2**63 - 1
+
+# What the plan function computes once per step for every layer that shares its index inputs; the layer
+# function takes them as its trailing inputs. ``p_*``: the prefilling group, ``d_*``: the decoding group.
+PLAN_OUTPUTS = (
+    "pos",  # [T] position of every token (RoPE)
+    "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
+    "write_index",  # [n, 2] (block, offset) of each written row
+    "any_prefill",  # bool scalar: the prefill group is not empty
+    "out_row",  # [T] each token's row in Concat(decode output, prefill output)
+    "has_keys",  # [T, 1] bool: the token's sequence attends to at least one key
+    "d_query",  # [D] the decoding sequences' tokens
+    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
+    "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
+    "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
+    "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
+    "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
+    "p_row",  # [P, kvh, kv_p]
+    "p_row_ok",  # [P, 1, kv_p, 1]
+    "p_allowed",  # [P, 1, kv_p, 1, max_q] causal / window / live mask
+    "p_rows_ok",  # bool scalar
+    "p_count",  # [1] P
+    "p_max_q",  # [1] max_q
+    "p_max_kv",  # [1] kv_p
+)
+# inputs of the plan function, in this order; slot_mapping only when the node passes it
+PLAN_INPUTS = ("query", "key_cache", "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What the per-step index work depends on besides its inputs; layers with equal plans and the same index
+    inputs (and token / cache dimensions) share one plan call."""
+
+    kv_num_heads: int
+    local_window_size: int
+    is_causal: bool
+    slot_mapping: bool
+    opset: int
+
+    @classmethod
+    def of(cls, cfg: PortableConfig) -> PlanConfig:
+        return cls(
+            kv_num_heads=cfg.kv_num_heads,
+            local_window_size=cfg.local_window_size,
+            is_causal=cfg.is_causal,
+            slot_mapping="slot_mapping" in cfg.present_inputs,
+            opset=cfg.opset,
+        )
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return PLAN_INPUTS if self.slot_mapping else PLAN_INPUTS[:-1]
+
+    def function_name(self) -> str:
+        return f"PagedAttentionPlan_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"
+
+
+def build_plan_function(plan: PlanConfig) -> ir.Function:
+    """The index work of one step (sanitization, write set, groups, masks, output rows): :data:`PLAN_OUTPUTS`."""
+    inputs = [ir.val(name) for name in plan.inputs]
+
+    def trace(op, *vals):
+        x = dict(zip(plan.inputs, vals, strict=True))
+        return _Plan(op, plan, x).run()
+
+    return onnxscript.build_function(
+        trace, inputs, domain=FUNCTION_DOMAIN, name=plan.function_name(), opset_imports={"": plan.opset}
+    )
+
+
+class GraphTracer:
+    """Helpers shared by the plan and the layer tracers."""
+
+    op: object
+
+    def i64(self, v):
+        return self.op.Cast(v, to=_I64)
+
+    def f32(self, v):
+        return self.op.Cast(v, to=_F32)
+
+    def dim(self, v, axis: int):
+        return self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
+
+    def ints(self, values: list[int]):
+        return self.op.Constant(value_ints=values)
+
+    def branch(self, condition, name: str, then_trace, else_trace, count: int = 1) -> list:
+        """``If(condition)`` over two traced branches (each returns a list of ``count`` values); the branches
+        read the body's values from the enclosing scope."""
+        outer = self.op
+
+        def traced(trace):
+            def fn(sub):
+                self.op = sub
+                try:
+                    return trace()
+                finally:
+                    self.op = outer
+
+            return fn
+
+        branches = {
+            key: outer.builder.subgraph(
+                traced(fn), [], [ir.Value(name=f"{name}_{key}_{k}") for k in range(count)], name=f"{name}_{key}"
+            )
+            for key, fn in (("then", then_trace), ("else", else_trace))
+        }
+        for key, graph in branches.items():
+            # the sub-builders number their values from 0 again: rename, or they would shadow the body's names
+            declared = {id(v) for v in graph.outputs}
+            for node in graph:
+                node.name = f"{name}_{key}/{node.name}"
+                for v in node.outputs:
+                    if id(v) not in declared:
+                        v.name = f"{name}_{key}/{v.name}"
+        outs = outer.If(condition, then_branch=branches["then"], else_branch=branches["else"], _outputs=count)
+        return list(outs) if count > 1 else [outs]
+
+    def constant(self, array: np.ndarray):
+        return self.op.Constant(value=ir.tensor(array))
+
+
+_PREFILL_KEYS = ("query", "row", "row_ok", "allowed", "rows_ok", "count", "max_q", "max_kv")
+
+
+class _Plan(GraphTracer):
+    """The index work of a step, traced once for all the layers that share it (int64 throughout)."""
+
+    def __init__(self, op, plan: PlanConfig, x: dict[str, ir.Value]) -> None:
+        self.op = op
+        self.p = plan
+        self.x = x
+
+    def run(self) -> list[ir.Value]:
+        op = self.op
+        self.sizes_and_sanitize()
+        rows, index = self.write_set()
+        is_dec = op.Equal(self.q_len, 1)
+        is_pre = op.Greater(self.q_len, 1)
+        dec = self.group(is_dec, one_query=True)
+        any_pre = op.Greater(op.ReduceSum(op.Cast(is_pre, to=_I64), keepdims=0), 0)
+        # a decode-only step skips the prefill group's ~40 index kernels; the layers then never read them
+        kvh = self.p.kv_num_heads
+        empty = [
+            np.zeros((0, 0), np.int64),  # query
+            np.zeros((0, kvh, 0), np.int64),  # row
+            np.zeros((0, 1, 0, 1), np.bool_),  # row_ok
+            np.zeros((0, 1, 0, 1, 0), np.bool_),  # allowed
+            np.array(True),  # rows_ok
+            *(np.zeros(1, np.int64) for _ in range(3)),  # count, max_q, max_kv
+        ]
+        pre = dict(
+            zip(
+                _PREFILL_KEYS,
+                self.branch(
+                    any_pre,
+                    "prefill_plan",
+                    lambda: [self.group(is_pre, one_query=False)[k] for k in _PREFILL_KEYS],
+                    lambda: [self.constant(a) for a in empty],
+                    count=len(_PREFILL_KEYS),
+                ),
+                strict=True,
+            )
+        )
+
+        # each sequence's first row in Concat(o_dec, o_pre): its rank within its group, times the group's max_q
+        rank_dec = op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0))  # rank + 1 where is_dec
+        rank_pre = op.CumSum(op.Cast(is_pre, to=_I64), op.Constant(value_int=0))
+        first_pre = op.Add(op.Mul(op.Sub(rank_pre, 1), pre["max_q"]), dec["count"])
+        first = op.Where(is_dec, op.Sub(rank_dec, 1), first_pre)
+        out_row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
+        # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
+        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
+        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
+        return [
+            self.pos,
+            rows,
+            index,
+            any_pre,
+            out_row,
+            has_keys,
+            dec["query"],
+            dec["row"],
+            dec["row_ok"],
+            dec["allowed"],
+            dec["rows_ok"],
+            pre["query"],
+            pre["row"],
+            pre["row_ok"],
+            pre["allowed"],
+            pre["rows_ok"],
+            pre["count"],
+            pre["max_q"],
+            pre["max_kv"],
+        ]
+
+    # ------------------------------------------------------------------ §3.4(a) sanitization
+    def sizes_and_sanitize(self) -> None:
+        op, x = self.op, self.x
+        cu = self.i64(x["cumulative_sequence_length"])
+        past = self.i64(x["past_seqlens"])
+        bt = self.i64(x["block_table"])
+        self.T = self.dim(x["query"], 0)
+        self.NB = self.dim(x["key_cache"], 0)
+        self.BS = self.dim(x["key_cache"], 1)
+        self.MB = self.dim(bt, 1)
+        cap = op.Mul(self.MB, self.BS)
+
+        # entries outside [-1, num_blocks) become the unmapped sentinel -1
+        self.bt = op.Where(op.And(op.GreaterOrEqual(bt, -1), op.Less(bt, self.NB)), bt, -1)
+
+        # clamp into [0, T] with fixed ends, then an inclusive running max (B is small: a [B+1, B+1] table)
+        n1 = self.dim(cu, 0)
+        idx = op.Range(0, op.Squeeze(n1), 1)
+        cl = op.Min(op.Max(cu, 0), self.T)
+        cl = op.Where(op.Equal(idx, 0), 0, cl)
+        cl = op.Where(op.Equal(idx, op.Sub(n1, 1)), self.T, cl)
+        upto = op.LessOrEqual(op.Unsqueeze(idx, [0]), op.Unsqueeze(idx, [1]))  # [i, j]: j <= i
+        c = op.ReduceMax(op.Where(upto, op.Unsqueeze(cl, [0]), 0), [1], keepdims=0)
+        self.c_lo = op.Slice(c, [0], [-1])
+        c_hi = op.Slice(c, [1], [_INT64_MAX])
+        self.q_len = op.Sub(c_hi, self.c_lo)
+
+        max_past = op.Max(op.Sub(cap, self.q_len), 0)
+        valid = op.And(op.GreaterOrEqual(past, 0), op.LessOrEqual(past, max_past))
+        self.past = op.Where(valid, past, 0)
+        self.kvlen = op.Where(valid, op.Min(op.Add(self.past, self.q_len), cap), 0)
+
+        # token -> owning sequence: how many sequence ends c[1..B] are <= t (empty sequences are skipped)
+        t = op.Range(0, op.Squeeze(self.T), 1)
+        owns = op.Cast(op.LessOrEqual(op.Unsqueeze(c_hi, [0]), op.Unsqueeze(t, [1])), to=_I64)
+        self.seq = op.ReduceSum(owns, [1], keepdims=0)
+        self.s_in = op.Sub(t, op.Gather(self.c_lo, self.seq))
+        self.pos = op.Add(op.Gather(self.past, self.seq), self.s_in)
+        self.live = op.Gather(valid, self.seq)
+
+    # ------------------------------------------------------------------ §3.4(c) the write set
+    def slots(self):
+        op = self.op
+        if "slot_mapping" in self.x:
+            return self.i64(self.x["slot_mapping"])
+        blk = op.Div(self.pos, self.BS)
+        inside = op.Less(blk, self.MB)
+        flat = op.Add(op.Mul(self.seq, self.MB), op.Min(blk, op.Sub(self.MB, 1)))
+        page = op.Where(inside, op.Gather(op.Reshape(self.bt, self.ints([-1])), flat), -1)
+        return op.Where(op.GreaterOrEqual(page, 0), op.Add(op.Mul(page, self.BS), op.Mod(self.pos, self.BS)), -1)
+
+    def write_set(self):
+        """(rows, index): the tokens whose K/V rows are stored, and their ``[block, offset]`` ScatterND index."""
+        op = self.op
+        slot = self.slots()
+        ok = op.And(self.live, op.And(op.GreaterOrEqual(slot, 0), op.Less(slot, op.Mul(self.NB, self.BS))))
+        rows = op.Reshape(op.NonZero(ok), self.ints([-1]))  # skipped tokens are dropped, not redirected
+        rows = self.last_writers(op.Gather(slot, rows), rows)
+        wslot = op.Gather(slot, rows)
+        index = op.Concat(op.Unsqueeze(op.Div(wslot, self.BS), [1]), op.Unsqueeze(op.Mod(wslot, self.BS), [1]), axis=1)
+        return rows, index
+
+    def last_writers(self, wslot, rows):
+        """The subset of ``rows`` that are the last (highest) token writing their slot.
+
+        Duplicate slots (a repeated slot_mapping entry, a block table repeating a block) would otherwise reach
+        ScatterND, whose result is then unspecified (ONNX) and racy (ONNX Runtime copies in parallel). Sorting
+        the unique keys ``slot * T + row`` groups each slot's writers with the last one at the end of its group.
+        """
+        op = self.op
+        t = op.Max(self.T, 1)  # ONNX Runtime's integer Div rejects a zero divisor even on empty tensors
+        key = op.Add(op.Mul(wslot, t), rows)  # slot < 2**31 * block_size and row < T: no int64 overflow
+        srt, _ = op.TopK(key, self.dim(key, 0), largest=0, sorted=1, _outputs=2)
+        sslot, srow = op.Div(srt, t), op.Mod(srt, t)
+        nxt = op.Concat(op.Slice(sslot, [1], [_INT64_MAX]), self.ints([-1]), axis=0)
+        keep = op.Reshape(op.NonZero(op.Not(op.Equal(sslot, nxt))), self.ints([-1]))
+        return op.Gather(srow, keep)
+
+    # ------------------------------------------------------------------ §3.4(d)/(e) the two groups
+    def group(self, member, *, one_query: bool) -> dict:
+        """Indices and masks of the sequences where ``member`` holds, padded to their longest query and KV length.
+
+        ``one_query`` (decodes): every member has one query at position ``past`` and ``kvlen == past + 1`` (an
+        invalid one has ``kvlen == 0``), so the causal mask is implied by the KV length.
+        """
+        op, p = self.op, self.p
+        kvh = p.kv_num_heads
+        sel = op.Reshape(op.NonZero(member), self.ints([-1]))
+        count = self.dim(sel, 0)
+        kvlen, past, c_lo = op.Gather(self.kvlen, sel), op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
+        bt = op.Gather(self.bt, sel, axis=0)
+        zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
+        maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
+        j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
+
+        # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
+        blk_j = op.Div(j, self.BS)
+        pages = op.Gather(bt, blk_j, axis=1)  # [S, max_kv]; max_kv <= capacity keeps blk_j in range
+        mapped = op.GreaterOrEqual(pages, 0)
+        inside = op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))  # [S, max_kv]: j < the sequence's length
+        live = op.And(mapped, inside)
+        # Padding rows (j >= kvlen) would read some other block (page 0), which may belong to another sequence or
+        # hold garbage, and a NaN there would reach the output through 0 * NaN in P @ V. They read the sequence's
+        # own last row instead (position kvlen - 1, attended anyway: whatever it holds reaches the output already)
+        # when that page is mapped. Only unmapped pages inside the range, or a sequence without such a last row,
+        # are left, and the layers zero those values (an If on rows_ok): a full pass over the gathered values.
+        last = op.Unsqueeze(op.Max(op.Sub(kvlen, 1), 0), [1])  # [S, 1]
+        last_page = op.GatherElements(bt, op.Div(last, self.BS), axis=1)  # last < kvlen <= capacity: in range
+        last_slot = op.Add(op.Mul(op.Max(last_page, 0), self.BS), op.Mod(last, self.BS))
+        last_ok = op.And(op.Greater(op.Unsqueeze(kvlen, [1]), 0), op.GreaterOrEqual(last_page, 0))  # [S, 1]
+        slot = op.Where(inside, op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS)), last_slot)
+        row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [S,kvh,kv]
+        row_ok = op.Unsqueeze(live, [1, 3])  # [S, 1, max_kv, 1] against the gathered [S, kvh, max_kv, H]
+        unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
+        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
+        if one_query:
+            # [S, 1, 1, max_kv] against the decode scores [S, kvh, G, max_kv]; the query sits at past, so
+            # j < kvlen is the causal mask too
+            allowed = live
+            if p.local_window_size > 0:
+                near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
+                allowed = op.And(live, near)
+            allowed = op.Unsqueeze(allowed, [1, 2])
+            return {"query": c_lo, "row": row, "row_ok": row_ok, "allowed": allowed, "rows_ok": rows_ok, "count": count}
+        maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
+        i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+        tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
+        tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
+        allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]
+        return {
+            "query": tok,
+            "row": row,
+            "row_ok": row_ok,
+            "allowed": allowed,
+            "rows_ok": rows_ok,
+            "count": count,
+            "max_q": maxq,
+            "max_kv": maxkv,
+        }
+
+    def mask(self, i, j, mapped, past, kvlen):
+        """[S, max_kv, max_q]: key j is attended by query i of the group's sequence s (oracle `_attend`)."""
+        op, p = self.op, self.p
+        jj = op.Reshape(j, self.ints([1, -1, 1]))
+        qpos = op.Unsqueeze(op.Add(op.Unsqueeze(past, [1]), op.Unsqueeze(i, [0])), [1])  # [S, 1, max_q]
+        # padding query rows (i >= q_len) are not masked: they are computed, never gathered into the output
+        ok = op.And(op.Less(jj, op.Reshape(kvlen, self.ints([-1, 1, 1]))), op.Unsqueeze(mapped, [2]))
+        if p.is_causal:
+            ok = op.And(ok, op.LessOrEqual(jj, qpos))
+        if p.local_window_size > 0:
+            ok = op.And(ok, op.Greater(jj, op.Sub(qpos, p.local_window_size)))
+        return ok

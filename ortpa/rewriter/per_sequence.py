@@ -27,7 +27,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError
-from ortpa.rewriter import paged_io
+from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder, const_array, int_attr
 from ortpa.rewriter.per_sequence_axes import Live, TokenAxes, describe, live_nodes, reduced_axes, token_axes_of
 from ortpa.rewriter.per_sequence_choice import rewrite_choice
@@ -140,10 +140,11 @@ def _from_tokens(value: ir.Value, axes: TokenAxes, limit: int = 64) -> bool:
     return False
 
 
-def per_sequence_reductions(graph: ir.Graph, io: paged_io.PagedIO) -> list[str]:
+def per_sequence_reductions(graph: ir.Graph, io: packed.PagedIO) -> list[str]:
     """Make every step-wide value of the packed ``graph`` per sequence; one line per rewrite.
 
-    Called by :func:`paged_io.finish` once the dense ``position_ids`` uses read the packed positions. Raises
+    Called by the pipeline between :func:`paged_io.route` (the dense ``position_ids`` uses read the packed
+    positions) and :func:`paged_io.finish`. Raises
     :class:`ConversionError` listing each node that mixes the sequences of a step and cannot be rewritten.
     """
     axes = token_axes_of(io)
@@ -329,7 +330,7 @@ def _dim_read(value: ir.Value | None, axes: TokenAxes) -> tuple[ir.Value, int] |
     return None
 
 
-def _replace_past_length_positions(io: paged_io.PagedIO, live: Live, axes: TokenAxes, b: Builder) -> list[str]:
+def _replace_past_length_positions(io: packed.PagedIO, live: Live, axes: TokenAxes, b: Builder) -> list[str]:
     """``Add(Range(0, seq, 1), past_len)`` or ``Range(past_len, past_len + seq, 1)`` -> the packed positions.
 
     ``past_len`` is dim 2 of a dense ``[batch, heads, past, head]`` cache input read with Shape, ``seq`` the
@@ -369,7 +370,7 @@ def _replace_past_length_positions(io: paged_io.PagedIO, live: Live, axes: Token
                     out = node.outputs[0]
         if out is None:
             continue
-        pos = paged_io.positions(b, io)
+        pos = packed.positions(b, io)
         if out.dtype not in (None, ir.DataType.INT64):
             pos = b.op("Cast", [pos], {"to": out.dtype})
         out.replace_all_uses_with(pos)

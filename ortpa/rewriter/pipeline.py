@@ -19,7 +19,7 @@ import onnxscript.optimizer
 
 from ortpa.errors import ConversionError
 from ortpa.model.ref import resolve_any
-from ortpa.rewriter import kv_quant, model_store, paged_io
+from ortpa.rewriter import kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
@@ -163,6 +163,8 @@ def _convert_separate(
 
 def _finish(irm: ir.Model, io, kind: str, *, logits, dtype, rope_in_op: bool, progress, kv_plan=None) -> None:
     """The tail both families share: outputs and logits rows, optional whole-model dtype, int8 caches, metadata."""
+    paged_io.route(irm, io)
+    per_sequence.per_sequence_reductions(irm.graph, io)  # batched = alone: step-wide values -> per sequence, or refuse
     paged_io.finish(irm, io, logits=logits)
     if dtype is not None:
         _progress(progress, f"converting to {dtype}")

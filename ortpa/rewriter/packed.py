@@ -57,6 +57,7 @@ class PagedIO:
     bounds: tuple[ir.Value, ir.Value] | None = None  # (starts [B], ends [B]) int64 from cumulative lengths
     token_index: ir.Value | None = None  # [T] int64: 0, 1, ... over all packed tokens
     index_in_seq: ir.Value | None = None
+    per_token: list[ir.Value] = field(default_factory=list)  # [T] values the per-sequence pass built
 
     def op_inputs(self) -> PagedAttentionInputs:
         return PagedAttentionInputs(
@@ -70,7 +71,7 @@ class PagedIO:
 
     def seeds(self) -> list[ir.Value]:
         """The values these helpers built that hold one entry per packed token (``[T]``, int64)."""
-        out = [self.input_ids, self.position_ids, self.derived_positions, self.token_index, self.index_in_seq]
+        out = [self.input_ids, self.position_ids, self.derived_positions, self.index_in_seq, *self.per_token]
         if self.token_sequence is not None:
             out.append(self.token_sequence.seq)
         return [v for v in out if v is not None]

@@ -31,6 +31,7 @@ from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder, const_array, int_attr
 from ortpa.rewriter.per_sequence_axes import Live, TokenAxes, describe, live_nodes, reduced_axes, token_axes_of
 from ortpa.rewriter.per_sequence_choice import rewrite_choice
+from ortpa.rewriter.per_sequence_segments import flow_rewrites
 
 __all__ = ["TOKEN_REDUCTIONS", "per_sequence_reductions"]
 
@@ -163,6 +164,8 @@ def per_sequence_reductions(graph: ir.Graph, io: packed.PagedIO) -> list[str]:
         if why is not None:
             failures.append((describe(node), f"reduces across the tokens of every sequence in the step: {why}"))
     failures += _token_counts(live, axes)
+    if not failures:
+        failures += flow_rewrites(graph, io, b, done)
     if failures:
         raise ConversionError(
             "values computed over the whole packed step (every sequence's tokens) cannot be made per sequence; "

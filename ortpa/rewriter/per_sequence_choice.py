@@ -195,7 +195,9 @@ def _segment_reduce(
     if op == "ReduceMean":
         count = b.op("ReduceSum", [b.op("Cast", [onehot], {"to": dtype}), b.ints([0])], {"keepdims": 0})
         per_seq = b.op("Div", [per_seq, count])
-    return b.op("Gather", [per_seq, seq], {"axis": 0}, hint="per_sequence")
+    out = b.op("Gather", [per_seq, seq], {"axis": 0}, hint="per_sequence")
+    io.per_token.append(out)
+    return out
 
 
 def _clone_per_token(

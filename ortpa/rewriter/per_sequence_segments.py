@@ -1,0 +1,136 @@
+"""What the dataflow (:mod:`ortpa.rewriter.per_sequence_flow`) finds step-wide -> segment ops, or a refusal.
+
+* an ``enum`` (a token's index in the packed step) used as a value (``Gather(pos_table, Range(0, seq_len, 1))``,
+  learned absolute positions) -> each token's index in its own sequence (``t - starts[seq(t)]``), which is what
+  ``Range(0, seq_len, 1)`` gives the sequence run alone;
+* the last (or first) token ``x[:, -1:]`` (``x[:, :1]``) broadcast back over the tokens -> each token's own
+  sequence's last (first) token;
+* every other value the flow calls step-wide, reaching the logits or the caches, is refused with its node and
+  the reason.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ortpa.rewriter import packed
+from ortpa.rewriter._graph import Builder, const_array
+from ortpa.rewriter.per_sequence_axes import Live, describe, live_nodes
+from ortpa.rewriter.per_sequence_flow import _ELEMENTWISE, Flow, Kind, analyse
+
+__all__ = ["flow_rewrites", "run_flow"]
+
+_MAX_ROUNDS = 4
+
+
+def _trusted(live: Live, seeds: list[ir.Value]) -> set[ir.Node]:
+    """The rewriter's own index arithmetic behind the seeds (it reads the paged inputs, not the dense graph)."""
+    out: set[ir.Node] = set()
+    stack = [v.producer() for v in seeds if v.producer() is not None]
+    while stack:
+        node = stack.pop()
+        if node in out:
+            continue
+        out.add(node)
+        stack.extend(x.producer() for x in node.inputs if x is not None and x.producer() is not None)
+    return out
+
+
+def run_flow(graph: ir.Graph, io: packed.PagedIO) -> tuple[Live, Flow]:
+    live = live_nodes(graph, io)
+    seeds = {v: Kind("token", 1, 0) for v in io.seeds()}
+    ids = io.dense_inputs.get("input_ids")
+    batch = ids.shape[0] if ids is not None and ids.shape is not None and len(ids.shape) == 2 else None
+    symbols = frozenset({batch.value}) if isinstance(batch, ir.SymbolicDim) and batch.value else frozenset()
+    return live, analyse(live.order, seeds, _trusted(live, list(seeds)), symbols)
+
+
+def _sinks(live: Live, io: packed.PagedIO) -> list[ir.Value]:
+    """Values whose kind matters: the logits, and every input of the PagedAttention nodes (the caches)."""
+    out = [io.dense_outputs["logits"]] if "logits" in io.dense_outputs else []
+    for node in live.order:
+        if node.op_type == "PagedAttention" and node.domain == "com.microsoft":
+            out += [x for x in node.inputs if x is not None]
+    return out
+
+
+def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[str]) -> list[tuple[str, str]]:
+    """Rewrite what the flow finds step-wide and can make per sequence; the refusals for the rest."""
+    for _ in range(_MAX_ROUNDS):
+        live, flow = run_flow(graph, io)
+        sinks = _sinks(live, io)
+        enum_sources: set[ir.Node] = set()
+        steps: dict[ir.Node, str] = {}
+        for value in sinks:
+            kind = flow.of(value)
+            if kind.tag == "enum":
+                enum_sources |= set(kind.sources)
+            elif kind.tag == "step" and kind.node is not None and kind.definite:
+                steps.setdefault(kind.node, kind.why or "")
+        changed = False
+        for node in sorted(enum_sources, key=lambda n: n.name or ""):
+            done.append(_enum_to_sequence(b, io, node, flow))
+            changed = True
+        for node in list(steps):
+            line = _edge_token(b, io, node, flow, live)
+            if line is not None:
+                done.append(line)
+                changed = True
+                del steps[node]
+        if not changed:
+            return [(describe(n), why) for n, why in steps.items() if n is not None]
+    return [("per-sequence pass", f"still step-wide after {_MAX_ROUNDS} rounds of rewrites")]
+
+
+def _enum_to_sequence(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow) -> str:
+    idx = packed.index_in_sequence(b, io)
+    out = node.outputs[0]
+    if node.op_type == "Range":
+        new = idx if out.dtype in (None, ir.DataType.INT64) else b.op("Cast", [idx], {"to": out.dtype})
+        what = "Range(0, tokens, 1) -> each token's index in its own sequence"
+    else:  # table[0:count] along `axis` -> table rows gathered by each token's index in its sequence
+        axis = flow.of(out).axis
+        new = b.op("Gather", [node.inputs[0], idx], {"axis": axis}, hint="rows_per_sequence")
+        what = f"rows 0..tokens of {node.inputs[0].name!r} -> each token's row by its index in its own sequence"
+    out.replace_all_uses_with(new)
+    return f"{describe(node)}: {what}"
+
+
+def _edge_token(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow, live: Live) -> str | None:
+    """``x[:, -1:]`` / ``x[:, :1]`` broadcast back over the tokens -> each sequence's own last / first token."""
+    if node.op_type != "Slice" or node.domain not in ("", "ai.onnx"):
+        return None
+    k = flow.of(node.inputs[0])
+    if k.tag != "token" or k.rank is None:
+        return None
+    starts, ends = const_array(node.inputs[1]), const_array(node.inputs[2])
+    axes = const_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    if starts is None or ends is None or starts.size != 1 or (steps is not None and int(steps.reshape(-1)[0]) != 1):
+        return None
+    if (int(axes.reshape(-1)[0]) % k.rank if axes is not None else 0) != k.axis:
+        return None
+    start, end = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+    if (start, end >= 2**31 or end == 0) == (-1, True):
+        which = "last"
+    elif (start, end) == (0, 1):
+        which = "first"
+    else:
+        return None
+    out = node.outputs[0]
+    users = live.consumers(out)
+    if not users or any(u.op_type not in _ELEMENTWISE or u.domain not in ("", "ai.onnx") for u in users):
+        return None
+    for u in users:  # each use must broadcast it against per-token values on the same axis
+        others = [flow.of(x) for x in u.inputs if x is not None and x is not out]
+        if not any(o.tag == "token" and o.rank is not None and o.axis + (k.rank - o.rank) == k.axis for o in others):
+            return None
+    seq = packed.sequence_of_token(b, io).seq
+    starts_v, ends_v = packed.sequence_bounds(b, io)
+    if which == "last":
+        pick = b.op("Sub", [b.op("Gather", [ends_v, seq]), b.ints([1])])
+    else:
+        pick = b.op("Gather", [starts_v, seq])
+    new = b.op("Gather", [node.inputs[0], pick], {"axis": k.axis}, hint=f"{which}_token_per_sequence")
+    out.replace_all_uses_with(new)
+    return f"{describe(node)}: the step's {which} token -> each token's own sequence's {which} token"

@@ -57,7 +57,8 @@ class PagedIO:
     bounds: tuple[ir.Value, ir.Value] | None = None  # (starts [B], ends [B]) int64 from cumulative lengths
     token_index: ir.Value | None = None  # [T] int64: 0, 1, ... over all packed tokens
     index_in_seq: ir.Value | None = None
-    per_token: list[ir.Value] = field(default_factory=list)  # [T] values the per-sequence pass built
+    # values the per-sequence pass built, per token: value -> (rank, token axis)
+    per_token: dict[ir.Value, tuple[int, int]] = field(default_factory=dict)
 
     def op_inputs(self) -> PagedAttentionInputs:
         return PagedAttentionInputs(
@@ -69,12 +70,12 @@ class PagedIO:
             sin_cache=self.sin_cache,
         )
 
-    def seeds(self) -> list[ir.Value]:
-        """The values these helpers built that hold one entry per packed token (``[T]``, int64)."""
-        out = [self.input_ids, self.position_ids, self.derived_positions, self.index_in_seq, *self.per_token]
+    def seeds(self) -> dict[ir.Value, tuple[int, int]]:
+        """Per-token values built here or by the per-sequence pass: value -> (rank, token axis)."""
+        out = [self.input_ids, self.position_ids, self.derived_positions, self.index_in_seq]
         if self.token_sequence is not None:
             out.append(self.token_sequence.seq)
-        return [v for v in out if v is not None]
+        return {**{v: (1, 0) for v in out if v is not None}, **self.per_token}
 
 
 def _int(b: Builder, value: int, hint: str) -> ir.Value:

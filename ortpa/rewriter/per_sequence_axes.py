@@ -154,7 +154,7 @@ def token_axes_of(io: packed.PagedIO) -> TokenAxes | None:
     token = sym(ids.shape[1])
     if token is None:
         return None
-    known: dict[ir.Value, list[Dim]] = {value: ["num_tokens"] for value in io.seeds()}
+    known: dict[ir.Value, list[Dim]] = {value: ["num_tokens"] for value, (rank, _) in io.seeds().items() if rank == 1}
     return TokenAxes(frozenset({token, "num_tokens"}), sym(ids.shape[0]), known)
 
 

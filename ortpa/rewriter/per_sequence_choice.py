@@ -196,7 +196,7 @@ def _segment_reduce(
         count = b.op("ReduceSum", [b.op("Cast", [onehot], {"to": dtype}), b.ints([0])], {"keepdims": 0})
         per_seq = b.op("Div", [per_seq, count])
     out = b.op("Gather", [per_seq, seq], {"axis": 0}, hint="per_sequence")
-    io.per_token.append(out)
+    io.per_token[out] = (1, 0)
     return out
 
 

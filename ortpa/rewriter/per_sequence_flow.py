@@ -175,7 +175,9 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
             n_out - 1
         )
     data_tags = {k.tag for k in ins} - {"const", "count"}
-    if op in ("Slice", "Gather") and not data_tags and any(k.tag == "count" for k in ins[1:]):
+    if op == "Range" and not data_tags and ins[1].tag == "count":
+        return _range(node, ins, flow)
+    if op in ("Slice", "Gather") and not data_tags and ins[0].tag == "const" and any(k.tag == "count" for k in ins[1:]):
         return [_table_rows(node, ins, flow)]
     if not data_tags:
         if op in ("Shape", "Size") or any(k.tag == "count" for k in ins):

@@ -38,7 +38,7 @@ def _trusted(live: Live, seeds: list[ir.Value]) -> set[ir.Node]:
 
 def run_flow(graph: ir.Graph, io: packed.PagedIO) -> tuple[Live, Flow]:
     live = live_nodes(graph, io)
-    seeds = {v: Kind("token", 1, 0) for v in io.seeds()}
+    seeds = {v: Kind("token", rank, axis) for v, (rank, axis) in io.seeds().items()}
     ids = io.dense_inputs.get("input_ids")
     batch = ids.shape[0] if ids is not None and ids.shape is not None and len(ids.shape) == 2 else None
     symbols = frozenset({batch.value}) if isinstance(batch, ir.SymbolicDim) and batch.value else frozenset()
@@ -118,13 +118,8 @@ def _edge_token(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow, live:
     else:
         return None
     out = node.outputs[0]
-    users = live.consumers(out)
-    if not users or any(u.op_type not in _ELEMENTWISE or u.domain not in ("", "ai.onnx") for u in users):
+    if not _broadcast_back(out, k, flow, live):
         return None
-    for u in users:  # each use must broadcast it against per-token values on the same axis
-        others = [flow.of(x) for x in u.inputs if x is not None and x is not out]
-        if not any(o.tag == "token" and o.rank is not None and o.axis + (k.rank - o.rank) == k.axis for o in others):
-            return None
     seq = packed.sequence_of_token(b, io).seq
     starts_v, ends_v = packed.sequence_bounds(b, io)
     if which == "last":
@@ -132,5 +127,30 @@ def _edge_token(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow, live:
     else:
         pick = b.op("Gather", [starts_v, seq])
     new = b.op("Gather", [node.inputs[0], pick], {"axis": k.axis}, hint=f"{which}_token_per_sequence")
+    io.per_token[new] = (k.rank, k.axis)
     out.replace_all_uses_with(new)
     return f"{describe(node)}: the step's {which} token -> each token's own sequence's {which} token"
+
+
+def _broadcast_back(value: ir.Value, k: Kind, flow: Flow, live: Live) -> bool:
+    """Every use of ``value`` goes, through element-wise ops with constants, into an element-wise op with a
+    per-token value on the same axis: one row broadcast over the tokens, so each token's own row fits there."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        users = live.consumers(v)
+        if not users:
+            return False
+        for u in users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.op_type not in _ELEMENTWISE or u.domain not in ("", "ai.onnx"):
+                return False
+            others = [flow.of(x) for x in u.inputs if x is not None and x is not v]
+            if any(o.tag == "token" and o.rank is not None and o.axis + (k.rank - o.rank) == k.axis for o in others):
+                continue
+            if any(o.tag != "const" for o in others):
+                return False
+            stack.extend(u.outputs)
+    return True

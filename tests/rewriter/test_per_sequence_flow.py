@@ -1,0 +1,134 @@
+"""Batched = alone for the probes of issue 21: one op inserted after a Llama fixture's token embedding.
+
+The dataflow (``ortpa.rewriter.per_sequence_flow``) must find every value that depends on more than one packed
+sequence, make it per sequence (learned absolute positions gathered with ``Range(0, seq_len, 1)``, the last
+token ``x[:, -1:]`` broadcast back) or refuse it naming the node (fixed tokens picked from the step, a
+contraction across tokens). Each modified dense model run alone by ONNX Runtime is the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from test_per_sequence import FIXTURES, _assert_batched_equals_alone, _prompts, _toposorted
+
+from ortpa.errors import ConversionError
+from ortpa.rewriter import per_sequence_segments
+from ortpa.rewriter.pipeline import convert
+
+LLAMA = FIXTURES / "llama_sdpa_op18.onnx"
+LENGTHS = (5, 11, 3)
+
+
+def _probe(extra) -> onnx.ModelProto:
+    """The fixture with ``extra(emb, hidden) -> (nodes, initializers, new_emb)`` spliced after the embedding."""
+    model = onnx.load(str(LLAMA))
+    gather = next(n for n in model.graph.node if n.op_type == "Gather" and "embed_tokens" in n.input[0])
+    table = next(i for i in model.graph.initializer if i.name == gather.input[0])
+    emb = gather.output[0]
+    nodes, inits, out = extra(emb, int(table.dims[1]))
+    for n in model.graph.node:
+        if emb in n.input:
+            n.input[:] = [out if x == emb else x for x in n.input]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(inits)
+    return _toposorted(model)
+
+
+def _ints(name, values):
+    return helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)] if isinstance(values, list) else [], values)
+
+
+def _learned_positions(emb, hidden):
+    table = np.random.default_rng(1).standard_normal((64, hidden)).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(table, "probe/pos_table"),
+        _ints("probe/zero", 0),
+        _ints("probe/one", 1),
+    ]
+    nodes = [
+        helper.make_node("Shape", ["input_ids"], ["probe/seq1"], start=1, end=2),
+        helper.make_node("Squeeze", ["probe/seq1"], ["probe/seq"]),
+        helper.make_node("Range", ["probe/zero", "probe/seq", "probe/one"], ["probe/arange"], name="learned_range"),
+        helper.make_node("Gather", ["probe/pos_table", "probe/arange"], ["probe/pos_emb"]),
+        helper.make_node("Add", [emb, "probe/pos_emb"], ["probe/out"]),
+    ]
+    return nodes, inits, "probe/out"
+
+
+def _last_token(emb, hidden):
+    inits = [_ints("probe/m1", [-1]), _ints("probe/big", [2**62]), _ints("probe/ax1", [1])]
+    inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "probe/half"))
+    nodes = [
+        helper.make_node("Slice", [emb, "probe/m1", "probe/big", "probe/ax1"], ["probe/last"], name="last_slice"),
+        helper.make_node("Mul", ["probe/last", "probe/half"], ["probe/last_half"]),
+        helper.make_node("Add", [emb, "probe/last_half"], ["probe/out"]),
+    ]
+    return nodes, inits, "probe/out"
+
+
+def _first_token_gathered(emb, hidden):
+    inits = [_ints("probe/i0", 0)]
+    nodes = [
+        helper.make_node("Gather", [emb, "probe/i0"], ["probe/first"], axis=1, name="fixed_token"),
+        helper.make_node("Unsqueeze", ["probe/first", "probe/ax1"], ["probe/first1"]),
+        helper.make_node("Add", [emb, "probe/first1"], ["probe/out"]),
+    ]
+    return nodes, [*inits, _ints("probe/ax1", [1])], "probe/out"
+
+
+def _token_gram(emb, hidden):
+    """``emb @ (emb^T @ emb)``: every token's row mixed with every other's (linear attention without a mask)."""
+    nodes = [
+        helper.make_node("Transpose", [emb], ["probe/embT"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["probe/embT", emb], ["probe/gram"], name="token_gram"),
+        helper.make_node("MatMul", [emb, "probe/gram"], ["probe/out"]),
+    ]
+    return nodes, [], "probe/out"
+
+
+@pytest.mark.parametrize(
+    ("extra", "rewrite"),
+    [(_learned_positions, "Range(0, tokens, 1) -> each token's index"), (_last_token, "the step's last token")],
+)
+def test_probe_converts_and_batched_equals_alone(extra, rewrite, tmp_path):
+    model = _probe(extra)
+    dense = tmp_path / "probe.onnx"
+    onnx.save(model, str(dense))
+    seen: list[list[str]] = []
+    real = per_sequence_segments.flow_rewrites
+    with pytest.MonkeyPatch.context() as mp:
+        import ortpa.rewriter.per_sequence as ps
+
+        mp.setattr(ps, "flow_rewrites", lambda g, io, b, done: real(g, io, b, done) or seen.append(done) or [])
+        converted = convert(model)
+    assert any(rewrite in line for line in seen[0]), seen
+    _assert_batched_equals_alone(converted, dense, prompts=_prompts(LENGTHS))
+
+
+@pytest.mark.parametrize("extra", [_learned_positions, _last_token])
+def test_probe_needs_the_rewrite(extra, tmp_path, monkeypatch):
+    """Without the flow's rewrites, the probe converts silently and a batched prompt differs from alone."""
+    import ortpa.rewriter.per_sequence as ps
+
+    model = _probe(extra)
+    dense = tmp_path / "probe.onnx"
+    onnx.save(model, str(dense))
+    monkeypatch.setattr(ps, "flow_rewrites", lambda g, io, b, done: [])
+    with pytest.raises(AssertionError, match="prompt"):
+        _assert_batched_equals_alone(convert(model), dense, prompts=_prompts(LENGTHS))
+
+
+@pytest.mark.parametrize(
+    ("extra", "node", "reason"),
+    [
+        (_first_token_gathered, "fixed_token", "picks fixed tokens"),
+        (_token_gram, "token_gram", "both of its operands depend on the tokens"),
+    ],
+)
+def test_probe_mixing_sequences_is_refused(extra, node, reason):
+    with pytest.raises(ConversionError, match="cannot be made per sequence") as info:
+        convert(_probe(extra))
+    assert any(repr(node) in where and reason in why for where, why in info.value.failures), info.value

@@ -56,8 +56,15 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
             f"{name}={attr_value(node, name, bad)} has no PagedAttention form",
             node,
         )
-    for index, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
+    for index, what in ((9, "position_ids"), (10, "attention_bias")):
         need(ins[index] is None, f"input {what} is set: not converted (the builder's models leave it empty)", node)
+    need(
+        ins[11] is None,
+        "input head_sink is set (attention sinks, e.g. the builder's gpt-oss): ortpa does not carry it onto "
+        "PagedAttention's head_sink input yet, and PagedAttention accepts it only on its FlashAttention and paged "
+        "decode backends (not MemoryEfficientAttention), so the layer is refused rather than run without sinks",
+        node,
+    )
     if len(node.outputs) > 3:
         need(not node.outputs[3].uses(), "output_qk is used", node)
     query, key, value = ins[0], ins[1], ins[2]

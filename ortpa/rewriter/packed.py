@@ -26,6 +26,7 @@ __all__ = [
     "positions",
     "sequence_bounds",
     "sequence_of_token",
+    "total_length",
 ]
 
 
@@ -59,6 +60,8 @@ class PagedIO:
     index_in_seq: ir.Value | None = None
     # values the per-sequence pass built, per token: value -> (rank, token axis)
     per_token: dict[ir.Value, tuple[int, int]] = field(default_factory=dict)
+    total_len: ir.Value | None = None  # [T] int64: past + new tokens of each token's own sequence
+    rope_tables: dict = field(default_factory=dict)  # per-token cos/sin, built once per table choice and dtype
 
     def op_inputs(self) -> PagedAttentionInputs:
         return PagedAttentionInputs(
@@ -72,7 +75,7 @@ class PagedIO:
 
     def seeds(self) -> dict[ir.Value, tuple[int, int]]:
         """Per-token values built here or by the per-sequence pass: value -> (rank, token axis)."""
-        out = [self.input_ids, self.position_ids, self.derived_positions, self.index_in_seq]
+        out = [self.input_ids, self.position_ids, self.derived_positions, self.index_in_seq, self.total_len]
         if self.token_sequence is not None:
             out.append(self.token_sequence.seq)
         return {**{v: (1, 0) for v in out if v is not None}, **self.per_token}
@@ -146,3 +149,14 @@ def last_token_index(b: Builder, io: PagedIO) -> ir.Value:
     """``[B]`` int64: each sequence's last packed token."""
     _, ends = sequence_bounds(b, io)
     return b.op("Sub", [ends, _int(b, 1, "one")], hint="last_token_index")
+
+
+def total_length(b: Builder, io: PagedIO) -> ir.Value:
+    """``[T]`` int64: each token's own sequence's total length this step (past + its new tokens), i.e. the
+    ``total_sequence_length`` that sequence's step has run alone."""
+    if io.total_len is None:
+        starts, ends = sequence_bounds(b, io)
+        past = b.op("Cast", [io.past_sequence_lengths], {"to": ir.DataType.INT64})
+        totals = b.op("Add", [past, b.op("Sub", [ends, starts])])
+        io.total_len = b.op("Gather", [totals, sequence_of_token(b, io).seq], hint="total_length")
+    return io.total_len

@@ -143,7 +143,7 @@ def _convert_separate(
         _progress(progress, f"rewriting layer {m.layer} ({m.num_heads} heads over {m.kv_num_heads} KV heads)")
         key_cache, value_cache = paged_io.add_separate_caches(graph, m.layer, m.kv_num_heads, m.head_size, op_dtype)
         key_out, value_out = rewrite_attention_layer(
-            graph, m, key_cache, value_cache, io.op_inputs(), rope_in_op=rope_in_op, op_dtype=op_dtype
+            graph, m, key_cache, value_cache, io.op_inputs(), rope_in_op=rope_in_op, op_dtype=op_dtype, packed_io=io
         )
         paged_io.set_present(graph, m.layer, key_out, key_cache)
         paged_io.set_present_value(graph, m.layer, value_out, value_cache)

@@ -5,7 +5,9 @@ One GQA node per layer reads the layer's ``past_key_values.{i}.key`` / ``.value`
 q / k / v (Qwen3: after a per-head ``SimplifiedLayerNormalization``, which stays in the graph, as it runs before
 RoPE in the source too). With ``do_rotary=1`` the op applies RoPE itself from ``cos_cache`` / ``sin_cache``
 tables indexed by position: those tables become PagedAttention's own rotary inputs (``do_rotary=1``, the same
-``rotary_interleaved``), since both ops take the position of a token as its past length plus its index.
+``rotary_interleaved``), since both ops take the position of a token as its past length plus its index. Tables
+chosen at run time by LongRoPE's ``If`` on the total length become a per-sequence choice with RoPE applied in the
+graph (:mod:`ortpa.rewriter.rope_choice`).
 
 What the GQA node computes from ``attention_mask`` (``seqlens_k``, ``total_sequence_length``) is replaced by the
 paged inputs and becomes dead. ``local_window_size`` carries over as it is: in ONNX Runtime's GQA (CPU kernel,
@@ -24,6 +26,7 @@ import onnx_ir as ir
 from ortpa.rewriter._graph import attr_value, const_array, static_width
 from ortpa.rewriter._match import MatchFail, cache_inputs, consumer_ops, need
 from ortpa.rewriter.attention_match import AttentionLayer, SourceRotary
+from ortpa.rewriter.rope_choice import ChosenRotary, chosen_rotary
 
 __all__ = ["OP_TYPE", "recognise_gqa"]
 
@@ -96,22 +99,34 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
         need(cos is not None and sin is not None, "do_rotary=1 without cos_cache / sin_cache", node)
         assert cos is not None and sin is not None
         cos_a, sin_a = const_array(cos), const_array(sin)
-        need(
-            cos_a is not None and sin_a is not None,
-            f"cos_cache / sin_cache are computed at run time ({_table_choice(cos)}): one table for the whole "
-            "batch, chosen from the batch's total length (LongRoPE's long/short switch); PagedAttention takes one "
-            "table for every sequence, so batched sequences would not see what they see alone",
-            cos,
-        )
-        assert cos_a is not None and sin_a is not None
-        half = cos_a.shape[1] if cos_a.ndim == 2 else -1
-        need(
-            cos_a.shape == sin_a.shape and half % 8 == 0 and half <= (d // 16) * 8,
-            f"cos/sin caches {cos_a.shape}/{sin_a.shape}: PagedAttention needs [positions, rotary_dim/2] with "
-            f"rotary_dim/2 a multiple of 8 and <= {(d // 16) * 8} (head size {d})",
-            cos,
-        )
-        rotary = SourceRotary(cos, sin, int(attr_value(node, "rotary_interleaved", 0)))
+        interleaved = int(attr_value(node, "rotary_interleaved", 0))
+        if cos_a is None or sin_a is None:
+            # LongRoPE (genai Phi-3.x / Phi-4-mini): one If picks a table from the total length; made per sequence
+            # with RoPE applied in the graph (ortpa.rewriter.rope_choice)
+            chosen = chosen_rotary(cos, sin, ins[6], interleaved)
+            need(
+                not isinstance(chosen, str),
+                f"cos_cache / sin_cache are computed at run time ({_table_choice(cos)}) and not as a choice ortpa "
+                f"can make per sequence: {chosen}",
+                cos,
+            )
+            assert isinstance(chosen, ChosenRotary)
+            half = chosen.then_cos.shape[1]
+            need(
+                2 * half <= d,
+                f"cos/sin tables of width {half}: rotary_dim {2 * half} exceeds the head size {d}",
+                cos,
+            )
+            rotary = chosen
+        else:
+            half = cos_a.shape[1] if cos_a.ndim == 2 else -1
+            need(
+                cos_a.shape == sin_a.shape and half % 8 == 0 and half <= (d // 16) * 8,
+                f"cos/sin caches {cos_a.shape}/{sin_a.shape}: PagedAttention needs [positions, rotary_dim/2] with "
+                f"rotary_dim/2 a multiple of 8 and <= {(d // 16) * 8} (head size {d})",
+                cos,
+            )
+            rotary = SourceRotary(cos, sin, interleaved)
     scale = float(attr_value(node, "scale", 0.0)) or 1.0 / math.sqrt(d)
     window = int(attr_value(node, "local_window_size", -1))
     return AttentionLayer(

@@ -13,7 +13,8 @@ tokenizer is built offline with ``tokenizers``); pass the tool as the first argu
   with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), onnx-ir (the builder imports it
   but does not declare it), torch 2.13.0 CPU, transformers 5.24 (the 0.18 builder does not import with 4.x),
   onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
-  MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32.
+  MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32, fp16
+  and int4.
 * ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
 * ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
@@ -98,6 +99,8 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_qwen3_fp16": ("genai", QWEN3, {"precision": "fp16"}),
     "genai_qwen3_int4": ("genai", QWEN3, {"precision": "int4"}),
     "genai_phi3_longrope_fp32": ("genai", PHI3_LONGROPE, {"precision": "fp32"}),
+    "genai_phi3_longrope_fp16": ("genai", PHI3_LONGROPE, {"precision": "fp16"}),
+    "genai_phi3_longrope_int4": ("genai", PHI3_LONGROPE, {"precision": "int4"}),
     "genai_gemma2_fp32": ("genai", GEMMA2, {"precision": "fp32"}),
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),

@@ -47,11 +47,14 @@ TOL: dict[str, tuple[float, float]] = {
 # Extra absolute tolerance on logits for model families whose attention sees larger activations, so float16
 # rounding of q/k/v inside PagedAttention costs more: Gemma-2 ((1 + w) RMSNorm weights, sqrt(hidden) embedding
 # scale, softcapped scores) measured 9.1e-3 max over 24 tokens with errors flat across steps (no drift).
-FAMILY_EXTRA_ATOL: dict[str, float] = {"gemma2": 5e-3, "gemma2-genai": 3.5e-2}
+FAMILY_EXTRA_ATOL: dict[str, float] = {"gemma2": 5e-3, "gemma2-genai": 3.5e-2, "gptoss-genai": 7.5e-3}
 # "gemma2-genai": the onnxruntime-genai builder's Gemma-2 (softcap 50, sliding window 8 over a ring-buffer cache,
 # fp32 activations around float16 attention) measured 2.9e-2 max over 24 tokens, the larger errors on decode steps
 # past the window; windows of 7 or 9 instead of 8 fail by > 0.1 at the first step past the window, so the window
 # carried over is the right one and the rest is float16 rounding of Gemma's larger activations.
+# "gptoss-genai": the builder's gpt-oss (attention sinks, sliding window 8 on even layers, MoE with swiglu_limit 7,
+# fp32 around float16 attention) measured 8.4e-3 max over 24 tokens (prompts 5/20/9), per-step errors flat
+# (2.4e-3..8.4e-3, no drift); without the sinks the error is 1.4 (tests/rewriter/test_genai_gptoss.py).
 
 # Extra absolute tolerance on logits for int8 KV caches (ortpa.rewriter.kv_quant, calibrated static scales).
 # One quantization step is s = amax * 1.25 / 127; the fixtures' cached K/V reach |x| ~ 3.3-3.9, so a stored

@@ -90,6 +90,19 @@ GEMMA2 = {
     "query_pre_attn_scalar": 16,
 }
 
+# gpt-oss: attention sinks (GroupQueryAttention head_sink), alternating sliding / full layers, MoE (4 experts, top 2).
+GPT_OSS = {
+    **_COMMON,
+    "model_type": "gpt_oss",
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_scaling": None,
+}
+
 # name -> (tool, config, tool options)
 FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_llama_fp32": ("genai", LLAMA, {"precision": "fp32"}),
@@ -101,6 +114,8 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_phi3_longrope_fp32": ("genai", PHI3_LONGROPE, {"precision": "fp32"}),
     "genai_phi3_longrope_fp16": ("genai", PHI3_LONGROPE, {"precision": "fp16"}),
     "genai_phi3_longrope_int4": ("genai", PHI3_LONGROPE, {"precision": "int4"}),
+    "genai_gptoss_fp32": ("genai", GPT_OSS, {"precision": "fp32"}),
+    "genai_gptoss_int4": ("genai", GPT_OSS, {"precision": "int4"}),
     "genai_gemma2_fp32": ("genai", GEMMA2, {"precision": "fp32"}),
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),

@@ -166,6 +166,8 @@ def rewrite_attention_layer(
         if q_norm_w is not None:
             assert m.q_norm is not None
             attrs["qk_norm_epsilon"] = float(m.q_norm.epsilon)
+    sink = getattr(m, "head_sink", None)  # recognisers.gqa.SinkAttentionLayer: attention sinks
+    head_sink = None if sink is None else b.initializer(sink.astype(op_dtype.numpy()), "head_sink")
     inputs: list[ir.Value | None] = [
         query,
         key,
@@ -178,7 +180,7 @@ def rewrite_attention_layer(
         cos,
         sin,
         None,  # slot_mapping: derived from block_table
-        None,  # head_sink
+        head_sink,
         q_norm_w,
         k_norm_w,
     ]

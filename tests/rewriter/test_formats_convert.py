@@ -88,8 +88,8 @@ def _gqa_node(model: onnx.ModelProto, layer: int) -> onnx.NodeProto:
 
 def test_genai_near_miss_reported_by_layer():
     model = onnx.load(str(FORMATS / "genai_llama_fp32.onnx"))
-    _gqa_node(model, 1).attribute.append(onnx.helper.make_attribute("smooth_softmax", 1))
-    _refused_at_layer_1(model, "smooth_softmax")
+    _gqa_node(model, 1).attribute.append(onnx.helper.make_attribute("qk_output", 1))
+    _refused_at_layer_1(model, "qk_output")
 
 
 def test_optimum_near_miss_reported_by_layer():

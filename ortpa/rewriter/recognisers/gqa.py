@@ -12,15 +12,18 @@ graph (:mod:`ortpa.rewriter.rope_choice`).
 What the GQA node computes from ``attention_mask`` (``seqlens_k``, ``total_sequence_length``) is replaced by the
 paged inputs and becomes dead. ``local_window_size`` carries over as it is: in ONNX Runtime's GQA (CPU kernel,
 checked against it by the tests) as in PagedAttention, a window W lets a query see W keys, its own included.
-Features without a PagedAttention
-equivalent here (``smooth_softmax``, ``attention_bias``, an explicit ``position_ids`` input, ``qk_output``)
-refuse the layer with the reason.
+Attention sinks (``head_sink``, gpt-oss) become PagedAttention's ``head_sink``
+input, and ``smooth_softmax=1`` a ``head_sink`` of zeros (the same softmax). Features without a PagedAttention
+equivalent here (``attention_bias``, an explicit ``position_ids`` input, ``qk_output``) refuse the layer with the
+reason.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import attr_value, const_array, static_width
@@ -28,7 +31,7 @@ from ortpa.rewriter._match import MatchFail, cache_inputs, consumer_ops, need
 from ortpa.rewriter.attention_match import AttentionLayer, SourceRotary
 from ortpa.rewriter.rope_choice import ChosenRotary, chosen_rotary
 
-__all__ = ["OP_TYPE", "recognise_gqa"]
+__all__ = ["OP_TYPE", "SinkAttentionLayer", "recognise_gqa"]
 
 OP_TYPE = "GroupQueryAttention"
 
@@ -45,6 +48,34 @@ def _table_choice(value: ir.Value) -> str:
     return f"{node.op_type} {node.name}" if node is not None else "a graph input"
 
 
+@dataclass
+class SinkAttentionLayer(AttentionLayer):
+    """A GQA layer with its attention sinks: ``head_sink`` ``[num_heads]`` logits that join each softmax's
+    denominator (PagedAttention's ``head_sink`` input; None: no sink)."""
+
+    head_sink: np.ndarray | None = None
+
+
+def _head_sink(node: ir.Node, sink: ir.Value | None, heads: int) -> np.ndarray | None:
+    """GroupQueryAttention's sinks as PagedAttention's ``head_sink``, or None.
+
+    Both ops divide by ``e^{s_h - m} + sum_j e^{x_j - m}`` with ``m = max(s_h, max_j x_j)`` (ONNX Runtime's GQA
+    "smooth softmax"); ``smooth_softmax=1`` without a ``head_sink`` input is that with ``s_h = 0`` for every head.
+    """
+    smooth = int(attr_value(node, "smooth_softmax", 0))
+    if sink is None:
+        return np.zeros(heads, np.float32) if smooth else None
+    values = const_array(sink)
+    need(values is not None, f"head_sink {sink.name!r} is computed at run time, not a constant", sink)
+    assert values is not None
+    need(
+        values.shape == (heads,),
+        f"head_sink has shape {tuple(values.shape)}, expected ({heads},) (one sink logit per query head)",
+        sink,
+    )
+    return values.astype(np.float32)
+
+
 def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
     """Describe layer ``layer``'s GroupQueryAttention; a :class:`MatchFail` with the reason when it cannot."""
     past_k, past_v = cache_inputs(graph, layer)
@@ -53,21 +84,14 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
     need(ins[3] is past_k and ins[4] is past_v, "the caches are not the op's past_key / past_value inputs", node)
     h, kvh = int(attr_value(node, "num_heads", 0)), int(attr_value(node, "kv_num_heads", 0))
     need(h > 0 and kvh > 0 and h % kvh == 0, f"num_heads {h} / kv_num_heads {kvh} are not GQA heads", node)
-    for name, bad in (("smooth_softmax", 0), ("qk_output", 0)):
-        need(
-            int(attr_value(node, name, bad)) == bad,
-            f"{name}={attr_value(node, name, bad)} has no PagedAttention form",
-            node,
-        )
-    for index, what in ((9, "position_ids"), (10, "attention_bias")):
-        need(ins[index] is None, f"input {what} is set: not converted (the builder's models leave it empty)", node)
     need(
-        ins[11] is None,
-        "input head_sink is set (attention sinks, e.g. the builder's gpt-oss): ortpa does not carry it onto "
-        "PagedAttention's head_sink input yet, and PagedAttention accepts it only on its FlashAttention and paged "
-        "decode backends (not MemoryEfficientAttention), so the layer is refused rather than run without sinks",
+        int(attr_value(node, "qk_output", 0)) == 0,
+        f"qk_output={attr_value(node, 'qk_output', 0)} has no PagedAttention form",
         node,
     )
+    for index, what in ((9, "position_ids"), (10, "attention_bias")):
+        need(ins[index] is None, f"input {what} is set: not converted (the builder's models leave it empty)", node)
+    sink = _head_sink(node, ins[11], h)
     if len(node.outputs) > 3:
         need(not node.outputs[3].uses(), "output_qk is used", node)
     query, key, value = ins[0], ins[1], ins[2]
@@ -129,7 +153,8 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
             rotary = SourceRotary(cos, sin, interleaved)
     scale = float(attr_value(node, "scale", 0.0)) or 1.0 / math.sqrt(d)
     window = int(attr_value(node, "local_window_size", -1))
-    return AttentionLayer(
+    return SinkAttentionLayer(
+        head_sink=sink,
         layer=layer,
         num_heads=h,
         kv_num_heads=kvh,
@@ -141,7 +166,11 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
         key=key,
         value=value,
         attn_out=node.outputs[0],
-        notes=[f"{OP_TYPE} ({'packed' if packed else 'separate'} QKV, do_rotary={int(rotary is not None)})"],
+        notes=[
+            f"{OP_TYPE} ({'packed' if packed else 'separate'} QKV, do_rotary={int(rotary is not None)}"
+            + (", attention sinks" if sink is not None else "")
+            + ")"
+        ],
         layout="bsd",
         packed_qkv=packed,
         rotary=rotary,

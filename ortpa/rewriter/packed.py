@@ -26,6 +26,7 @@ __all__ = [
     "positions",
     "sequence_bounds",
     "sequence_of_token",
+    "token_index",
     "total_length",
 ]
 
@@ -85,7 +86,8 @@ def _int(b: Builder, value: int, hint: str) -> ir.Value:
     return b.initializer(np.array(value, np.int64), hint)
 
 
-def _token_index(b: Builder, io: PagedIO) -> ir.Value:
+def token_index(b: Builder, io: PagedIO) -> ir.Value:
+    """``[T]`` int64: 0, 1, ... over all packed tokens (built once)."""
     if io.token_index is None:
         count = b.op("Squeeze", [b.op("Shape", [io.input_ids])])
         io.token_index = b.op("Range", [_int(b, 0, "zero"), count, _int(b, 1, "one")], hint="token_index")
@@ -108,7 +110,7 @@ def sequence_of_token(b: Builder, io: PagedIO) -> TokenSequence:
     A ``[T, B]`` comparison, fine for the batch sizes a step carries.
     """
     if io.token_sequence is None:
-        t = _token_index(b, io)
+        t = token_index(b, io)
         _, ends = sequence_bounds(b, io)
         le = b.op("LessOrEqual", [b.op("Unsqueeze", [ends, b.ints([0])]), b.op("Unsqueeze", [t, b.ints([1])])])
         seq = b.op(
@@ -127,7 +129,7 @@ def index_in_sequence(b: Builder, io: PagedIO) -> ir.Value:
     if io.index_in_seq is None:
         starts, _ = sequence_bounds(b, io)
         seq = sequence_of_token(b, io).seq
-        io.index_in_seq = b.op("Sub", [_token_index(b, io), b.op("Gather", [starts, seq])], hint="index_in_sequence")
+        io.index_in_seq = b.op("Sub", [token_index(b, io), b.op("Gather", [starts, seq])], hint="index_in_sequence")
     return io.index_in_seq
 
 

@@ -159,7 +159,7 @@ def route(model: ir.Model, io: PagedIO) -> None:
     The pipeline then runs the per-sequence pass (:mod:`ortpa.rewriter.per_sequence`), then :func:`finish`.
     """
     graph = model.graph
-    b = Builder(graph, "/paged_io")
+    b = Builder(graph, "/paged_io/route")
     dense_ids = io.dense_inputs["input_ids"]
     dense_ids.replace_all_uses_with(b.op("Unsqueeze", [io.input_ids, b.ints([0])], hint="input_ids_packed"))
     dense_pos = io.dense_inputs.get("position_ids")

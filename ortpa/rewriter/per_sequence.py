@@ -27,7 +27,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError
-from ortpa.rewriter import packed
+from ortpa.rewriter import packed, rope_choice
 from ortpa.rewriter._graph import Builder, const_array, int_attr
 from ortpa.rewriter.per_sequence_axes import Live, TokenAxes, describe, live_nodes, reduced_axes, token_axes_of
 from ortpa.rewriter.per_sequence_choice import rewrite_choice
@@ -156,6 +156,7 @@ def per_sequence_reductions(graph: ir.Graph, io: packed.PagedIO) -> list[str]:
     failures: list[tuple[str, str]] = []
     b = Builder(graph, "/per_sequence")
     done += _replace_past_length_positions(io, live, axes, b)
+    done += rope_choice.rewrite_rotary_embedding_choices(graph, io, live.order, b)
     if done:  # the packed positions may be new: they are per-token values the checks below must know
         axes, live = token_axes_of(io), live_nodes(graph, io)
     for node, why in _token_reductions(live, axes):

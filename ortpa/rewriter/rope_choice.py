@@ -19,7 +19,7 @@ from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder, const_array
 from ortpa.rewriter.attention_match import SourceRotary
 
-__all__ = ["ChosenRotary", "apply", "chosen_rotary"]
+__all__ = ["ChosenRotary", "apply", "chosen_rotary", "rewrite_rotary_embedding_choices"]
 
 _COMPARISONS = {"Greater": "Greater", "GreaterOrEqual": "GreaterOrEqual"}
 
@@ -141,3 +141,68 @@ def apply(
     if r < d:
         rotated = b.op("Concat", [rotated, part(r, d)], {"axis": 2})
     return b.op("Reshape", [rotated, b.ints([-1, heads * d])], hint="rotated")
+
+
+def _reads_width(value: ir.Value | None, tensor: ir.Value) -> bool:
+    """``value`` is dim 1 of ``tensor`` read with Shape (``Gather(Shape(t), 1)`` or ``Shape(t)[1:2]``)."""
+    while value is not None and (node := value.producer()) is not None and node.op_type in _LAYOUT:
+        value = node.inputs[0]
+    node = value.producer() if value is not None else None
+    if node is None:
+        return False
+    if node.op_type == "Gather":
+        idx = const_array(node.inputs[1])
+        shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+        return (
+            idx is not None
+            and idx.size == 1
+            and int(idx.reshape(-1)[0]) == 1
+            and shape is not None
+            and shape.op_type == "Shape"
+            and shape.inputs[0] is tensor
+            and not shape.attributes.get("start")
+        )
+    if node.op_type == "Shape" and node.inputs[0] is tensor:
+        start, end = node.attributes.get("start"), node.attributes.get("end")
+        return start is not None and int(start.value) == 1 and end is not None and int(end.value) == 2
+    return False
+
+
+_LAYOUT = frozenset({"Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape"})
+
+
+def rewrite_rotary_embedding_choices(
+    graph: ir.Graph, io: packed.PagedIO, order: list[ir.Node], b: Builder
+) -> list[str]:
+    """``com.microsoft::RotaryEmbedding`` nodes whose cos/sin tables come from LongRoPE's ``If`` on the dense
+    ``attention_mask`` width (the genai builder's fp16 form) -> one row per packed token from the table its own
+    sequence's total length picks, indexed by the token's packed index. One line per node rewritten."""
+    mask = io.dense_inputs.get("attention_mask")
+    if mask is None:
+        return []
+    done = []
+    for node in order:
+        if node.op_type != "RotaryEmbedding" or node.domain != "com.microsoft" or len(node.inputs) < 4:
+            continue
+        cos, sin = node.inputs[2], node.inputs[3]
+        choice = cos.producer() if cos is not None else None
+        if cos is None or sin is None or choice is None or choice.op_type != "If":
+            continue
+        cond = choice.inputs[0].producer() if choice.inputs[0] is not None else None
+        if cond is None or not cond.inputs or not _reads_width(cond.inputs[0], mask):
+            continue
+        interleaved = int(node.attributes["interleaved"].value) if "interleaved" in node.attributes else 0
+        rot = chosen_rotary(cos, sin, cond.inputs[0], interleaved)
+        if isinstance(rot, str):
+            continue  # left to the checks that follow, which refuse what stays step-wide
+        dtype = cos.dtype or ir.DataType.FLOAT
+        cos_t, sin_t = _tables(b, io, rot, dtype)
+        index = b.op("Unsqueeze", [packed.token_index(b, io), b.ints([0])], hint="row_per_token")
+        io.per_token[index] = (2, 1)
+        for slot, value in ((1, index), (2, cos_t), (3, sin_t)):
+            node.replace_input_with(slot, value)
+        done.append(
+            f"RotaryEmbedding node {node.name!r}: cos/sin of If {choice.name!r} (one table per step) -> each token's "
+            "row from the table its own sequence's total length picks"
+        )
+    return done

@@ -63,6 +63,7 @@ class PagedIO:
     per_token: dict[ir.Value, tuple[int, int]] = field(default_factory=dict)
     total_len: ir.Value | None = None  # [T] int64: past + new tokens of each token's own sequence
     rope_tables: dict = field(default_factory=dict)  # per-token cos/sin, built once per table choice and dtype
+    dense_nodes: frozenset = frozenset()  # the dense graph's own nodes (before any rewrite), for the dataflow
 
     def op_inputs(self) -> PagedAttentionInputs:
         return PagedAttentionInputs(

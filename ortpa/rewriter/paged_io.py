@@ -69,6 +69,7 @@ def begin(graph: ir.Graph, *, attention_metadata: bool = True, position_ids: Pos
         position_ids=_input("position_ids", ir.DataType.INT64, ["num_tokens"]) if position_ids == "input" else None,
         dense_inputs=dense_inputs,
         dense_outputs=dense_outputs,
+        dense_nodes=frozenset(graph),
     )
     new = [io.input_ids, io.cumulative_sequence_lengths, io.past_sequence_lengths, io.block_table]
     new += [v for v in (io.attention_metadata, io.position_ids) if v is not None]

@@ -23,13 +23,14 @@ __all__ = ["flow_rewrites", "run_flow"]
 _MAX_ROUNDS = 4
 
 
-def _trusted(live: Live, seeds: list[ir.Value]) -> set[ir.Node]:
-    """The rewriter's own index arithmetic behind the seeds (it reads the paged inputs, not the dense graph)."""
+def _trusted(live: Live, seeds: list[ir.Value], dense: frozenset) -> set[ir.Node]:
+    """The rewriter's own nodes behind the seeds (index arithmetic on the paged inputs, segment ops); the dense
+    graph's nodes they read, and what feeds those, are analysed as any other."""
     out: set[ir.Node] = set()
     stack = [v.producer() for v in seeds if v.producer() is not None]
     while stack:
         node = stack.pop()
-        if node in out:
+        if node in out or node in dense:
             continue
         out.add(node)
         stack.extend(x.producer() for x in node.inputs if x is not None and x.producer() is not None)
@@ -42,7 +43,7 @@ def run_flow(graph: ir.Graph, io: packed.PagedIO) -> tuple[Live, Flow]:
     ids = io.dense_inputs.get("input_ids")
     batch = ids.shape[0] if ids is not None and ids.shape is not None and len(ids.shape) == 2 else None
     symbols = frozenset({batch.value}) if isinstance(batch, ir.SymbolicDim) and batch.value else frozenset()
-    return live, analyse(live.order, seeds, _trusted(live, list(seeds)), symbols)
+    return live, analyse(live.order, seeds, _trusted(live, list(seeds), io.dense_nodes), symbols)
 
 
 def _sinks(live: Live, io: packed.PagedIO) -> list[ir.Value]:
@@ -65,8 +66,11 @@ def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[st
             kind = flow.of(value)
             if kind.tag == "enum":
                 enum_sources |= set(kind.sources)
-            elif kind.tag == "step" and kind.node is not None and kind.definite:
-                steps.setdefault(kind.node, kind.why or "")
+            elif kind.tag == "step" and kind.node is not None and (kind.definite or kind.node in io.dense_nodes):
+                # the model's own op the flow cannot follow: unknown is step-wide (the rewriter's own nodes,
+                # built without shapes, are exact by construction and tested per family)
+                why = kind.why or ""
+                steps.setdefault(kind.node, why if kind.definite else f"{why} (unknown is step-wide)")
         changed = False
         for node in sorted(enum_sources, key=lambda n: n.name or ""):
             done.append(_enum_to_sequence(b, io, node, flow))
@@ -127,6 +131,7 @@ def _edge_token(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow, live:
     else:
         pick = b.op("Gather", [starts_v, seq])
     new = b.op("Gather", [node.inputs[0], pick], {"axis": k.axis}, hint=f"{which}_token_per_sequence")
+    new.type, new.shape = node.inputs[0].type, node.inputs[0].shape  # one row per token again: the input's shape
     io.per_token[new] = (k.rank, k.axis)
     out.replace_all_uses_with(new)
     return f"{describe(node)}: the step's {which} token -> each token's own sequence's {which} token"

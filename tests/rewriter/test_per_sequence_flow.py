@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 from test_per_sequence import FIXTURES, _assert_batched_equals_alone, _prompts, _toposorted
 
@@ -132,3 +134,89 @@ def test_probe_mixing_sequences_is_refused(extra, node, reason):
     with pytest.raises(ConversionError, match="cannot be made per sequence") as info:
         convert(_probe(extra))
     assert any(repr(node) in where and reason in why for where, why in info.value.failures), info.value
+
+
+def _unknown_op(emb, hidden):
+    """A per-token Einsum the flow has no rule for: unknown is step-wide, so it is refused, not assumed."""
+    nodes = [
+        helper.make_node("Einsum", [emb, emb], ["probe/sq"], equation="bth,bth->bt", name="unknown_einsum"),
+        helper.make_node("Unsqueeze", ["probe/sq", "probe/ax2"], ["probe/sq3"]),
+        helper.make_node("Add", [emb, "probe/sq3"], ["probe/out"]),
+    ]
+    return nodes, [_ints("probe/ax2", [2])], "probe/out"
+
+
+def test_an_op_without_a_rule_is_refused():
+    with pytest.raises(ConversionError, match="cannot be made per sequence") as info:
+        convert(_probe(_unknown_op))
+    assert any("unknown_einsum" in where and "unknown is step-wide" in why for where, why in info.value.failures), (
+        info.value
+    )
+
+
+# -- generated chains: per-token op families convert and stay batched = alone; cross-token ones are refused -------
+
+_PER_TOKEN = {  # op -> builder of (nodes, inits) from x [B, T, H] to out [B, T, H]
+    "tanh": lambda x, o, h: ([helper.make_node("Tanh", [x], [o])], []),
+    "scale": lambda x, o, h: (
+        [helper.make_node("Mul", [x, f"{o}/c"], [o])],
+        [numpy_helper.from_array(np.full(h, 0.5, np.float32), f"{o}/c")],
+    ),
+    "softmax_hidden": lambda x, o, h: ([helper.make_node("Softmax", [x], [o], axis=-1)], []),
+    "mean_hidden": lambda x, o, h: (
+        [
+            helper.make_node("ReduceMean", [x, f"{o}/ax"], [f"{o}/m"], keepdims=1),
+            helper.make_node("Sub", [x, f"{o}/m"], [o]),
+        ],
+        [_ints(f"{o}/ax", [2])],
+    ),
+    "transpose_back": lambda x, o, h: (
+        [
+            helper.make_node("Transpose", [x], [f"{o}/t"], perm=[1, 0, 2]),
+            helper.make_node("Transpose", [f"{o}/t"], [o], perm=[1, 0, 2]),
+        ],
+        [],
+    ),
+}
+_CROSS = {  # the same shape, but each token reads others: must be refused
+    "cumsum_tokens": lambda x, o, h: ([helper.make_node("CumSum", [x, f"{o}/ax"], [o])], [_ints(f"{o}/ax", 1)]),
+    "max_tokens": lambda x, o, h: (
+        [
+            helper.make_node("ReduceMax", [x, f"{o}/ax"], [f"{o}/m"], keepdims=1),
+            helper.make_node("Add", [x, f"{o}/m"], [o]),
+        ],
+        [_ints(f"{o}/ax", [1])],
+    ),
+    "softmax_tokens": lambda x, o, h: ([helper.make_node("Softmax", [x], [o], axis=1)], []),
+}
+
+
+def _chain(ops: list[str]):
+    def extra(emb, hidden):
+        nodes, inits, x = [], [], emb
+        for i, name in enumerate(ops):
+            make = {**_PER_TOKEN, **_CROSS}[name]
+            n, init = make(x, f"chain{i}/out", hidden)
+            nodes += n
+            inits += init
+            x = f"chain{i}/out"
+        return nodes, inits, x
+
+    return extra
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(sorted(_PER_TOKEN) + sorted(_CROSS)), min_size=1, max_size=3))
+def test_generated_chains_are_refused_or_batched_equal_alone(ops):
+    import tempfile
+    from pathlib import Path
+
+    model = _probe(_chain(ops))
+    if any(op in _CROSS for op in ops):
+        with pytest.raises(ConversionError, match="cannot be made per sequence"):
+            convert(model)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dense = Path(tmp) / "chain.onnx"
+        onnx.save(model, str(dense))
+        _assert_batched_equals_alone(convert(model), dense, prompts=_prompts(LENGTHS))

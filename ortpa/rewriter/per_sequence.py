@@ -159,14 +159,20 @@ def per_sequence_reductions(graph: ir.Graph, io: packed.PagedIO) -> list[str]:
     done += rope_choice.rewrite_rotary_embedding_choices(graph, io, live.order, b)
     if done:  # the packed positions may be new: they are per-token values the checks below must know
         axes, live = token_axes_of(io), live_nodes(graph, io)
+    deferred: dict[ir.Node, str] = {}  # reductions the choice rewrite cannot take: the flow's segment ops may
     for node, why in _token_reductions(live, axes):
         if why is None:
             why = rewrite_choice(io, live, axes, b, node, done)
         if why is not None:
-            failures.append((describe(node), f"reduces across the tokens of every sequence in the step: {why}"))
+            deferred[node] = f"reduces across the tokens of every sequence in the step: {why}"
     failures += _token_counts(live, axes)
     if not failures:
-        failures += flow_rewrites(graph, io, b, done)
+        for node, why in flow_rewrites(graph, io, b, done):
+            failures.append((describe(node), deferred.pop(node, why)))
+        still = live_nodes(graph, io).nodes
+        failures += [(describe(n), why) for n, why in deferred.items() if n in still]
+    else:
+        failures = [(describe(n), why) for n, why in deferred.items()] + failures
     if failures:
         raise ConversionError(
             "values computed over the whole packed step (every sequence's tokens) cannot be made per sequence; "

@@ -578,7 +578,18 @@ def _per_token_op(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     return [out] * len(node.outputs)
 
 
+def _cumsum(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    k = ins[0]
+    if k.tag not in ("token", "enum") or k.rank is None or ins[1].tag != "const":
+        return [_lost(node, "its input or axis is not known per token")]
+    axis = const_array(node.inputs[1])
+    if axis is None or _norm(int(axis.reshape(-1)[0]), k.rank) == k.axis:
+        return [_step(node, "CumSum runs along the token axis")]
+    return [Kind(k.tag, k.rank, k.axis, k.sources)]
+
+
 _HANDLERS = {
+    "CumSum": _cumsum,
     "Reshape": _reshape,
     "Squeeze": _squeeze_like,
     "Unsqueeze": _squeeze_like,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter import packed
@@ -55,8 +56,8 @@ def _sinks(live: Live, io: packed.PagedIO) -> list[ir.Value]:
     return out
 
 
-def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[str]) -> list[tuple[str, str]]:
-    """Rewrite what the flow finds step-wide and can make per sequence; the refusals for the rest."""
+def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[str]) -> list[tuple[ir.Node, str]]:
+    """Rewrite what the flow finds step-wide and can make per sequence; ``(node, why)`` for the rest."""
     for _ in range(_MAX_ROUNDS):
         live, flow = run_flow(graph, io)
         sinks = _sinks(live, io)
@@ -76,14 +77,14 @@ def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[st
             done.append(_enum_to_sequence(b, io, node, flow))
             changed = True
         for node in list(steps):
-            line = _edge_token(b, io, node, flow, live)
+            line = _edge_token(b, io, node, flow, live) or _segment(b, io, node, flow, live)
             if line is not None:
                 done.append(line)
                 changed = True
                 del steps[node]
         if not changed:
-            return [(describe(n), why) for n, why in steps.items() if n is not None]
-    return [("per-sequence pass", f"still step-wide after {_MAX_ROUNDS} rounds of rewrites")]
+            return [(n, why) for n, why in steps.items() if n is not None]
+    return [(n, f"still step-wide after {_MAX_ROUNDS} rounds of rewrites: {why}") for n, why in steps.items()]
 
 
 def _enum_to_sequence(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow) -> str:
@@ -159,3 +160,77 @@ def _broadcast_back(value: ir.Value, k: Kind, flow: Flow, live: Live) -> bool:
                 return False
             stack.extend(u.outputs)
     return True
+
+
+_SEGMENT_OPS = {"ReduceSum": "zero", "ReduceMean": "zero", "ReduceMax": "lowest", "ReduceMin": "highest"}
+
+
+def _segment(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow, live: Live) -> str | None:
+    """A reduction over the token axis broadcast back, or a CumSum along it -> the same over each sequence."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "CumSum":
+        return _segment_cumsum(b, io, node, flow)
+    if node.op_type not in _SEGMENT_OPS:
+        return None
+    k = flow.of(node.inputs[0])
+    dtype = node.inputs[0].dtype
+    if k.tag != "token" or k.rank is None or dtype is None or not int(_attr(node, "keepdims", 1)):
+        return None
+    axes_arr = const_array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    axes = [int(a) % k.rank for a in axes_arr.reshape(-1)] if axes_arr is not None else []
+    if not axes or k.axis not in axes or not _broadcast_back(node.outputs[0], k, flow, live):
+        return None
+    x = node.inputs[0]
+    others = [a for a in axes if a != k.axis]
+    if others:  # one value per token first (mean of equal-sized means is the mean)
+        x = b.op(node.op_type, [x, b.ints(others)], {"keepdims": 1})
+    perm = [k.axis] + [i for i in range(k.rank) if i != k.axis]
+    front = b.op("Transpose", [x], {"perm": perm})
+    flat = b.op("Reshape", [front, b.ints([0, -1])])  # [T, F]
+    onehot = packed.sequence_of_token(b, io).onehot  # [T, B]
+    info = np.finfo(dtype.numpy()) if np.issubdtype(dtype.numpy(), np.floating) else np.iinfo(dtype.numpy())
+    fill = {"zero": 0, "lowest": info.min, "highest": info.max}[_SEGMENT_OPS[node.op_type]]
+    masked = b.op(
+        "Where",
+        [
+            b.op("Unsqueeze", [onehot, b.ints([2])]),
+            b.op("Unsqueeze", [flat, b.ints([1])]),
+            b.initializer(np.array(fill, dtype.numpy()), "fill"),
+        ],
+    )  # [T, B, F]: each token's row in its own sequence's column only
+    reduce = "ReduceSum" if node.op_type == "ReduceMean" else node.op_type
+    per_seq = b.op(reduce, [masked, b.ints([0])], {"keepdims": 0})  # [B, F]
+    if node.op_type == "ReduceMean":
+        count = b.op("ReduceSum", [b.op("Cast", [onehot], {"to": dtype}), b.ints([0])], {"keepdims": 0})
+        per_seq = b.op("Div", [per_seq, b.op("Unsqueeze", [count, b.ints([1])])])
+    per_tok = b.op("Gather", [per_seq, packed.sequence_of_token(b, io).seq], {"axis": 0})  # [T, F]
+    back = b.op("Reshape", [per_tok, b.op("Shape", [front])])
+    inverse = [perm.index(i) for i in range(k.rank)]
+    out = b.op("Transpose", [back], {"perm": inverse}, hint=f"{node.op_type}_per_sequence")
+    out.type = node.outputs[0].type
+    io.per_token[out] = (k.rank, k.axis)
+    node.outputs[0].replace_all_uses_with(out)
+    return f"{describe(node)}: {node.op_type} over the step's tokens, broadcast back -> over each token's own sequence"
+
+
+def _segment_cumsum(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow) -> str | None:
+    """``CumSum`` along the token axis -> restarted at each sequence: ``cs[t] - cs_exclusive[starts[seq(t)]]``."""
+    k = flow.of(node.inputs[0])
+    if k.tag != "token" or k.rank is None or _attr(node, "exclusive", 0) or _attr(node, "reverse", 0):
+        return None
+    x, axis = node.inputs[0], node.inputs[1]
+    total = b.op("CumSum", [x, axis])
+    before = b.op("CumSum", [x, axis], {"exclusive": 1})  # before[t] = sum of the tokens ahead of t
+    starts, _ = packed.sequence_bounds(b, io)
+    first = b.op("Gather", [starts, packed.sequence_of_token(b, io).seq])  # each token's sequence's first token
+    out = b.op("Sub", [total, b.op("Gather", [before, first], {"axis": k.axis})], hint="cumsum_per_sequence")
+    out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
+    io.per_token[out] = (k.rank, k.axis)
+    node.outputs[0].replace_all_uses_with(out)
+    return f"{describe(node)}: CumSum along the step's tokens -> restarted at each sequence's first token"
+
+
+def _attr(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return default if attr is None else int(attr.value)

@@ -178,16 +178,40 @@ _PER_TOKEN = {  # op -> builder of (nodes, inits) from x [B, T, H] to out [B, T,
         [],
     ),
 }
-_CROSS = {  # the same shape, but each token reads others: must be refused
-    "cumsum_tokens": lambda x, o, h: ([helper.make_node("CumSum", [x, f"{o}/ax"], [o])], [_ints(f"{o}/ax", 1)]),
-    "max_tokens": lambda x, o, h: (
+_SEGMENTS = {  # across the tokens, made per sequence by segment ops: must convert with batched = alone
+    "cumsum_tokens": lambda x, o, h: (
+        [
+            helper.make_node("CumSum", [x, f"{o}/ax"], [f"{o}/c"]),
+            helper.make_node("Mul", [f"{o}/c", f"{o}/s"], [o]),
+        ],
+        [_ints(f"{o}/ax", 1), numpy_helper.from_array(np.array(0.25, np.float32), f"{o}/s")],
+    ),
+    "max_tokens": lambda x, o, h: (  # half the max: x - max alone on one decode token would be all zeros
         [
             helper.make_node("ReduceMax", [x, f"{o}/ax"], [f"{o}/m"], keepdims=1),
+            helper.make_node("Mul", [f"{o}/m", f"{o}/s"], [f"{o}/ms"]),
+            helper.make_node("Sub", [x, f"{o}/ms"], [o]),
+        ],
+        [_ints(f"{o}/ax", [1]), numpy_helper.from_array(np.array(0.5, np.float32), f"{o}/s")],
+    ),
+    "sum_tokens_and_hidden": lambda x, o, h: (
+        [
+            helper.make_node("ReduceSum", [x, f"{o}/ax"], [f"{o}/m"], keepdims=1),
+            helper.make_node("Mul", [f"{o}/m", f"{o}/s"], [f"{o}/ms"]),
+            helper.make_node("Add", [x, f"{o}/ms"], [o]),
+        ],
+        [_ints(f"{o}/ax", [1, 2]), numpy_helper.from_array(np.array(1e-3, np.float32), f"{o}/s")],
+    ),
+}
+_CROSS = {  # each token reads others and no segment op applies: must be refused
+    "softmax_tokens": lambda x, o, h: ([helper.make_node("Softmax", [x], [o], axis=1)], []),
+    "prod_tokens": lambda x, o, h: (
+        [
+            helper.make_node("ReduceProd", [x, f"{o}/ax"], [f"{o}/m"], keepdims=1),
             helper.make_node("Add", [x, f"{o}/m"], [o]),
         ],
         [_ints(f"{o}/ax", [1])],
     ),
-    "softmax_tokens": lambda x, o, h: ([helper.make_node("Softmax", [x], [o], axis=1)], []),
 }
 
 
@@ -195,7 +219,7 @@ def _chain(ops: list[str]):
     def extra(emb, hidden):
         nodes, inits, x = [], [], emb
         for i, name in enumerate(ops):
-            make = {**_PER_TOKEN, **_CROSS}[name]
+            make = {**_PER_TOKEN, **_SEGMENTS, **_CROSS}[name]
             n, init = make(x, f"chain{i}/out", hidden)
             nodes += n
             inits += init
@@ -205,8 +229,8 @@ def _chain(ops: list[str]):
     return extra
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
-@given(st.lists(st.sampled_from(sorted(_PER_TOKEN) + sorted(_CROSS)), min_size=1, max_size=3))
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(sorted(_PER_TOKEN) + sorted(_SEGMENTS) + sorted(_CROSS)), min_size=1, max_size=3))
 def test_generated_chains_are_refused_or_batched_equal_alone(ops):
     import tempfile
     from pathlib import Path

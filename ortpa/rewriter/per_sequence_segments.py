@@ -116,7 +116,7 @@ def _edge_token(b: Builder, io: packed.PagedIO, node: ir.Node, flow: Flow, live:
     if (int(axes.reshape(-1)[0]) % k.rank if axes is not None else 0) != k.axis:
         return None
     start, end = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
-    if (start, end >= 2**31 or end == 0) == (-1, True):
+    if start == -1 and end >= 2**31:
         which = "last"
     elif (start, end) == (0, 1):
         which = "first"

@@ -22,7 +22,7 @@ op reads the sequence boundaries itself). From them a forward pass over the live
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_ir as ir
@@ -62,8 +62,9 @@ class Kind:
     axis: int | None = None  # token / enum: the token axis
     sources: frozenset = frozenset()  # enum: the nodes whose packed indices it carries
     why: str | None = None  # step: how it mixes sequences
-    node: ir.Node | None = None  # step: where
+    node: ir.Node | None = None  # step: where; route: the node that regrouped the rows
     definite: bool = True  # step: False when the flow only lost track (an unknown op, rank or dim)
+    block: int = 1  # token: rows per token on the token axis (a reshape folding [T, heads, d] into [T*heads, d])
 
 
 CONST = Kind("const")
@@ -83,6 +84,7 @@ def _lost(node: ir.Node, why: str) -> Kind:
 class Flow:
     kinds: dict[ir.Value, Kind] = field(default_factory=dict)
     batch: frozenset[str] = frozenset()  # the dense graph's batch dim symbols: 1 once tokens are packed
+    dense: frozenset = frozenset()  # the dense graph's own nodes; the rewriter's others keep tokens as rows
 
     def dim(self, d) -> int | None:
         if isinstance(d, int):
@@ -141,11 +143,16 @@ def _norm(axis: int, rank: int | None) -> int | None:
 
 
 def analyse(
-    order: list[ir.Node], seeds: dict[ir.Value, Kind], trusted: set[ir.Node], batch: frozenset[str] = frozenset()
+    order: list[ir.Node],
+    seeds: dict[ir.Value, Kind],
+    trusted: set[ir.Node],
+    batch: frozenset[str] = frozenset(),
+    dense: frozenset = frozenset(),
 ) -> Flow:
     """Kinds of every value computed by ``order`` (topological). ``trusted`` nodes (the rewriter's own index
-    arithmetic behind the seeds) are not analysed; ``batch``: the dense batch dim's symbols."""
-    flow = Flow(dict(seeds), batch)
+    arithmetic behind the seeds) are not analysed; ``batch``: the dense batch dim's symbols; ``dense``: the
+    dense graph's own nodes."""
+    flow = Flow(dict(seeds), batch, dense)
     for node in order:
         if node in trusted:
             continue
@@ -186,7 +193,11 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
     if op in ("Shape", "Size"):
         return [_shape_kind(node, ins[0], flow)]
     if "route" in data_tags:
-        return [_route(node, ins, flow)] * n_out
+        origin = next(k.node for k in ins if k.tag == "route")
+        out = _route(node, ins, flow)
+        if out.tag == "route":
+            out = Kind("route", out.rank, node=origin)
+        return [out] * n_out
     handler = _HANDLERS.get(op)
     if handler is not None and node.domain in ("", "ai.onnx", "com.microsoft"):
         return handler(node, ins, flow)
@@ -245,10 +256,13 @@ def _broadcast(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
     if len(axes) != 1:
         return _step(node, "it combines token axes of different positions (every token with every other)")
     (axis,) = axes
+    blocks = {k.block for k in ins if k.tag in ("token", "enum")}
+    if len(blocks) != 1:
+        return _step(node, "it combines token axes holding different numbers of rows per token")
     enum = [k for k in ins if k.tag == "enum"]
     if enum:
-        return Kind("enum", out_rank, axis, frozenset().union(*(k.sources for k in enum)))
-    return Kind("token", out_rank, axis)
+        return Kind("enum", out_rank, axis, frozenset().union(*(k.sources for k in enum)), block=blocks.pop())
+    return Kind("token", out_rank, axis, block=blocks.pop())
 
 
 def _last_axes(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -264,7 +278,7 @@ def _last_axes(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     others = [x for x in ins[1:] if x.tag in ("token", "enum")]  # Skip*Normalization: the skip input
     if others and any(_aligned(x, k.rank) != k.axis for x in others):
         return [_step(node, "its inputs have different token axes")] * len(node.outputs)
-    return [Kind(k.tag, k.rank, k.axis, k.sources)] * len(node.outputs)
+    return [replace(k, rank=k.rank, axis=k.axis)] * len(node.outputs)
 
 
 def _reduction(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
@@ -286,25 +300,16 @@ def _reduction(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
     if k.axis in axes:
         return _step(node, f"{node.op_type} reduces across the token axis")
     if keep:
-        return Kind(k.tag, k.rank, k.axis, k.sources)
-    return Kind(k.tag, k.rank - len(set(axes)), k.axis - sum(a < k.axis for a in set(axes)), k.sources)
+        return replace(k, rank=k.rank, axis=k.axis)
+    return replace(k, rank=k.rank - len(set(axes)), axis=k.axis - sum(a < k.axis for a in set(axes)))
 
 
 def _route(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
-    """Regrouped rows stay regrouped, except where an op puts them back on a token axis."""
-    op = node.op_type
-    if op in ("ScatterND", "ScatterElements") and ins[0].tag == "token":
+    """Regrouped rows stay regrouped, except where a scatter puts them back on a per-token tensor's rows (MoE's
+    ``index_add``: each row is added to the token its index names)."""
+    if node.op_type in ("ScatterND", "ScatterElements") and ins[0].tag == "token":
         return ins[0]
-    if op == "Reshape" and ins[0].tag == "route":
-        tokens = [k for k in ins if k.tag == "count"]
-        if tokens or (ins[1].tag == "const" and _reshape_target_keeps_token(node, flow)):
-            rank = flow.rank(node.outputs[0])
-            return Kind("token", rank, 0) if rank else Kind("route")
     return Kind("route", flow.rank(node.outputs[0]))
-
-
-def _reshape_target_keeps_token(node: ir.Node, flow: Flow) -> bool:
-    return False
 
 
 # -- layout ops -------------------------------------------------------------------------------------------------
@@ -329,6 +334,10 @@ def _reshape(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     if any(d is None for d in lead) and all(d == 1 or d is None for d in lead):
         lead_product = 1  # the packed batch axis (symbolic in the dense graph) is 1
     out_rank = len(target_dims)
+    flags = [int(t) for t in target.reshape(-1)] if target is not None else None
+    if flags is not None and not int_attr(node, "allowzero", 0) and len(flags) > k.axis:
+        if all(t == 0 for t in flags[: k.axis + 1]):  # leading dims and the token dim copied as they are
+            return [replace(k, rank=len(flags), axis=k.axis)]
     target_dims = [
         dims[i] if t == 0 and i < len(dims) and not int_attr(node, "allowzero", 0) else t
         for i, t in enumerate(target_dims)
@@ -356,10 +365,38 @@ def _reshape(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
                 continue
             if t == -1 and int(np.prod(trail_in)) != int(np.prod(trail_out)):
                 continue
-            return [Kind(k.tag, out_rank, j, k.sources)]
+            return [replace(k, rank=out_rank, axis=j)]
+    blocked = _blocked(k, dims, target_dims, lead_product)
+    if blocked is not None:
+        return [blocked]
+    if node not in flow.dense and flags is not None and flags.count(-1) == 1:
+        # the rewriter's own reshapes keep one row per token ([T, heads * d] and back): the -1 is the token dim
+        j = flags.index(-1)
+        if all(t in (0, 1) for t in flags[:j]) and all(t > 0 for t in flags[j + 1 :]):
+            return [replace(k, rank=out_rank, axis=j)]
     if k.tag == "token":
-        return [Kind("route", out_rank)]
+        return [Kind("route", out_rank, node=node)]
     return [_lost(node, "it merges the token axis with others")]
+
+
+def _blocked(k: Kind, dims: list, target: list, lead_product: int | None) -> Kind | None:
+    """A reshape that folds each token's trailing elements into rows of the token axis (or back): each token's
+    elements stay one contiguous block, ``block`` rows of it on the new axis (``[1, T, 4*32] -> [1, T*4, 32]``)."""
+    trail = dims[k.axis + 1 :]
+    if lead_product != 1 or None in trail or target.count(-1) + target.count("T") != 1:
+        return None
+    per_token = k.block * int(np.prod(trail)) if trail else k.block
+    j = target.index(-1) if -1 in target else target.index("T")
+    before, after = target[:j], target[j + 1 :]
+    if any(t not in (0, 1) for t in before) or any(not isinstance(t, int) or t <= 0 for t in after):
+        return None
+    size = int(np.prod(after)) if after else 1
+    if per_token % size:
+        return None
+    block = per_token // size
+    if target[j] == "T" and block != 1:
+        return None
+    return replace(k, rank=len(target), axis=j, block=block)
 
 
 def _shape_elements(value: ir.Value, flow: Flow, depth: int = 0) -> list | None:
@@ -427,16 +464,16 @@ def _squeeze_like(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         for a in axes:
             if a <= axis:
                 axis += 1
-        return [Kind(k.tag, out_rank, axis, k.sources)]
+        return [replace(k, rank=out_rank, axis=axis)]
     if not axes:
         out_rank = flow.rank(node.outputs[0])
         if out_rank is None:
             return [_lost(node, "it squeezes unknown axes")]
-        return [Kind(k.tag, out_rank, 0 if out_rank == 1 else min(k.axis, out_rank - 1), k.sources)]
+        return [replace(k, rank=out_rank, axis=0 if out_rank == 1 else min(k.axis, out_rank - 1))]
     axes = [a % k.rank for a in axes]
     if k.axis in axes:
         return [Kind("enum" if k.tag == "enum" else "token", k.rank - len(axes), None, k.sources)]
-    return [Kind(k.tag, k.rank - len(axes), k.axis - sum(a < k.axis for a in axes), k.sources)]
+    return [replace(k, rank=k.rank - len(axes), axis=k.axis - sum(a < k.axis for a in axes))]
 
 
 def _transpose(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -444,7 +481,7 @@ def _transpose(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     if k.rank is None:
         return [_lost(node, "its input's rank is unknown")]
     perm = ints_attr(node, "perm") or list(reversed(range(k.rank)))
-    return [Kind(k.tag, k.rank, perm.index(k.axis), k.sources)]
+    return [replace(k, rank=k.rank, axis=perm.index(k.axis))]
 
 
 def _keep(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -464,13 +501,13 @@ def _keep(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         axis = _norm(int_attr(node, "axis", 0), k.rank)
         if axis == k.axis:
             return [_step(node, "it splits along the token axis")] * len(node.outputs)
-        return [Kind(k.tag, k.rank, k.axis, k.sources)] * len(node.outputs)
+        return [replace(k, rank=k.rank, axis=k.axis)] * len(node.outputs)
     if op == "Slice":
         return [_slice(node, ins, flow)]
     if op in ("Expand", "Tile"):
         out_rank = flow.rank(node.outputs[0]) or k.rank
-        return [Kind(k.tag, out_rank, k.axis + (out_rank - k.rank), k.sources)]
-    return [Kind(k.tag, k.rank, k.axis, k.sources)] * len(node.outputs)
+        return [replace(k, rank=out_rank, axis=k.axis + (out_rank - k.rank))]
+    return [replace(k, rank=k.rank, axis=k.axis)] * len(node.outputs)
 
 
 def _merge_tags(ins: list[Kind], rank: int | None, axis: int | None) -> Kind:
@@ -494,7 +531,7 @@ def _slice(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
         else list(range(len(starts.reshape(-1)) if starts is not None else 1))
     )
     if k.axis not in axes:
-        return Kind(k.tag, k.rank, k.axis, k.sources)
+        return replace(k, rank=k.rank, axis=k.axis)
     j = axes.index(k.axis)
     ends = const_array(node.inputs[2])
     steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
@@ -503,7 +540,7 @@ def _slice(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
     step = 1 if steps is None else int(steps.reshape(-1)[j])
     if start == 0 and step == 1 and (end is None or end >= 2**31):  # x[:, 0:] or x[:, :count]: all tokens
         if end is not None or _is_count(node.inputs[2], flow):
-            return Kind(k.tag, k.rank, k.axis, k.sources)
+            return replace(k, rank=k.rank, axis=k.axis)
     return _step(node, f"it slices the token axis ([{start}:{end}:{step}]): packed, that is other tokens than alone")
 
 
@@ -522,20 +559,28 @@ def _gather(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         if data.rank is None or idx_rank is None:
             return [_lost(node, "ranks unknown")]
         out_axis = data.axis if data.axis < axis else data.axis - 1 + idx_rank
-        return [Kind(data.tag, data.rank - 1 + idx_rank, out_axis, data.sources)]
+        return [replace(data, rank=data.rank - 1 + idx_rank, axis=out_axis)]
     if idx.tag in ("token", "enum") and data.tag in ("token", "enum") and axis == data.axis:
-        # re-indexing the tokens by their packed index: exact (alone, the same rows of its own)
-        if idx.tag == "enum" and idx.rank == 1:
-            return [Kind(data.tag, data.rank, data.axis, data.sources)]
-        return [Kind("route", None)]
+        # re-indexing the tokens by their own packed index (Range(0, count, 1) itself): the identity, exact
+        if idx.tag == "enum" and idx.rank == 1 and _is_enumeration(node.inputs[1], idx):
+            return [replace(data, rank=data.rank, axis=data.axis)]
+        return [Kind("route", None, node=node)]
     if idx.tag in ("token", "enum") and data.tag == "const":  # a table lookup per token (embeddings)
         rank = (flow.rank(node.inputs[0]) or 1) - 1 + (idx.rank or 0)
-        return [Kind(idx.tag, rank, axis + idx.axis, idx.sources)]
+        return [replace(idx, rank=rank, axis=axis + idx.axis)]
     if idx.tag == "count" and data.tag in ("token", "enum"):
         return [_step(node, "it indexes the token axis with the token count")]
     if idx.tag == "count":
         return [CONST if data.tag == "const" else _step(node, "indexes with the token count")]
     return [_step(node, "it gathers across tokens")]
+
+
+def _is_enumeration(value: ir.Value, kind: Kind) -> bool:
+    """``value`` is the output of one of ``kind``'s ``Range(0, count, 1)`` sources, through layout ops only (not
+    ``count - 1 - t`` or ``t + 1``, which pick other tokens)."""
+    while (node := value.producer()) is not None and node.op_type in ("Cast", "Identity", "Reshape", "Squeeze"):
+        value = node.inputs[0]
+    return value.producer() in kind.sources and value.producer().op_type == "Range"
 
 
 def _range(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -544,7 +589,7 @@ def _range(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         s, d = const_array(node.inputs[0]), const_array(node.inputs[2])
         if s is not None and d is not None and int(s) == 0 and int(d) == 1:
             return [Kind("enum", 1, 0, frozenset({node}))]
-    return [Kind("route", 1)]
+    return [Kind("route", 1, node=node)]
 
 
 def _matmul(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -552,7 +597,7 @@ def _matmul(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     if a.tag in ("const", "count") and b.tag in ("token", "enum") and b.rank is not None and b.axis == b.rank - 1:
         a_rank = flow.rank(node.inputs[0]) or 2
         out_rank = max(a_rank, b.rank)
-        return [Kind(b.tag, out_rank, out_rank - 1, b.sources)]
+        return [replace(b, rank=out_rank, axis=out_rank - 1)]
     if b.tag not in ("const", "count"):
         return [_step(node, "both of its operands depend on the tokens (a contraction across them)")]
     if a.tag not in ("token", "enum") or a.rank is None:
@@ -561,7 +606,7 @@ def _matmul(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         return [_step(node, "it contracts the token axis")]
     b_rank = flow.rank(node.inputs[1]) or 2
     out_rank = max(a.rank, b_rank)
-    return [Kind(a.tag, out_rank, a.axis + (out_rank - a.rank), a.sources)]
+    return [replace(a, rank=out_rank, axis=a.axis + (out_rank - a.rank))]
 
 
 def _per_token_op(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -574,7 +619,7 @@ def _per_token_op(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
             return [_step(node, "its inputs have different token axes")] * len(node.outputs)
     if k.axis == k.rank - 1:
         return [_step(node, "it acts along the token axis")] * len(node.outputs)
-    out = Kind(k.tag, flow.rank(node.outputs[0]) or k.rank, k.axis, k.sources)
+    out = replace(k, rank=flow.rank(node.outputs[0]) or k.rank, axis=k.axis)
     return [out] * len(node.outputs)
 
 
@@ -585,10 +630,38 @@ def _cumsum(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     axis = const_array(node.inputs[1])
     if axis is None or _norm(int(axis.reshape(-1)[0]), k.rank) == k.axis:
         return [_step(node, "CumSum runs along the token axis")]
-    return [Kind(k.tag, k.rank, k.axis, k.sources)]
+    return [replace(k, rank=k.rank, axis=k.axis)]
+
+
+def _topk(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    k = ins[0]
+    if k.tag not in ("token", "enum") or k.rank is None or ins[1].tag not in ("const", "count"):
+        return [_lost(node, "its input or k is not known per token")] * len(node.outputs)
+    if _norm(int_attr(node, "axis", -1), k.rank) == k.axis:
+        if ins[1].tag == "count":  # a sort of every row: a permutation of the tokens' rows (MoE dispatch)
+            return [Kind("route", k.rank, node=node)] * len(node.outputs)
+        return [_step(node, "TopK picks tokens across the step")] * len(node.outputs)
+    if ins[1].tag != "const":
+        return [_lost(node, "its k depends on the token count")] * len(node.outputs)
+    return [replace(k, sources=k.sources)] * len(node.outputs)
+
+
+def _scatter_elements(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    """``ScatterElements`` along a non-token axis of per-token (or token-count-sized) data: each token's row is
+    written from its own row of indices / updates (MoE's group masks)."""
+    tokens = [k for k in ins if k.tag in ("token", "enum")]
+    if any(k.rank is None for k in tokens) or len({(k.rank, k.axis, k.block) for k in tokens}) != 1:
+        return [_lost(node, "its inputs' token axes differ or are unknown")]
+    k = tokens[0]
+    if _norm(int_attr(node, "axis", 0), k.rank) == k.axis:
+        return [_step(node, "it scatters along the token axis")]
+    return [replace(k, tag="token", sources=frozenset())]
 
 
 _HANDLERS = {
+    "ScatterElements": _scatter_elements,
+    "GatherElements": _scatter_elements,
+    "TopK": _topk,
     "CumSum": _cumsum,
     "Reshape": _reshape,
     "Squeeze": _squeeze_like,

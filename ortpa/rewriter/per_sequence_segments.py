@@ -44,7 +44,7 @@ def run_flow(graph: ir.Graph, io: packed.PagedIO) -> tuple[Live, Flow]:
     ids = io.dense_inputs.get("input_ids")
     batch = ids.shape[0] if ids is not None and ids.shape is not None and len(ids.shape) == 2 else None
     symbols = frozenset({batch.value}) if isinstance(batch, ir.SymbolicDim) and batch.value else frozenset()
-    return live, analyse(live.order, seeds, _trusted(live, list(seeds), io.dense_nodes), symbols)
+    return live, analyse(live.order, seeds, _trusted(live, list(seeds), io.dense_nodes), symbols, io.dense_nodes)
 
 
 def _sinks(live: Live, io: packed.PagedIO) -> list[ir.Value]:
@@ -67,6 +67,10 @@ def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[st
             kind = flow.of(value)
             if kind.tag == "enum":
                 enum_sources |= set(kind.sources)
+            elif kind.tag == "route" and kind.node in io.dense_nodes and kind.node.op_type != "TopK":
+                # rows regrouped by anything but a sort of every row (MoE dispatch, taken to be undone by its
+                # scatter / inverse-permutation gather): other tokens' rows on a token's place
+                steps.setdefault(kind.node, "its rows are regrouped across the step's tokens and not brought back")
             elif kind.tag == "step" and kind.node is not None and (kind.definite or kind.node in io.dense_nodes):
                 # the model's own op the flow cannot follow: unknown is step-wide (the rewriter's own nodes,
                 # built without shapes, are exact by construction and tested per family)

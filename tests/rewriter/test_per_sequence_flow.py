@@ -81,6 +81,21 @@ def _first_token_gathered(emb, hidden):
     return nodes, [*inits, _ints("probe/ax1", [1])], "probe/out"
 
 
+def _shifted_tokens(emb, hidden):
+    """``x[:, 1:]``-like shift written as a Gather by ``Range(0, count) + 1``: each token reads the next one (a
+    packed index that is not the identity; never run: refused before)."""
+    inits = [_ints("probe/zero", 0), _ints("probe/one", 1)]
+    nodes = [
+        helper.make_node("Shape", ["input_ids"], ["probe/seq1"], start=1, end=2),
+        helper.make_node("Squeeze", ["probe/seq1"], ["probe/seq"]),
+        helper.make_node("Range", ["probe/zero", "probe/seq", "probe/one"], ["probe/arange"]),
+        helper.make_node("Add", ["probe/arange", "probe/one"], ["probe/next"]),
+        helper.make_node("Gather", [emb, "probe/next"], ["probe/shifted"], axis=1, name="shifted_tokens"),
+        helper.make_node("Add", [emb, "probe/shifted"], ["probe/out"]),
+    ]
+    return nodes, inits, "probe/out"
+
+
 def _token_gram(emb, hidden):
     """``emb @ (emb^T @ emb)``: every token's row mixed with every other's (linear attention without a mask)."""
     nodes = [
@@ -128,6 +143,7 @@ def test_probe_needs_the_rewrite(extra, tmp_path, monkeypatch):
     [
         (_first_token_gathered, "fixed_token", "picks fixed tokens"),
         (_token_gram, "token_gram", "both of its operands depend on the tokens"),
+        (_shifted_tokens, "shifted_tokens", "regrouped across the step's tokens"),
     ],
 )
 def test_probe_mixing_sequences_is_refused(extra, node, reason):

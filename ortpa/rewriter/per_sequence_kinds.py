@@ -63,6 +63,25 @@ class Flow:
                 return None
             perm = ints_attr(node, "perm") or list(reversed(range(len(inner))))
             return [inner[p] for p in perm]
+        if node.op_type == "Unsqueeze" and len(node.inputs) > 1 and (axes := const_array(node.inputs[1])) is not None:
+            inner = self.dims(node.inputs[0], depth + 1)
+            if inner is None:
+                return None
+            out: list[int | None] = list(inner)
+            for a in sorted(int(x) % (len(inner) + axes.size) for x in axes.reshape(-1)):
+                out.insert(a, 1)
+            return out
+        if node.op_type == "MatMul":
+            a, b = (self.dims(x, depth + 1) if x is not None else None for x in node.inputs[:2])
+            if a is None or b is None or len(a) < 2 or len(b) < 2:
+                return None
+            batch_a, batch_b = a[:-2], b[:-2]
+            width = max(len(batch_a), len(batch_b))
+            batch_a = [1] * (width - len(batch_a)) + batch_a
+            batch_b = [1] * (width - len(batch_b)) + batch_b
+            pairs = zip(batch_a, batch_b, strict=True)
+            batch = [x if y == 1 else y if x == 1 else (x if x == y else None) for x, y in pairs]
+            return [*batch, a[-2], b[-1]]
         if node.op_type == "Reshape" and (target := const_array(node.inputs[1])) is not None:
             if 0 not in target.reshape(-1):
                 return [int(t) if t > 0 else None for t in target.reshape(-1)]

@@ -27,7 +27,7 @@ from dataclasses import replace
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind
+from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind, unknown_op
 from ortpa.rewriter.per_sequence_kinds import lost as _lost
 from ortpa.rewriter.per_sequence_kinds import norm as _norm
 from ortpa.rewriter.per_sequence_kinds import step as _step
@@ -127,7 +127,7 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
         return _last_axes(node, ins, flow)
     if op in _REDUCTIONS:
         return [_reduction(node, ins, flow)] * n_out
-    return [_lost(node, f"{node.domain or 'ai.onnx'}::{op} has no per-token rule here (unknown is step-wide)")] * n_out
+    return [unknown_op(node, f"{node.domain or 'ai.onnx'}::{op} has no per-token rule here")] * n_out
 
 
 def _table_rows(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:

@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
 
-__all__ = ["CONST", "COUNT", "Flow", "Kind", "lost", "norm", "step"]
+__all__ = ["CONST", "COUNT", "Flow", "Kind", "lost", "norm", "step", "unknown_op"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Kind:
     node: ir.Node | None = None  # step: where; route: the node that regrouped the rows
     definite: bool = True  # step: False when the flow only lost track (an unknown op, rank or dim)
     block: int = 1  # token: rows per token on the token axis (a reshape folding [T, heads, d] into [T*heads, d])
+    no_rule: bool = False  # step (not definite): an op the flow has no rule for, not merely a shape it cannot read
 
 
 CONST = Kind("const")
@@ -30,6 +31,11 @@ COUNT = Kind("count")
 
 def step(node: ir.Node, why: str, definite: bool = True) -> Kind:
     return Kind("step", why=why, node=node, definite=definite)
+
+
+def unknown_op(node: ir.Node, why: str) -> Kind:
+    """An op the flow has no rule for: unknown is step-wide."""
+    return Kind("step", why=why, node=node, definite=False, no_rule=True)
 
 
 def lost(node: ir.Node, why: str) -> Kind:

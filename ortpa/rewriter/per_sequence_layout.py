@@ -76,9 +76,10 @@ def reshape(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         j = flags.index(-1)
         if all(t in (0, 1) for t in flags[:j]) and all(t > 0 for t in flags[j + 1 :]):
             return [replace(k, rank=out_rank, axis=j)]
-    if k.tag == "token":
+    shapes_known = None not in dims and all(t is not None for t in target_dims)
+    if k.tag == "token" and shapes_known:  # a real merge of tokens with other axes
         return [Kind("route", out_rank, node=node)]
-    return [_lost(node, "it merges the token axis with others")]
+    return [_lost(node, "it reshapes the token axis in a way the known shapes cannot tell")]
 
 
 def _blocked(k: Kind, dims: list, target: list, lead_product: int | None) -> Kind | None:

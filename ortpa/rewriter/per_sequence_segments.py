@@ -71,9 +71,9 @@ def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[st
                 # rows regrouped by anything but a sort of every row (MoE dispatch, taken to be undone by its
                 # scatter / inverse-permutation gather): other tokens' rows on a token's place
                 steps.setdefault(kind.node, "its rows are regrouped across the step's tokens and not brought back")
-            elif kind.tag == "step" and kind.node is not None and (kind.definite or kind.node in io.dense_nodes):
-                # the model's own op the flow cannot follow: unknown is step-wide (the rewriter's own nodes,
-                # built without shapes, are exact by construction and tested per family)
+            elif kind.tag == "step" and kind.node is not None and (kind.definite or kind.no_rule):
+                # an op of the model's own without a rule: unknown is step-wide. Where the flow only cannot read a
+                # shape (graphs past 2 GB carry none) it stops following; the name-based checks above still apply
                 why = kind.why or ""
                 steps.setdefault(kind.node, why if kind.definite else f"{why} (unknown is step-wide)")
         changed = False

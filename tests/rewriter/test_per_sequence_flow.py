@@ -260,3 +260,35 @@ def test_generated_chains_are_refused_or_batched_equal_alone(ops):
         dense = Path(tmp) / "chain.onnx"
         onnx.save(model, str(dense))
         _assert_batched_equals_alone(convert(model), dense, prompts=_prompts(LENGTHS))
+
+
+# -- the flow follows real exports to their ends -----------------------------------------------------------------
+
+FORMATS = FIXTURES / "formats"
+
+
+@pytest.mark.parametrize(
+    ("path", "moe"),
+    [
+        (FORMATS / "genai_qwen3_fp16.onnx", False),  # q/k norms fold heads into the token axis: blocked axes
+        (FORMATS / "optimum_llama.onnx", False),  # RoPE from position_ids through a MatMul with inv_freq
+        (FORMATS / "genai_gptoss_fp32.onnx", False),  # com.microsoft::MoE, sinks
+        (FIXTURES / "dsv3_moe_sdpa_op18.onnx", True),  # MLA + transformers' sort-based MoE dispatch
+    ],
+    ids=lambda x: getattr(x, "stem", str(x)),
+)
+def test_the_flow_reaches_every_sink_per_token(path, moe, monkeypatch):
+    """Every PagedAttention input and the logits come out per token or constant: nothing is lost on the way (the
+    MoE fixture's logits are the regrouped rows the flow takes as undone)."""
+    seen = []
+    real = per_sequence_segments.run_flow
+
+    def spy(graph, io):
+        live, flow = real(graph, io)
+        seen.append({flow.of(v).tag for v in per_sequence_segments._sinks(live, io)})
+        return live, flow
+
+    monkeypatch.setattr(per_sequence_segments, "run_flow", spy)
+    convert(path, check_session=False)
+    assert seen[-1] <= ({"token", "const", "route"} if moe else {"token", "const"}), seen
+    assert "token" in seen[-1]

@@ -195,7 +195,7 @@ def rewrite_rotary_embedding_choices(
         rot = chosen_rotary(cos, sin, cond.inputs[0], interleaved)
         if isinstance(rot, str):
             continue  # left to the checks that follow, which refuse what stays step-wide
-        dtype = cos.dtype or ir.DataType.FLOAT
+        dtype = cos.dtype or ir.DataType.from_numpy(rot.then_cos.dtype)  # the tables' own type
         cos_t, sin_t = _tables(b, io, rot, dtype)
         index = b.op("Unsqueeze", [packed.token_index(b, io), b.ints([0])], hint="row_per_token")
         io.per_token[index] = (2, 1)

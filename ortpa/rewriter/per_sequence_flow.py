@@ -187,8 +187,6 @@ def _broadcast(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
 
 def _last_axes(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     k = ins[0]
-    if k.tag == "enum" and node.op_type not in ("Softmax", "LogSoftmax"):
-        k = Kind("token", k.rank, k.axis)
     if k.tag not in ("token", "enum") or k.rank is None:
         return [_lost(node, "its input is not per token along a known axis")] * len(node.outputs)
     axis = _norm(int_attr(node, "axis", _LAST_AXES[node.op_type]), k.rank)

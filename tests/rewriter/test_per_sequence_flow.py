@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
-from test_per_sequence import FIXTURES, _assert_batched_equals_alone, _prompts, _toposorted
+from test_per_sequence import FIXTURES, NEW_TOKENS, _paged, _prompts, _toposorted
+from tolerances import assert_close
 
 from ortpa.errors import ConversionError
+from ortpa.parity.greedy import dense_greedy, open_dense, paged_greedy
 from ortpa.rewriter import per_sequence_segments
 from ortpa.rewriter.pipeline import convert
 
@@ -24,9 +26,23 @@ LLAMA = FIXTURES / "llama_sdpa_op18.onnx"
 LENGTHS = (5, 11, 3)
 
 
-def _probe(extra) -> onnx.ModelProto:
-    """The fixture with ``extra(emb, hidden) -> (nodes, initializers, new_emb)`` spliced after the embedding."""
-    model = onnx.load(str(LLAMA))
+GENAI_LLAMA = FIXTURES / "formats" / "genai_llama_fp32.onnx"  # the issue's review: a genai builder Llama
+
+
+def _assert_batched_equals_alone(converted: onnx.ModelProto, dense_path, prompts) -> None:
+    """Each prompt alone on the dense model (ONNX Runtime, in its own format) against all of them batched."""
+    dense = open_dense(dense_path, threads=2)
+    alone = dense_greedy(dense.session, prompts, NEW_TOKENS, interface=dense.interface)
+    batched = paged_greedy(_paged(converted), prompts, NEW_TOKENS)
+    for p, prompt in enumerate(prompts):
+        what = f"prompt {p} ({len(prompt)} tokens)"
+        assert_close(batched.logits[p], alone.logits[p], np.float16, what=what)
+        assert batched.tokens[p] == alone.tokens[p], what
+
+
+def _probe(extra, base=LLAMA) -> onnx.ModelProto:
+    """``base`` with ``extra(emb, hidden) -> (nodes, initializers, new_emb)`` spliced after the embedding."""
+    model = onnx.load(str(base))
     gather = next(n for n in model.graph.node if n.op_type == "Gather" and "embed_tokens" in n.input[0])
     table = next(i for i in model.graph.initializer if i.name == gather.input[0])
     emb = gather.output[0]
@@ -106,12 +122,13 @@ def _token_gram(emb, hidden):
     return nodes, [], "probe/out"
 
 
+@pytest.mark.parametrize("base", [LLAMA, GENAI_LLAMA], ids=["dynamo_llama", "genai_llama"])
 @pytest.mark.parametrize(
     ("extra", "rewrite"),
     [(_learned_positions, "Range(0, tokens, 1) -> each token's index"), (_last_token, "the step's last token")],
 )
-def test_probe_converts_and_batched_equals_alone(extra, rewrite, tmp_path):
-    model = _probe(extra)
+def test_probe_converts_and_batched_equals_alone(extra, rewrite, base, tmp_path):
+    model = _probe(extra, base)
     dense = tmp_path / "probe.onnx"
     onnx.save(model, str(dense))
     seen: list[list[str]] = []

@@ -17,8 +17,14 @@ count read with ``Shape`` and used as a number, and
 * replaces ``past_len + Range(0, seq)``, ``past_len`` read with ``Shape`` from a dense cache input, with the packed
   positions: transformers' ``cache_position``, which is the positions of models that take no ``position_ids``
   (the 5.x ``OnnxExporter`` decode models take ``position_ids``; there it feeds only the causal mask);
+* makes LongRoPE's ``If``-chosen tables of ``com.microsoft::RotaryEmbedding`` per token
+  (:mod:`ortpa.rewriter.rope_choice`);
+* then runs the dataflow (:mod:`ortpa.rewriter.per_sequence_flow`, from op semantics and shapes, never names) and
+  its segment rewrites (:mod:`ortpa.rewriter.per_sequence_segments`: per-sequence ``Range``, last / first token,
+  reductions broadcast back, ``CumSum``); a reduction the choice rewrite above cannot take is left to them;
 * refuses everything else with a :class:`~ortpa.errors.ConversionError` naming the node and the reason.
 
+Runs in the pipeline between :func:`ortpa.rewriter.paged_io.route` and :func:`ortpa.rewriter.paged_io.finish`.
 Graphs without such values are left untouched (no node is added, none is reordered).
 """
 

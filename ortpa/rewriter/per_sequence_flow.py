@@ -13,11 +13,17 @@ op reads the sequence boundaries itself). From them a forward pass over the live
   rows ``0..count-1`` of a constant table): alone, a sequence would see its own indices ``0..len-1``. Used only
   to re-index the tokens themselves (``Gather`` on the token axis of a per-token value) it is exact; used as a
   value (learned absolute positions) :mod:`ortpa.rewriter.per_sequence` makes its sources per sequence;
-* ``route``: elements that each belong to one token but regrouped across the step (MoE dispatch flattens
-  ``[tokens, top_k]``, sorts by expert, and scatters back). Taken to be a permutation of the tokens' own rows,
-  which the ops that bring it back to a token axis (``Scatter*``, a ``Reshape`` restoring the token dim) undo;
+* ``route``: elements that each belong to one token but regrouped across the step (``node``: where). MoE dispatch
+  sorts every (token, expert) row (a TopK over the whole token axis) and puts them back with an inverse-permutation
+  gather or a scatter: only such a sort is taken to be undone; any other regrouping that reaches the logits or the
+  caches is refused (:mod:`ortpa.rewriter.per_sequence_segments`);
 * ``step``: depends on more than one sequence of the step: ``why`` says how, ``node`` where. An op with no rule
-  here and a non-constant input gives ``step``: unknown is step-wide.
+  here and a non-constant input gives ``step``: unknown is step-wide. Where only a shape is missing (graphs past
+  2 GB carry none) the value is ``step`` but not ``definite``: the flow stops following it without refusing.
+
+A token axis may be "blocked" (``block`` rows per token): a reshape folding each token's trailing elements into
+rows of the token axis (``[1, T, 4 * 32] -> [1, T * 4, 32]``) and back. Kinds and state live in
+:mod:`ortpa.rewriter.per_sequence_kinds`, the layout ops in :mod:`ortpa.rewriter.per_sequence_layout`.
 """
 
 from __future__ import annotations

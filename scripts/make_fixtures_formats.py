@@ -13,8 +13,8 @@ tokenizer is built offline with ``tokenizers``); pass the tool as the first argu
   with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), onnx-ir (the builder imports it
   but does not declare it), torch 2.13.0 CPU, transformers 5.24 (the 0.18 builder does not import with 4.x),
   onnx 1.23. Llama and Qwen3 at ``-p fp32`` (GroupQueryAttention), ``fp16`` (RotaryEmbedding +
-  MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32.
-  ``genai_llama_paged_fp16``: the builder's own paged model (``-p fp16 -e cuda --extra_options
+  MultiHeadAttention), ``int4`` (MatMulNBits + GroupQueryAttention), and Phi-3.5-style LongRoPE at fp32, fp16
+  and int4. ``genai_llama_paged_fp16``: the builder's own paged model (``-p fp16 -e cuda --extra_options
   use_paged_attention=true``, which builds without a GPU), written to ``tests/fixtures/genai_paged/``.
 * ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
@@ -93,6 +93,19 @@ GEMMA2 = {
     "query_pre_attn_scalar": 16,
 }
 
+# gpt-oss: attention sinks (GroupQueryAttention head_sink), alternating sliding / full layers, MoE (4 experts, top 2).
+GPT_OSS = {
+    **_COMMON,
+    "model_type": "gpt_oss",
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_scaling": None,
+}
+
 # name -> (tool, config, tool options)
 FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_llama_fp32": ("genai", LLAMA, {"precision": "fp32"}),
@@ -102,6 +115,13 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_qwen3_fp16": ("genai", QWEN3, {"precision": "fp16"}),
     "genai_qwen3_int4": ("genai", QWEN3, {"precision": "int4"}),
     "genai_phi3_longrope_fp32": ("genai", PHI3_LONGROPE, {"precision": "fp32"}),
+    # one layer: with the builder's Phi-3 defect (NOTES) a second layer's attention is dead code at fp16
+    "genai_phi3_longrope_fp16": ("genai", {**PHI3_LONGROPE, "num_hidden_layers": 1}, {"precision": "fp16"}),
+    "genai_phi3_longrope_int4": ("genai", PHI3_LONGROPE, {"precision": "int4"}),
+    "genai_gptoss_fp32": ("genai", GPT_OSS, {"precision": "fp32"}),
+    # no genai_gptoss_int4: the 0.18 builder's gpt-oss int4 path reads the original checkpoint's MXFP4 expert blocks
+    # ("Original GPT-OSS MXFP4 tensor 'model.layers.0.mlp.experts.gate_up_proj_blocks' was not found"), which a
+    # float random-weight checkpoint does not have
     "genai_gemma2_fp32": ("genai", GEMMA2, {"precision": "fp32"}),
     # genai's own paged model (PagedAttention, packed QKV, RoPE in the op): fp16 for CUDA, the only paged build
     # the builder makes besides WebGPU; it builds on a machine without a GPU. Same weights as genai_llama_fp16.
@@ -114,6 +134,12 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
 
 # What a test or a reader must know about a fixture beyond its config (measured when the fixture was made).
 NOTES: dict[str, str] = {
+    "genai_gptoss_fp32": "attention sinks: GroupQueryAttention input 11 (head_sink) = model.layers.{i}.attn.sinks "
+    "[num_heads]; layer 0 local_window_size=8 (sliding_window_cache=1), layer 1 full; MLP = one com.microsoft::MoE "
+    "(4 experts, k=2, swiglu)",
+    "genai_phi3_longrope_int4": "as genai_phi3_longrope_fp32, with MatMulNBits projections",
+    "genai_phi3_longrope_fp16": "one layer (the Phi-3 builder defect of genai_phi3_longrope_fp32 leaves a second "
+    "layer's attention dead at fp16); RotaryEmbedding + MultiHeadAttention, cos/sin from If(Greater(mask width, 32))",
     "genai_llama_fp16": "the builder declares the repeated K/V after the cache Concat with sequence_length where it "
     "holds total_sequence_length: ONNX Runtime 1.31/1.32 CPU (and onnxruntime-genai itself) fail the first decode "
     "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.parity.greedy."

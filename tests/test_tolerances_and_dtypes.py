@@ -8,7 +8,15 @@ import onnx
 import pytest
 
 from ortpa import dtypes
-from ortpa.tolerances import KV_INT8_EXTRA_ATOL, logit_tolerance, max_tie_flips, tie_bound, tol_for
+from ortpa.tolerances import (
+    ACT_INT8_EXTRA_ATOL,
+    KV_INT8_EXTRA_ATOL,
+    SOURCE_INT4_EXTRA_ATOL,
+    logit_tolerance,
+    max_tie_flips,
+    tie_bound,
+    tol_for,
+)
 
 
 def test_tolerance_follows_the_dtype():
@@ -19,6 +27,9 @@ def test_tolerance_follows_the_dtype():
     assert rtol_bf > rtol16 and atol_bf > atol16  # 8-bit mantissa against 11
     assert logit_tolerance("int8") == (rtol16, atol16 + KV_INT8_EXTRA_ATOL)
     assert logit_tolerance("float16", "gemma2")[1] > atol16 and logit_tolerance("float16", "llama")[1] == atol16
+    # an int4 original: the source-quantisation term on top (at least the activation int8 rounding term)
+    assert logit_tolerance("float16", source_int4=True) == (rtol16, atol16 + SOURCE_INT4_EXTRA_ATOL)
+    assert SOURCE_INT4_EXTRA_ATOL >= ACT_INT8_EXTRA_ATOL
     with pytest.raises(KeyError, match="no tolerance"):
         tol_for(np.int32)
 

@@ -140,8 +140,12 @@ def paged_greedy(
     max_new_tokens: int,
     *,
     block_size: int | None = None,
+    follow: Sequence[Sequence[int]] | None = None,
 ) -> GreedyRun:
-    """Greedy decoding of all prompts together on a converted model: one packed prefill, then packed decodes."""
+    """Greedy decoding of all prompts together on a converted model: one packed prefill, then packed decodes.
+
+    ``follow`` (teacher forcing, as in :func:`dense_greedy`): feed ``follow[p][step]`` as prompt ``p``'s next
+    token instead of its own argmax, which it still reports as its token."""
     _check_prompts(prompts, max_new_tokens)
     declared = {i.name for i in session.session.get_inputs()}
     kv = PagedKVCache(session.num_blocks, block_size or session.block_size)
@@ -152,7 +156,7 @@ def paged_greedy(
     tokens: list[list[int]] = [[] for _ in prompts]
     rows: list[list[np.ndarray]] = [[] for _ in prompts]
     start = time.perf_counter()
-    for _ in range(max_new_tokens):
+    for n in range(max_new_tokens):
         step = kv.plan_step([(s, len(pending[s])) for s in seqs])
         session.copy_blocks(kv.take_pending_copies())
         feed = {
@@ -172,7 +176,7 @@ def paged_greedy(
             row = np.asarray(last[j], np.float32)
             rows[s].append(row)
             tokens[s].append(int(row.argmax()))
-            pending[s] = [tokens[s][-1]]
+            pending[s] = [int(follow[s][n]) if follow is not None and n < len(follow[s]) else tokens[s][-1]]
     seconds = time.perf_counter() - start
     for s in seqs:
         kv.free(s)

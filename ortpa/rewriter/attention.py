@@ -37,6 +37,7 @@ import math
 
 import onnx_ir as ir
 
+from ortpa.rewriter import rope_choice
 from ortpa.rewriter._graph import Builder
 from ortpa.rewriter.attention_match import (
     AttentionLayer,
@@ -47,6 +48,7 @@ from ortpa.rewriter.attention_match import (
     rope_in_op_problems,
 )
 from ortpa.rewriter.mla import PagedAttentionInputs
+from ortpa.rewriter.packed import PagedIO
 
 __all__ = [
     "AttentionLayer",
@@ -87,12 +89,18 @@ def rewrite_attention_layer(
     *,
     rope_in_op: bool = False,
     op_dtype: ir.DataType = ir.DataType.FLOAT16,
+    packed_io: PagedIO | None = None,
 ) -> tuple[ir.Value, ir.Value]:
     """Replace the attention of ``m`` by PagedAttention SEPARATE; return ``(key_cache_out, value_cache_out)``.
 
     When the model computes in another float type than ``op_dtype`` q/k/v are cast to it and the output back.
-    The dense nodes become dead; the caller's dead-code pass removes them.
+    The dense nodes become dead; the caller's dead-code pass removes them. A rotary whose tables the source
+    chooses at run time (:class:`~ortpa.rewriter.rope_choice.ChosenRotary`) is applied in the graph, per
+    sequence, before the op (``do_rotary=0``); that needs ``packed_io``.
     """
+    chosen = m.rotary if isinstance(m.rotary, rope_choice.ChosenRotary) else None
+    if chosen is not None and packed_io is None:
+        raise ValueError(f"layer {m.layer}: a run-time RoPE table choice needs the packed inputs (packed_io)")
     if m.rotary is not None:
         rope_in_op = False  # the source op's own RoPE moves into the op whatever rope_in_op says
     if rope_in_op and rope_in_op_problems(m):
@@ -124,10 +132,19 @@ def rewrite_attention_layer(
     if m.layout != "bsd":
         assert m.value is not None
         value = _packed(b, m.value, kvh, d)
+    packed_qkv = m.packed_qkv
+    if chosen is not None:
+        assert packed_io is not None
+        if packed_qkv:
+            query, key, value = b.op("Split", [query, b.ints([h * d, kvh * d, kvh * d])], {"axis": 1}, num_outputs=3)
+            packed_qkv = False
+        assert key is not None
+        query = rope_choice.apply(b, packed_io, chosen, query, h, d, model_dtype)
+        key = rope_choice.apply(b, packed_io, chosen, key, kvh, d, model_dtype)
     if model_dtype != op_dtype:
         query, key, value = (None if x is None else b.op("Cast", [x], {"to": op_dtype}) for x in (query, key, value))
     # Static widths on the op's inputs: validators and the portable lowering read head sizes from them.
-    q_width = (h + 2 * kvh) * d if m.packed_qkv else h * d
+    q_width = (h + 2 * kvh) * d if packed_qkv else h * d
     for x, width in ((query, q_width), (key, kvh * d), (value, kvh * d)):
         if x is not None:
             x.shape, x.type = ir.Shape(["num_tokens", width]), ir.TensorType(op_dtype)
@@ -140,7 +157,7 @@ def rewrite_attention_layer(
     if m.local_window_size > 0:
         attrs["local_window_size"] = int(m.local_window_size)
     cos = sin = None
-    if m.rotary is not None:
+    if m.rotary is not None and chosen is None:
         attrs.update(do_rotary=1, rotary_interleaved=int(m.rotary.interleaved))
         cos, sin = _source_rotary_tables(b, m, op_dtype)
     elif rope_in_op:
@@ -149,6 +166,8 @@ def rewrite_attention_layer(
         if q_norm_w is not None:
             assert m.q_norm is not None
             attrs["qk_norm_epsilon"] = float(m.q_norm.epsilon)
+    sink = getattr(m, "head_sink", None)  # recognisers.gqa.SinkAttentionLayer: attention sinks
+    head_sink = None if sink is None else b.initializer(sink.astype(op_dtype.numpy()), "head_sink")
     inputs: list[ir.Value | None] = [
         query,
         key,
@@ -161,7 +180,7 @@ def rewrite_attention_layer(
         cos,
         sin,
         None,  # slot_mapping: derived from block_table
-        None,  # head_sink
+        head_sink,
         q_norm_w,
         k_norm_w,
     ]
@@ -181,5 +200,7 @@ def rewrite_attention_layer(
         o = b.op("Reshape", [out, b.ints([1, -1, h, d])])
         o = b.op("Transpose", [o], {"perm": [0, 2, 1, 3]}, hint="attn_out")  # [1,H,T,D] as the dense attention
     m.attn_out.replace_all_uses_with(o)
-    m.notes.append(f"PagedAttention SEPARATE (do_rotary={int(rope_in_op or m.rotary is not None)})")
+    in_op = rope_in_op or (m.rotary is not None and chosen is None)
+    choice = ", RoPE table chosen per sequence" if chosen is not None else ""
+    m.notes.append(f"PagedAttention SEPARATE (do_rotary={int(in_op)}){choice}")
     return key_out, value_out

@@ -14,17 +14,14 @@ int64[num_tokens] (optional: derived in-graph by default), per layer ``past_key_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ortpa.errors import ConversionError
-from ortpa.rewriter import per_sequence  # circular by design: it reads PagedIO, finish() calls it
 from ortpa.rewriter._graph import Builder, const_array, int_attr
-from ortpa.rewriter.mla import PagedAttentionInputs
+from ortpa.rewriter.packed import PagedIO, last_token_index, positions
 
 __all__ = [
     "DENSE_PREFIX",
@@ -35,7 +32,7 @@ __all__ = [
     "add_separate_caches",
     "begin",
     "finish",
-    "positions",
+    "route",
     "set_present",
     "set_present_value",
 ]
@@ -43,33 +40,6 @@ __all__ = [
 LogitsMode = Literal["last", "all"]
 PositionMode = Literal["derive", "input"]
 DENSE_PREFIX = "dense."  # the dense graph's I/O is renamed out of the way while the paged I/O is built
-
-
-@dataclass
-class PagedIO:
-    """The paged graph inputs, plus the dense I/O they replace (removed by :func:`finish`)."""
-
-    input_ids: ir.Value
-    cumulative_sequence_lengths: ir.Value
-    past_sequence_lengths: ir.Value
-    block_table: ir.Value
-    attention_metadata: ir.Value | None
-    position_ids: ir.Value | None  # graph input when PositionMode == "input"
-    dense_inputs: dict[str, ir.Value] = field(default_factory=dict)
-    dense_outputs: dict[str, ir.Value] = field(default_factory=dict)
-    cos_cache: ir.Value | None = None
-    sin_cache: ir.Value | None = None
-    derived_positions: ir.Value | None = None  # built once by :func:`positions` (PositionMode "derive")
-
-    def op_inputs(self) -> PagedAttentionInputs:
-        return PagedAttentionInputs(
-            cumulative_sequence_length=self.cumulative_sequence_lengths,
-            past_seqlens=self.past_sequence_lengths,
-            block_table=self.block_table,
-            attention_metadata=self.attention_metadata,
-            cos_cache=self.cos_cache,
-            sin_cache=self.sin_cache,
-        )
 
 
 def _input(name: str, dtype: ir.DataType, dims: list[int | str]) -> ir.Value:
@@ -99,6 +69,7 @@ def begin(graph: ir.Graph, *, attention_metadata: bool = True, position_ids: Pos
         position_ids=_input("position_ids", ir.DataType.INT64, ["num_tokens"]) if position_ids == "input" else None,
         dense_inputs=dense_inputs,
         dense_outputs=dense_outputs,
+        dense_nodes=frozenset(graph),
     )
     new = [io.input_ids, io.cumulative_sequence_lengths, io.past_sequence_lengths, io.block_table]
     new += [v for v in (io.attention_metadata, io.position_ids) if v is not None]
@@ -140,42 +111,6 @@ def set_present_value(graph: ir.Graph, layer: int, value_cache_out: ir.Value, li
     graph.outputs.append(value_cache_out)
 
 
-def positions(b: Builder, io: PagedIO) -> ir.Value:
-    """Per-token positions ``[num_tokens]`` int64: the ``position_ids`` input, else derived once in-graph.
-
-    pos[t] = past[s] + t - cu[s] where s is the sequence owning packed token t (no runtime help needed).
-    """
-    if io.position_ids is not None:
-        return io.position_ids
-    if io.derived_positions is None:
-        io.derived_positions = _derive_positions(b, io)
-    return io.derived_positions
-
-
-_positions = positions  # the name finish() uses
-
-
-def _derive_positions(b: Builder, io: PagedIO) -> ir.Value:
-    t_count = b.op("Shape", [io.input_ids])
-    zero, one = b.initializer(np.array(0, np.int64), "zero"), b.initializer(np.array(1, np.int64), "one")
-    t = b.op("Range", [zero, b.op("Squeeze", [t_count]), one])
-    cu = b.op("Cast", [io.cumulative_sequence_lengths], {"to": ir.DataType.INT64})
-    ends = b.op("Slice", [cu, b.ints([1]), b.ints([np.iinfo(np.int64).max])])
-    starts = b.op("Slice", [cu, b.ints([0]), b.ints([-1])])
-    # seq(t) = #{s : cu[s+1] <= t}: a [T, B] comparison, fine for the batch sizes a step carries.
-    le = b.op("LessOrEqual", [b.op("Unsqueeze", [ends, b.ints([0])]), b.op("Unsqueeze", [t, b.ints([1])])])
-    seq = b.op("ReduceSum", [b.op("Cast", [le], {"to": ir.DataType.INT64}), b.ints([1])], {"keepdims": 0})
-    past = b.op("Cast", [io.past_sequence_lengths], {"to": ir.DataType.INT64})
-    offset = b.op("Sub", [b.op("Gather", [past, seq]), b.op("Gather", [starts, seq])])
-    return b.op("Add", [t, offset], hint="position_ids")
-
-
-def _last_token_index(b: Builder, io: PagedIO) -> ir.Value:
-    cu = b.op("Cast", [io.cumulative_sequence_lengths], {"to": ir.DataType.INT64})
-    ends = b.op("Slice", [cu, b.ints([1]), b.ints([np.iinfo(np.int64).max])])
-    return b.op("Sub", [ends, b.initializer(np.array(1, np.int64), "one")], hint="last_token_index")
-
-
 def _select_logits(graph: ir.Graph, b: Builder, io: PagedIO, mode: LogitsMode) -> None:
     dense = io.dense_outputs.get("logits")
     if dense is None:
@@ -183,7 +118,7 @@ def _select_logits(graph: ir.Graph, b: Builder, io: PagedIO, mode: LogitsMode) -
     if mode == "all":
         logits = b.op("Squeeze", [dense, b.ints([0])])
     elif mode == "last":
-        idx = _last_token_index(b, io)
+        idx = last_token_index(b, io)
         mm = dense.producer()
         if mm is not None and mm.op_type == "MatMul" and const_array(mm.inputs[1]) is not None:
             # Gather the last hidden state of each sequence before lm_head: vocab-wide rows only where needed.
@@ -219,17 +154,24 @@ def _fold_cache_shapes(graph: ir.Graph, dense: ir.Value) -> None:
             node.outputs[0].replace_all_uses_with(b.ints([int(d) for d in picked]))
 
 
-def finish(model: ir.Model, io: PagedIO, *, logits: LogitsMode = "last") -> None:
-    """Pack tokens, route positions, select logits, drop the dense I/O; raise if any of it is still needed."""
+def route(model: ir.Model, io: PagedIO) -> None:
+    """Point the dense graph's ``input_ids`` / ``position_ids`` uses at the packed ones (``[1, num_tokens]``).
+
+    The pipeline then runs the per-sequence pass (:mod:`ortpa.rewriter.per_sequence`), then :func:`finish`.
+    """
     graph = model.graph
-    b = Builder(graph, "/paged_io")
+    b = Builder(graph, "/paged_io/route")
     dense_ids = io.dense_inputs["input_ids"]
     dense_ids.replace_all_uses_with(b.op("Unsqueeze", [io.input_ids, b.ints([0])], hint="input_ids_packed"))
     dense_pos = io.dense_inputs.get("position_ids")
     if dense_pos is not None and dense_pos.uses():
-        pos = io.position_ids if io.position_ids is not None else _positions(b, io)
-        dense_pos.replace_all_uses_with(b.op("Unsqueeze", [pos, b.ints([0])], hint="position_ids_packed"))
-    per_sequence.per_sequence_reductions(graph, io)  # batched = alone: step-wide reductions -> per sequence, or refuse
+        dense_pos.replace_all_uses_with(b.op("Unsqueeze", [positions(b, io), b.ints([0])], hint="position_ids_packed"))
+
+
+def finish(model: ir.Model, io: PagedIO, *, logits: LogitsMode = "last") -> None:
+    """Select logits, drop the dense I/O; raise if any of it is still needed (after :func:`route`)."""
+    graph = model.graph
+    b = Builder(graph, "/paged_io")
     _select_logits(graph, b, io, logits)
     for value in io.dense_outputs.values():
         graph.outputs.remove(value)

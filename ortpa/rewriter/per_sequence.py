@@ -17,8 +17,14 @@ count read with ``Shape`` and used as a number, and
 * replaces ``past_len + Range(0, seq)``, ``past_len`` read with ``Shape`` from a dense cache input, with the packed
   positions: transformers' ``cache_position``, which is the positions of models that take no ``position_ids``
   (the 5.x ``OnnxExporter`` decode models take ``position_ids``; there it feeds only the causal mask);
+* makes LongRoPE's ``If``-chosen tables of ``com.microsoft::RotaryEmbedding`` per token
+  (:mod:`ortpa.rewriter.rope_choice`);
+* then runs the dataflow (:mod:`ortpa.rewriter.per_sequence_flow`, from op semantics and shapes, never names) and
+  its segment rewrites (:mod:`ortpa.rewriter.per_sequence_segments`: per-sequence ``Range``, last / first token,
+  reductions broadcast back, ``CumSum``); a reduction the choice rewrite above cannot take is left to them;
 * refuses everything else with a :class:`~ortpa.errors.ConversionError` naming the node and the reason.
 
+Runs in the pipeline between :func:`ortpa.rewriter.paged_io.route` and :func:`ortpa.rewriter.paged_io.finish`.
 Graphs without such values are left untouched (no node is added, none is reordered).
 """
 
@@ -27,10 +33,11 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError
-from ortpa.rewriter import paged_io
+from ortpa.rewriter import packed, rope_choice
 from ortpa.rewriter._graph import Builder, const_array, int_attr
 from ortpa.rewriter.per_sequence_axes import Live, TokenAxes, describe, live_nodes, reduced_axes, token_axes_of
 from ortpa.rewriter.per_sequence_choice import rewrite_choice
+from ortpa.rewriter.per_sequence_segments import flow_rewrites
 
 __all__ = ["TOKEN_REDUCTIONS", "per_sequence_reductions"]
 
@@ -140,10 +147,11 @@ def _from_tokens(value: ir.Value, axes: TokenAxes, limit: int = 64) -> bool:
     return False
 
 
-def per_sequence_reductions(graph: ir.Graph, io: paged_io.PagedIO) -> list[str]:
+def per_sequence_reductions(graph: ir.Graph, io: packed.PagedIO) -> list[str]:
     """Make every step-wide value of the packed ``graph`` per sequence; one line per rewrite.
 
-    Called by :func:`paged_io.finish` once the dense ``position_ids`` uses read the packed positions. Raises
+    Called by the pipeline between :func:`paged_io.route` (the dense ``position_ids`` uses read the packed
+    positions) and :func:`paged_io.finish`. Raises
     :class:`ConversionError` listing each node that mixes the sequences of a step and cannot be rewritten.
     """
     axes = token_axes_of(io)
@@ -154,14 +162,23 @@ def per_sequence_reductions(graph: ir.Graph, io: paged_io.PagedIO) -> list[str]:
     failures: list[tuple[str, str]] = []
     b = Builder(graph, "/per_sequence")
     done += _replace_past_length_positions(io, live, axes, b)
+    done += rope_choice.rewrite_rotary_embedding_choices(graph, io, live.order, b)
     if done:  # the packed positions may be new: they are per-token values the checks below must know
         axes, live = token_axes_of(io), live_nodes(graph, io)
+    deferred: dict[ir.Node, str] = {}  # reductions the choice rewrite cannot take: the flow's segment ops may
     for node, why in _token_reductions(live, axes):
         if why is None:
             why = rewrite_choice(io, live, axes, b, node, done)
         if why is not None:
-            failures.append((describe(node), f"reduces across the tokens of every sequence in the step: {why}"))
+            deferred[node] = f"reduces across the tokens of every sequence in the step: {why}"
     failures += _token_counts(live, axes)
+    if not failures:
+        for node, why in flow_rewrites(graph, io, b, done):
+            failures.append((describe(node), deferred.pop(node, why)))
+        still = live_nodes(graph, io).nodes
+        failures += [(describe(n), why) for n, why in deferred.items() if n in still]
+    else:
+        failures = [(describe(n), why) for n, why in deferred.items()] + failures
     if failures:
         raise ConversionError(
             "values computed over the whole packed step (every sequence's tokens) cannot be made per sequence; "
@@ -329,7 +346,7 @@ def _dim_read(value: ir.Value | None, axes: TokenAxes) -> tuple[ir.Value, int] |
     return None
 
 
-def _replace_past_length_positions(io: paged_io.PagedIO, live: Live, axes: TokenAxes, b: Builder) -> list[str]:
+def _replace_past_length_positions(io: packed.PagedIO, live: Live, axes: TokenAxes, b: Builder) -> list[str]:
     """``Add(Range(0, seq, 1), past_len)`` or ``Range(past_len, past_len + seq, 1)`` -> the packed positions.
 
     ``past_len`` is dim 2 of a dense ``[batch, heads, past, head]`` cache input read with Shape, ``seq`` the
@@ -369,7 +386,7 @@ def _replace_past_length_positions(io: paged_io.PagedIO, live: Live, axes: Token
                     out = node.outputs[0]
         if out is None:
             continue
-        pos = paged_io.positions(b, io)
+        pos = packed.positions(b, io)
         if out.dtype not in (None, ir.DataType.INT64):
             pos = b.op("Cast", [pos], {"to": out.dtype})
         out.replace_all_uses_with(pos)

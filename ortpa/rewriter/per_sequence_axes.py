@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from ortpa.rewriter import paged_io
+from ortpa.rewriter import packed
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
 
 __all__ = ["Dim", "Live", "TokenAxes", "describe", "live_nodes", "reduced_axes", "sym", "token_axes_of"]
@@ -115,7 +115,7 @@ class Live:
         return seen
 
 
-def live_nodes(graph: ir.Graph, io: paged_io.PagedIO) -> Live:
+def live_nodes(graph: ir.Graph, io: packed.PagedIO) -> Live:
     """Nodes reaching the outputs that survive :func:`paged_io.finish`: the dense logits and the new outputs.
 
     The dense ``present.*`` outputs (and the dense attention feeding them) are still graph outputs at this point
@@ -147,17 +147,14 @@ def live_nodes(graph: ir.Graph, io: paged_io.PagedIO) -> Live:
     return live
 
 
-def token_axes_of(io: paged_io.PagedIO) -> TokenAxes | None:
+def token_axes_of(io: packed.PagedIO) -> TokenAxes | None:
     ids = io.dense_inputs.get("input_ids")
     if ids is None or ids.shape is None or len(ids.shape) != 2:
         return None
     token = sym(ids.shape[1])
     if token is None:
         return None
-    known: dict[ir.Value, list[Dim]] = {io.input_ids: ["num_tokens"]}
-    for value in (io.position_ids, io.derived_positions):
-        if value is not None:
-            known[value] = ["num_tokens"]
+    known: dict[ir.Value, list[Dim]] = {value: ["num_tokens"] for value, (rank, _) in io.seeds().items() if rank == 1}
     return TokenAxes(frozenset({token, "num_tokens"}), sym(ids.shape[0]), known)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ortpa.rewriter import paged_io
+from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder
 from ortpa.rewriter.per_sequence_axes import Live, TokenAxes, describe, reduced_axes
 
@@ -81,7 +81,7 @@ def _ancestors_within(target: ir.Node, pool: set[ir.Node]) -> set[ir.Node]:
 
 
 def rewrite_choice(
-    io: paged_io.PagedIO,
+    io: packed.PagedIO,
     live: Live,
     axes: TokenAxes,
     b: Builder,
@@ -174,25 +174,8 @@ def _after_condition(cond: ir.Value, live: Live, axes: TokenAxes):
     return sorted(after, key=order.__getitem__), sorted(frontier, key=order.__getitem__), None
 
 
-def _sequence_of_token(b: Builder, io: paged_io.PagedIO) -> tuple[ir.Value, ir.Value]:
-    """``(seq, onehot)``: the sequence owning each packed token ``[T]`` and ``onehot[t, s] = seq[t] == s``.
-
-    Mirrors :func:`paged_io.positions`: seq(t) = #{s : cu[s+1] <= t}.
-    """
-    zero, one = b.initializer(np.array(0, np.int64), "zero"), b.initializer(np.array(1, np.int64), "one")
-    t = b.op("Range", [zero, b.op("Squeeze", [b.op("Shape", [io.input_ids])]), one])
-    cu = b.op("Cast", [io.cumulative_sequence_lengths], {"to": ir.DataType.INT64})
-    ends = b.op("Slice", [cu, b.ints([1]), b.ints([np.iinfo(np.int64).max])])
-    le = b.op("LessOrEqual", [b.op("Unsqueeze", [ends, b.ints([0])]), b.op("Unsqueeze", [t, b.ints([1])])])
-    seq = b.op("ReduceSum", [b.op("Cast", [le], {"to": ir.DataType.INT64}), b.ints([1])], {"keepdims": 0})
-    batch = b.op("Squeeze", [b.op("Shape", [io.past_sequence_lengths])])
-    sequences = b.op("Range", [zero, batch, one])
-    onehot = b.op("Equal", [b.op("Unsqueeze", [seq, b.ints([1])]), b.op("Unsqueeze", [sequences, b.ints([0])])])
-    return seq, onehot
-
-
 def _segment_reduce(
-    b: Builder, io: paged_io.PagedIO, op: str, data: ir.Value, dtype: ir.DataType, rank: int, token_axis: int
+    b: Builder, io: packed.PagedIO, op: str, data: ir.Value, dtype: ir.DataType, rank: int, token_axis: int
 ) -> ir.Value:
     """``[T]``: ``op`` over the elements of each token's own sequence, i.e. what the sequence computes alone."""
     per_token_op = "ReduceSum" if op == "ReduceMean" else op
@@ -201,7 +184,8 @@ def _segment_reduce(
     if others:  # one number per token first; Mean: every token has as many elements, so mean of means is exact
         x = b.op(op, [x, b.ints(others)], {"keepdims": 1})
     x = b.op("Reshape", [x, b.ints([-1])])
-    seq, onehot = _sequence_of_token(b, io)
+    ts = packed.sequence_of_token(b, io)
+    seq, onehot = ts.seq, ts.onehot
     np_dtype = dtype.numpy()
     info = np.finfo(np_dtype) if np.issubdtype(np_dtype, np.floating) else np.iinfo(np_dtype)
     fill = {"lowest": info.min, "highest": info.max, "zero": 0}[_SEGMENT_FILL[op]]
@@ -211,7 +195,9 @@ def _segment_reduce(
     if op == "ReduceMean":
         count = b.op("ReduceSum", [b.op("Cast", [onehot], {"to": dtype}), b.ints([0])], {"keepdims": 0})
         per_seq = b.op("Div", [per_seq, count])
-    return b.op("Gather", [per_seq, seq], {"axis": 0}, hint="per_sequence")
+    out = b.op("Gather", [per_seq, seq], {"axis": 0}, hint="per_sequence")
+    io.per_token[out] = (1, 0)
+    return out
 
 
 def _clone_per_token(

@@ -20,7 +20,7 @@ import onnxscript.optimizer
 
 from ortpa.errors import ConversionError
 from ortpa.model.ref import resolve_any
-from ortpa.rewriter import kv_quant, model_store, paged_io
+from ortpa.rewriter import kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter._fold import fold_shape_values
 from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
@@ -147,7 +147,7 @@ def _convert_separate(
         _progress(progress, f"rewriting layer {m.layer} ({m.num_heads} heads over {m.kv_num_heads} KV heads)")
         key_cache, value_cache = paged_io.add_separate_caches(graph, m.layer, m.kv_num_heads, m.head_size, op_dtype)
         key_out, value_out = rewrite_attention_layer(
-            graph, m, key_cache, value_cache, io.op_inputs(), rope_in_op=rope_in_op, op_dtype=op_dtype
+            graph, m, key_cache, value_cache, io.op_inputs(), rope_in_op=rope_in_op, op_dtype=op_dtype, packed_io=io
         )
         paged_io.set_present(graph, m.layer, key_out, key_cache)
         paged_io.set_present_value(graph, m.layer, value_out, value_cache)
@@ -167,6 +167,8 @@ def _convert_separate(
 
 def _finish(irm: ir.Model, io, kind: str, *, logits, dtype, rope_in_op: bool, progress, kv_plan=None) -> None:
     """The tail both families share: outputs and logits rows, optional whole-model dtype, int8 caches, metadata."""
+    paged_io.route(irm, io)
+    per_sequence.per_sequence_reductions(irm.graph, io)  # batched = alone: step-wide values -> per sequence, or refuse
     paged_io.finish(irm, io, logits=logits)
     if dtype is not None:
         _progress(progress, f"converting to {dtype}")

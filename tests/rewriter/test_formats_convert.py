@@ -74,15 +74,6 @@ def test_recogniser_per_format(name):
     assert all(m.head_size in (16, 32) and m.num_heads == 4 and m.kv_num_heads == 2 for m in layers)
 
 
-def test_genai_longrope_is_refused_with_the_reason():
-    """The builder's Phi-3 LongRoPE picks one cos/sin table for the whole batch from its total length: that
-    choice cannot be made per sequence inside PagedAttention's one table, so the model is refused."""
-    with pytest.raises(ConversionError) as info:
-        convert(FORMATS / "genai_phi3_longrope_fp32.onnx")
-    (where, why), *rest = info.value.failures
-    assert len(rest) == 1 and where.startswith("layer 0") and "whole batch" in why
-
-
 def _refused_at_layer_1(model: onnx.ModelProto, reason: str) -> None:
     """``convert`` refuses the model, naming layer 1 only, with ``reason`` in its words."""
     with pytest.raises(ConversionError) as info:
@@ -97,8 +88,8 @@ def _gqa_node(model: onnx.ModelProto, layer: int) -> onnx.NodeProto:
 
 def test_genai_near_miss_reported_by_layer():
     model = onnx.load(str(FORMATS / "genai_llama_fp32.onnx"))
-    _gqa_node(model, 1).attribute.append(onnx.helper.make_attribute("smooth_softmax", 1))
-    _refused_at_layer_1(model, "smooth_softmax")
+    _gqa_node(model, 1).attribute.append(onnx.helper.make_attribute("qk_output", 1))
+    _refused_at_layer_1(model, "qk_output")
 
 
 def test_optimum_near_miss_reported_by_layer():

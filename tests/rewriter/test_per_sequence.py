@@ -152,16 +152,48 @@ def test_longrope_max_also_used_as_a_number_is_refused():
     _refused(model, reduce_max.name, "used as a number")
 
 
-def test_mean_over_tokens_is_refused():
-    """Subtracting the mean over the seq axis from the embeddings mixes every packed sequence's tokens."""
+def test_mean_over_tokens_becomes_per_sequence(tmp_path):
+    """Subtracting (half) the mean over the seq axis from the embeddings: packed, that mean would mix every
+    sequence's tokens; the flow's segment ops (``ortpa.rewriter.per_sequence_segments``) take each sequence's own
+    mean."""
     model = onnx.load(str(FIXTURES / "llama_sdpa_op18.onnx"))
     gather = next(n for n in model.graph.node if n.op_type == "Gather" and "embed_tokens" in n.input[0])
     emb = gather.output[0]
     axes = helper.make_tensor("near_miss/axes", onnx.TensorProto.INT64, [1], [1])
-    model.graph.initializer.append(axes)
+    half = helper.make_tensor("near_miss/half", onnx.TensorProto.FLOAT, [], [0.5])
+    model.graph.initializer.extend([axes, half])
+    # half the mean: a one-token decode step alone would otherwise feed an all-zero hidden state
     nodes = [
         helper.make_node("ReduceMean", [emb, "near_miss/axes"], ["near_miss/mean"], name="token_mean", keepdims=1),
-        helper.make_node("Sub", [emb, "near_miss/mean"], ["near_miss/centred"]),
+        helper.make_node("Mul", ["near_miss/mean", "near_miss/half"], ["near_miss/half_mean"]),
+        helper.make_node("Sub", [emb, "near_miss/half_mean"], ["near_miss/centred"]),
+    ]
+    for n in model.graph.node:
+        if emb in n.input:
+            n.input[list(n.input).index(emb)] = "near_miss/centred"
+    model.graph.node.extend(nodes)
+    model = _toposorted(model)
+    dense = tmp_path / "token_mean.onnx"
+    onnx.save(model, str(dense))
+    _assert_batched_equals_alone(convert(model), dense, prompts=_prompts((5, 11, 3)))
+
+
+def test_mean_over_tokens_used_otherwise_is_refused():
+    """The same mean fed to a MatMul (not broadcast back over the tokens): refused, naming the node."""
+    model = onnx.load(str(FIXTURES / "llama_sdpa_op18.onnx"))
+    gather = next(n for n in model.graph.node if n.op_type == "Gather" and "embed_tokens" in n.input[0])
+    emb = gather.output[0]
+    hidden = next(i for i in model.graph.initializer if i.name == gather.input[0]).dims[1]
+    model.graph.initializer.extend(
+        [
+            helper.make_tensor("near_miss/axes", onnx.TensorProto.INT64, [1], [1]),
+            onnx.numpy_helper.from_array(np.eye(hidden, dtype=np.float32), "near_miss/eye"),
+        ]
+    )
+    nodes = [
+        helper.make_node("ReduceMean", [emb, "near_miss/axes"], ["near_miss/mean"], name="token_mean", keepdims=1),
+        helper.make_node("MatMul", ["near_miss/mean", "near_miss/eye"], ["near_miss/proj"]),
+        helper.make_node("Sub", [emb, "near_miss/proj"], ["near_miss/centred"]),
     ]
     for n in model.graph.node:
         if emb in n.input:

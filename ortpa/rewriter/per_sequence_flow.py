@@ -265,6 +265,26 @@ def _gather(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     return [_step(node, "it gathers across tokens")]
 
 
+def _gather_nd(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    """GatherND with constant indices (``batch_dims`` 0) over leading axes other than the token axis: a fixed
+    pick per token (e.g. the k and v heads of a fused projection, heads moved to the front); else step-wide."""
+    data, idx = ins[0], ins[1]
+    indices = const_array(node.inputs[1])
+    if data.tag == "const" and idx.tag == "const":
+        return [CONST]
+    if idx.tag != "const" or indices is None or indices.ndim < 1 or int_attr(node, "batch_dims", 0) != 0:
+        return [_step(node, "its indices are not constant (or it has batch dims)")]
+    if data.tag not in ("token", "enum"):
+        return [_step(node, "its data is not per token")]
+    if data.rank is None:
+        return [_lost(node, "ranks unknown")]
+    depth = int(indices.shape[-1])  # how many leading data axes each index row addresses
+    if data.axis < depth:
+        return [_step(node, "it picks fixed tokens of the packed step")]
+    lead = indices.ndim - 1
+    return [replace(data, rank=lead + data.rank - depth, axis=lead + data.axis - depth)]
+
+
 def _is_enumeration(value: ir.Value, kind: Kind) -> bool:
     """``value`` is the output of one of ``kind``'s ``Range(0, count, 1)`` sources, through layout ops only (not
     ``count - 1 - t`` or ``t + 1``, which pick other tokens)."""
@@ -363,6 +383,7 @@ _HANDLERS = {
     "Expand": _keep,
     "Tile": _keep,
     "Gather": _gather,
+    "GatherND": _gather_nd,
     "Range": _range,
     "MatMul": _matmul,
     "Gemm": _matmul,

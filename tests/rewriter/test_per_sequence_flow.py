@@ -306,6 +306,6 @@ def test_the_flow_reaches_every_sink_per_token(path, moe, monkeypatch):
         return live, flow
 
     monkeypatch.setattr(per_sequence_segments, "run_flow", spy)
-    convert(path, check_session=False)
+    convert(path, providers=())
     assert seen[-1] <= ({"token", "const", "route"} if moe else {"token", "const"}), seen
     assert "token" in seen[-1]

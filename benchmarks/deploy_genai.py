@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ortpa.bench._timing import row
+
 __all__ = ["run"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +51,7 @@ def _vs_genai():
 
 
 def _row(name: str, value: float, notes: str) -> dict:
-    return {"name": name, "metric": "throughput", "value": value, "unit": "tokens/s", "notes": notes}
+    return row(name, "throughput", value, "tokens/s", notes)
 
 
 def _unavailable(why: str) -> list[dict]:

@@ -33,6 +33,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from ortpa.bench._timing import row as _row
+
 __all__ = ["run"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,10 +152,6 @@ def _ortpa_tokens_per_s(engine, prompts: list[list[int]], new_tokens: int) -> fl
     t = time.perf_counter()
     out = engine.generate(prompts, params)
     return sum(len(o) for o in out) / (time.perf_counter() - t)
-
-
-def _row(name: str, metric: str, value: float, unit: str, notes: str) -> dict:
-    return {"name": name, "metric": metric, "value": value, "unit": unit, "notes": notes}
 
 
 def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:

@@ -13,7 +13,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 
@@ -21,8 +20,7 @@ import ortpa
 import ortpa.rewriter.pipeline as pipeline
 from ortpa.cli import main
 from ortpa.errors import ConversionError
-from ortpa.parity.greedy import GreedyRun
-from ortpa.parity.verify import _with_ties, verification_prompts
+from ortpa.parity.verify import verification_prompts
 from ortpa.tolerances import logit_tolerance
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -82,19 +80,6 @@ def test_prompts_pass_every_length_threshold():
     short, longer, past = verification_prompts([40, 7])
     assert len(short) < len(longer) and len(past) > 40
     assert verification_prompts([]) == [short, longer]  # seeded: the same prompts every time
-
-
-def test_tie_rule_accepts_near_ties_only():
-    rtol, atol = logit_tolerance("float16")
-    row = np.zeros(8, np.float32)
-    row[3], row[5], row[6] = 1.0, 1.0 - atol, 0.5  # 5 is a tie with 3, 6 is not
-    original = GreedyRun([[3, 3]], [np.stack([row, row])], 0.0, 2)
-    tied = GreedyRun([[5, 3]], [np.stack([row, row])], 0.0, 2)
-    fixed, flips = _with_ties(original, tied, rtol, atol)
-    assert fixed.tokens == [[5, 3]] and flips == 1
-    wrong = GreedyRun([[6, 3]], [np.stack([row, row])], 0.0, 2)
-    fixed, flips = _with_ties(original, wrong, rtol, atol)
-    assert fixed.tokens == [[3, 3]] and flips == 0
 
 
 def test_a_model_the_cpu_cannot_run_is_not_written_unverified(tmp_path):

@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from ortpa.bench._timing import row as _row
+
 __all__ = ["V2_LITE", "run"]
 
 V2_LITE = dict(hidden=2048, heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
@@ -140,10 +142,6 @@ def _lowered_baseline(paged: Path) -> Path:
     out = paged.parent / "lowered.onnx"
     onnx.save_model(lower_to_portable(header), str(out))
     return out
-
-
-def _row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
-    return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}
 
 
 def measure(layers: int, root: Path) -> list[dict]:

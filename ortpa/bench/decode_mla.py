@@ -93,16 +93,11 @@ class _PagedStep:
 
     def __call__(self) -> None:
         step = self.kv.plan_step([(0, 1)])
-        feed = {
-            "input_ids": self.token,
-            "cumulative_sequence_lengths": step.cumulative_sequence_length,
-            "past_sequence_lengths": step.past_seqlens,
-            "block_table": step.block_table,
-        }
-        if "attention_metadata" in self.declared:
-            feed["attention_metadata"] = step.attention_metadata
-        if "position_ids" in self.declared:
-            feed["position_ids"] = step.positions
+        feed = step.model_feeds(
+            self.token,
+            attention_metadata="attention_metadata" in self.declared,
+            position_ids="position_ids" in self.declared,
+        )
         self.sess.run(feed, ["logits"])
 
 

@@ -32,6 +32,7 @@ from onnx import TensorProto, helper
 
 from ortpa.bench import format_table
 from ortpa.bench._timing import aliased_step, interleaved_ms, median_ms
+from ortpa.bench._timing import row as _row
 from ortpa.ops.portable import portable_single_node_model
 
 __all__ = ["run"]
@@ -141,10 +142,6 @@ def _gqa_step(sess: ort.InferenceSession, batch: int, ctx: int, rng):
     io.bind_ortvalue_output("present_key", pk)
     io.bind_ortvalue_output("present_value", pv)
     return lambda: sess.run_with_iobinding(io)
-
-
-def _row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
-    return {"name": name, "metric": metric, "value": round(float(value), 4), "unit": unit, "notes": notes}
 
 
 def _shapes(quick: bool) -> list[tuple[int, int]]:

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
-from ortpa.cli.export import add_export_options
+from ortpa.cli.export import add_export_options, export_from_args
 from ortpa.errors import ConversionError, OrtpaError
 from ortpa.tolerances import FAMILY_EXTRA_ATOL
 
@@ -52,8 +52,8 @@ def _remove_if_empty(folder: Path) -> None:
 def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> str:
     """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``dense_dir/model.onnx`` first; its path."""
     try:
+        import ortpa.export.hf  # noqa: F401  (the export extra is there; else one line, below)
         from ortpa.export.checkpoint_dtype import default_export_dtype, refuse_cpu_bfloat16, stored_dtype
-        from ortpa.export.hf import export_hf
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConversionError(
             f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
@@ -64,18 +64,7 @@ def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> st
     dense = str(dense_dir / "model.onnx")
     if progress:
         progress(f"[1/2] export {folder} -> {dense}")
-    export_hf(
-        folder,
-        dense,
-        random_weights=False,
-        opset=args.opset,
-        attn_implementation=args.attn_implementation,
-        experts=args.experts,
-        dtype=args.export_dtype,
-        external_data=True if args.external_data else None,
-        progress=progress,
-        verbose=args.verbose,
-    )
+    export_from_args(args, folder, dense, dtype=args.export_dtype, random_weights=False)
     if progress:
         progress(f"[2/2] convert {dense} -> {args.output}")
     return dense

@@ -8,12 +8,12 @@ import sys
 
 from ortpa.cli._common import EXIT_INVALID, EXIT_OK, add_common, add_providers, progress_printer
 
-__all__ = ["add_export_options", "register", "run"]
+__all__ = ["add_export_options", "export_from_args", "register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from ortpa.export.hf import export_hf
+        import ortpa.export.hf  # noqa: F401  (the export extra is there; else one line, below)
     except ImportError as exc:  # pragma: no cover - depends on the environment
         print(f"ortpa export needs the export extra (pip install 'ortpa[export]'): {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -23,18 +23,7 @@ def run(args: argparse.Namespace) -> int:
 
         refuse_cpu_bfloat16(args.model, default_export_dtype(stored_dtype(args.model), args.dtype), args.providers)
     progress = progress_printer(args)
-    info = export_hf(
-        args.model,
-        dense,
-        random_weights=args.random_weights,
-        opset=args.opset,
-        attn_implementation=args.attn_implementation,
-        experts=args.experts,
-        dtype=args.dtype,
-        external_data=True if args.external_data else None,
-        progress=progress,
-        verbose=args.verbose,
-    )
+    info = export_from_args(args, args.model, dense, dtype=args.dtype, random_weights=args.random_weights)
     if not args.dense_only:
         from ortpa.deploy.deployment import convert_file  # verified, + genai_config.json beside it
 
@@ -51,6 +40,25 @@ def run(args: argparse.Namespace) -> int:
     elif not args.quiet:
         print(f"wrote {dense}" + ("" if args.dense_only else f" and {args.output}"))
     return EXIT_OK
+
+
+def export_from_args(args: argparse.Namespace, model, dense: str, *, dtype: str | None, random_weights: bool):
+    """``export_hf`` with the export options of :func:`add_export_options` as parsed (``ortpa export`` and
+    ``ortpa convert HF_DIR``); its :class:`~ortpa.export.hf.ExportInfo`."""
+    from ortpa.export.hf import export_hf
+
+    return export_hf(
+        model,
+        dense,
+        random_weights=random_weights,
+        opset=args.opset,
+        attn_implementation=args.attn_implementation,
+        experts=args.experts,
+        dtype=dtype,
+        external_data=True if args.external_data else None,
+        progress=progress_printer(args),
+        verbose=args.verbose,
+    )
 
 
 def add_export_options(p, dtype_dest: str = "dtype") -> None:

@@ -159,16 +159,11 @@ def paged_greedy(
     for n in range(max_new_tokens):
         step = kv.plan_step([(s, len(pending[s])) for s in seqs])
         session.copy_blocks(kv.take_pending_copies())
-        feed = {
-            "input_ids": np.array([t for s in seqs for t in pending[s]], np.int64),
-            "cumulative_sequence_lengths": step.cumulative_sequence_length,
-            "past_sequence_lengths": step.past_seqlens,
-            "block_table": step.block_table,
-        }
-        if "attention_metadata" in declared:
-            feed["attention_metadata"] = step.attention_metadata
-        if "position_ids" in declared:
-            feed["position_ids"] = step.positions
+        feed = step.model_feeds(
+            np.array([t for s in seqs for t in pending[s]], np.int64),
+            attention_metadata="attention_metadata" in declared,
+            position_ids="position_ids" in declared,
+        )
         out = session.run(feed)["logits"]
         # logits="last" gives one row per sequence; logits="all" one per packed token
         last = out if out.shape[0] == len(seqs) else out[step.last_token_indices]

@@ -201,16 +201,9 @@ class Engine:
         ids = np.concatenate(
             [np.asarray(c.request.tokens[c.start : c.start + c.num_tokens], np.int64) for c in plan.chunks]
         )
-        feeds = {
-            "input_ids": ids,
-            "cumulative_sequence_lengths": inputs.cumulative_sequence_length,
-            "past_sequence_lengths": inputs.past_seqlens,
-            "block_table": inputs.block_table,
-        }
-        if self.io.attention_metadata:
-            feeds["attention_metadata"] = inputs.attention_metadata
-        if self.io.position_ids:
-            feeds["position_ids"] = inputs.positions
+        feeds = inputs.model_feeds(
+            ids, attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids
+        )
         logits = self.session.run(feeds, ["logits"])["logits"]
         rows = self._rows_per_sequence(logits, len(plan.chunks), len(ids), inputs.last_token_indices)
         self.scheduler.commit(plan.chunks)

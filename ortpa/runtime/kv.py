@@ -178,6 +178,22 @@ class StepInputs:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
+    def model_feeds(self, input_ids: np.ndarray, *, attention_metadata: bool, position_ids: bool) -> dict:
+        """The feeds of a converted model's step (docs/converted_model.md): the packed ``input_ids`` and these index
+        tensors under the model's input names; ``attention_metadata`` / ``position_ids`` where the model takes
+        them."""
+        feeds = {
+            "input_ids": input_ids,
+            "cumulative_sequence_lengths": self.cumulative_sequence_length,
+            "past_sequence_lengths": self.past_seqlens,
+            "block_table": self.block_table,
+        }
+        if attention_metadata:
+            feeds["attention_metadata"] = self.attention_metadata
+        if position_ids:
+            feeds["position_ids"] = self.positions
+        return feeds
+
 
 class PagedKVCache:
     """Per-sequence block lists over one :class:`BlockPool`, and the index tensors for each step.

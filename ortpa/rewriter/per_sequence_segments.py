@@ -71,11 +71,14 @@ def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[st
                 # rows regrouped by anything but a sort of every row (MoE dispatch, taken to be undone by its
                 # scatter / inverse-permutation gather): other tokens' rows on a token's place
                 steps.setdefault(kind.node, "its rows are regrouped across the step's tokens and not brought back")
-            elif kind.tag == "step" and kind.node is not None and (kind.definite or kind.no_rule):
-                # an op of the model's own without a rule: unknown is step-wide. Where the flow only cannot read a
-                # shape (graphs past 2 GB carry none) it stops following; the name-based checks above still apply
+            elif kind.tag == "step" and kind.node is not None:
+                # not definite: an op without a rule, or a shape the flow cannot read (what the pipeline's shape
+                # recovery could not find either); unknown is step-wide, never converted on trust
                 why = kind.why or ""
-                steps.setdefault(kind.node, why if kind.definite else f"{why} (unknown is step-wide)")
+                if not kind.definite:
+                    lost = "" if kind.no_rule else "the flow cannot follow the token axis here; "
+                    why = f"{lost}{why} (unknown is step-wide)"
+                steps.setdefault(kind.node, why)
         changed = False
         for node in sorted(enum_sources, key=lambda n: n.name or ""):
             done.append(_enum_to_sequence(b, io, node, flow))

@@ -30,6 +30,7 @@ from ortpa.rewriter.ort_check import DEFAULT_PROVIDERS
 from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
 from ortpa.rewriter.recognisers.caches import canonicalise_cache_io
 from ortpa.rewriter.rope import rope_caches
+from ortpa.rewriter.shape_recovery import recover_shapes
 
 __all__ = ["DEFAULT_MAX_POSITIONS", "convert", "save_model"]
 
@@ -284,6 +285,7 @@ def _convert(
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
+    recover_shapes(irm)  # shapes the optimizer could not infer (past contrib ops): the per-sequence flow reads them
     graph = irm.graph
     _progress(progress, "matching MLA layers")
     mla_results = match_mla_layers(graph)

@@ -1,0 +1,66 @@
+"""Graphs whose values carry no shapes (exports past 2 GB come without ``value_info``, and the optimizer infers no
+shape past a contrib op): the pipeline recovers them (``ortpa.rewriter.shape_recovery``) so the per-sequence flow
+can follow the token axis, and a value the flow still cannot follow to the logits or a cache is refused, never
+converted on trust."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import helper
+
+from ortpa.errors import ConversionError
+from ortpa.rewriter import per_sequence_segments, pipeline
+from ortpa.rewriter.pipeline import convert
+
+GPTOSS = Path(__file__).resolve().parents[1] / "fixtures" / "formats" / "genai_gptoss_fp32.onnx"  # contrib ops
+
+
+def _shapeless(softmax_over_tokens: bool = False) -> onnx.ModelProto:
+    """The genai gpt-oss fixture without value_info; optionally with the final hidden state's softmax over the
+    tokens added back (``[B, T, D]``, axis 1): every token then depends on every sequence of the step."""
+    model = onnx.load(str(GPTOSS))
+    del model.graph.value_info[:]
+    if softmax_over_tokens:
+        lm_head = next(n for n in model.graph.node if "logits" in n.output)
+        hidden = lm_head.input[0]
+        model.graph.node.insert(
+            len(model.graph.node) - 1,
+            helper.make_node("Softmax", [hidden], ["probe/soft"], axis=1, name="token_softmax"),
+        )
+        model.graph.node.insert(len(model.graph.node) - 1, helper.make_node("Add", [hidden, "probe/soft"], ["probe/h"]))
+        lm_head.input[0] = "probe/h"
+    return model
+
+
+def test_shapes_are_recovered_so_the_flow_reaches_every_sink_per_token(monkeypatch):
+    seen = []
+    real = per_sequence_segments.run_flow
+
+    def spy(graph, io):
+        live, flow = real(graph, io)
+        seen.append({flow.of(v).tag for v in per_sequence_segments._sinks(live, io)})
+        return live, flow
+
+    monkeypatch.setattr(per_sequence_segments, "run_flow", spy)
+    convert(_shapeless(), providers=())
+    assert seen and seen[-1] <= {"token", "const"} and "token" in seen[-1], seen
+
+
+def test_a_token_softmax_in_a_shapeless_graph_is_found_and_refused():
+    with pytest.raises(ConversionError, match="cannot be made per sequence") as info:
+        convert(_shapeless(softmax_over_tokens=True), providers=())
+    assert any(
+        "token_softmax" in where and "normalises across the token axis" in why for where, why in info.value.failures
+    ), info.value
+
+
+def test_what_the_flow_cannot_follow_is_refused_not_converted(monkeypatch):
+    """Shapes left unknown (the recovery switched off): the flow loses the token axis before the logits and the
+    caches, so the conversion is refused, naming where it lost it."""
+    monkeypatch.setattr(pipeline, "recover_shapes", lambda irm: 0)
+    with pytest.raises(ConversionError, match="cannot be made per sequence") as info:
+        convert(_shapeless(), providers=())
+    assert any("the flow cannot follow the token axis" in why for _, why in info.value.failures), info.value

@@ -256,6 +256,7 @@ def _select_per_token(
                 hint=f"{node.op_type}_if_{str(flag).lower()}",
             )
             for old, new in zip(node.outputs, clone if isinstance(clone, tuple) else (clone,), strict=True):
+                new.type, new.shape = old.type, old.shape  # same inputs' shapes: the flow follows the copies too
                 mapping[old] = new
         branches.append(mapping)
     for o in outputs:

@@ -18,8 +18,9 @@ op reads the sequence boundaries itself). From them a forward pass over the live
   gather or a scatter: only such a sort is taken to be undone; any other regrouping that reaches the logits or the
   caches is refused (:mod:`ortpa.rewriter.per_sequence_segments`);
 * ``step``: depends on more than one sequence of the step: ``why`` says how, ``node`` where. An op with no rule
-  here and a non-constant input gives ``step``: unknown is step-wide. Where only a shape is missing (graphs past
-  2 GB carry none) the value is ``step`` but not ``definite``: the flow stops following it without refusing.
+  here and a non-constant input gives ``step``: unknown is step-wide. Where only a shape is missing (what
+  :mod:`ortpa.rewriter.shape_recovery` could not recover) the value is ``step`` but not ``definite`` (the flow
+  lost the token axis); reaching the logits or a cache, it is refused like any other step-wide value.
 
 A token axis may be "blocked" (``block`` rows per token): a reshape folding each token's trailing elements into
 rows of the token axis (``[1, T, 4 * 32] -> [1, T * 4, 32]``) and back. Kinds and state live in

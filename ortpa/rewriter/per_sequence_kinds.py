@@ -39,7 +39,8 @@ def unknown_op(node: ir.Node, why: str) -> Kind:
 
 
 def lost(node: ir.Node, why: str) -> Kind:
-    """The flow cannot follow the token axis here: unknown, not shown to mix sequences."""
+    """The flow cannot follow the token axis here (a shape it cannot read): not shown to mix sequences, but
+    refused where it reaches the logits or a cache, as unknown is step-wide."""
     return step(node, why, definite=False)
 
 

@@ -20,6 +20,7 @@ import pytest
 from ortpa.cli import main
 from ortpa.ops.validate import validate_model
 from ortpa.parity.greedy import dense_greedy, paged_greedy
+from ortpa.rewriter import per_sequence_segments
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig
 from ortpa.testing.dense_mla_file import write_dense_mla
@@ -34,7 +35,16 @@ NEW_TOKENS = 3
     "layers",
     [pytest.param(4, id="below-2GB", marks=pytest.mark.slow), pytest.param(6, id="above-2GB")],
 )
-def test_large_model_converts_validates_and_generates_the_dense_tokens(tmp_path, layers):
+def test_large_model_converts_validates_and_generates_the_dense_tokens(tmp_path, layers, monkeypatch):
+    sinks = []  # the per-sequence flow's kinds at the logits and the PagedAttention inputs
+    real = per_sequence_segments.run_flow
+
+    def spy(graph, io):
+        live, flow = real(graph, io)
+        sinks.append({flow.of(v).tag for v in per_sequence_segments._sinks(live, io)})
+        return live, flow
+
+    monkeypatch.setattr(per_sequence_segments, "run_flow", spy)
     folder = tmp_path / f"v2lite{layers}"
     try:
         dense = write_dense_mla(DenseMlaConfig(layers=layers, **V2_LITE), folder / "dense" / "model.onnx")
@@ -43,7 +53,8 @@ def test_large_model_converts_validates_and_generates_the_dense_tokens(tmp_path,
         assert dense.stat().st_size < 2**20  # the graph alone: the builder never made a proto with the weights
         out = folder / "paged" / "paged.onnx"
         assert main(["convert", str(dense), str(out), "--quiet"]) == 0
-        assert sorted(os.listdir(out.parent)) == ["paged.onnx", "paged.onnx.data"]
+        assert sorted(os.listdir(out.parent)) == ["genai_config.json", "paged.onnx", "paged.onnx.data"]
+        assert sinks and sinks[-1] == {"token", "const"}, sinks  # followed per token to every sink, nothing lost
         report = validate_model(out, backend="cuda")
         assert report.ok and len(report.nodes) == layers
         header = onnx.load(str(out), load_external_data=False)

@@ -66,15 +66,15 @@ def _inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
 
     Each is best effort (symbolic inference stops at an op it cannot follow, onnx's at contrib ops): what either
     cannot tell is simply not returned."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
     from ortpa.ops.shape_inference import infer_shapes
 
+    def symbolic() -> onnx.ModelProto:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # needs sympy (a dependency)
+
+        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
+
     found: dict[str, onnx.TypeProto] = {}
-    runs = (
-        lambda: SymbolicShapeInference.infer_shapes(proto, auto_merge=True),
-        lambda: infer_shapes(proto),
-    )
+    runs = (symbolic, lambda: infer_shapes(proto))
     for run in runs:
         try:
             inferred = run()

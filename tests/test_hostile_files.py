@@ -457,7 +457,13 @@ def test_good_external_data_model_loads_everywhere(bases, tmp_path, monkeypatch,
     after = _snapshot(tmp_path)
     assert {k: v for k, v in after.items() if not k.startswith("out")} == before
     # an input with external data gives an output with external data (ortpa.rewriter.model_store)
-    assert sorted(k for k in after if k.startswith("out")) == ["out", "out/paged.onnx", "out/paged.onnx.data"]
+    # (and the genai_config.json every conversion writes beside its model: ortpa.deploy)
+    assert sorted(k for k in after if k.startswith("out")) == [
+        "out",
+        "out/genai_config.json",
+        "out/paged.onnx",
+        "out/paged.onnx.data",
+    ]
 
 
 def test_external_data_is_refused_without_a_folder(bases, tmp_path):
@@ -584,4 +590,5 @@ def test_generated_files_through_the_cli(cut, flips, which, bases, converted_pat
             assert after == scene.before
         else:
             extra = {k for k in after if k not in scene.before}
-            assert extra <= {"out", "out/paged.onnx"} and all(after[k] == v for k, v in scene.before.items())
+            written = {"out", "out/paged.onnx", "out/genai_config.json"}
+            assert extra <= written and all(after[k] == v for k, v in scene.before.items())

@@ -16,11 +16,11 @@ import shutil
 import onnx
 import onnxruntime as ort
 import pytest
+from flow_spy import record_sink_kinds
 
 from ortpa.cli import main
 from ortpa.ops.validate import validate_model
 from ortpa.parity.greedy import dense_greedy, paged_greedy
-from ortpa.rewriter import per_sequence_segments
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig
 from ortpa.testing.dense_mla_file import write_dense_mla
@@ -36,15 +36,7 @@ NEW_TOKENS = 3
     [pytest.param(4, id="below-2GB", marks=pytest.mark.slow), pytest.param(6, id="above-2GB")],
 )
 def test_large_model_converts_validates_and_generates_the_dense_tokens(tmp_path, layers, monkeypatch):
-    sinks = []  # the per-sequence flow's kinds at the logits and the PagedAttention inputs
-    real = per_sequence_segments.run_flow
-
-    def spy(graph, io):
-        live, flow = real(graph, io)
-        sinks.append({flow.of(v).tag for v in per_sequence_segments._sinks(live, io)})
-        return live, flow
-
-    monkeypatch.setattr(per_sequence_segments, "run_flow", spy)
+    sinks = record_sink_kinds(monkeypatch)  # the per-sequence flow's kinds at the logits and the PagedAttention inputs
     folder = tmp_path / f"v2lite{layers}"
     try:
         dense = write_dense_mla(DenseMlaConfig(layers=layers, **V2_LITE), folder / "dense" / "model.onnx")

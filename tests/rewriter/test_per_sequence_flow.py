@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from flow_spy import record_sink_kinds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
@@ -297,15 +298,7 @@ FORMATS = FIXTURES / "formats"
 def test_the_flow_reaches_every_sink_per_token(path, moe, monkeypatch):
     """Every PagedAttention input and the logits come out per token or constant: nothing is lost on the way (the
     MoE fixture's logits are the regrouped rows the flow takes as undone)."""
-    seen = []
-    real = per_sequence_segments.run_flow
-
-    def spy(graph, io):
-        live, flow = real(graph, io)
-        seen.append({flow.of(v).tag for v in per_sequence_segments._sinks(live, io)})
-        return live, flow
-
-    monkeypatch.setattr(per_sequence_segments, "run_flow", spy)
+    seen = record_sink_kinds(monkeypatch)
     convert(path, providers=())
     assert seen[-1] <= ({"token", "const", "route"} if moe else {"token", "const"}), seen
     assert "token" in seen[-1]

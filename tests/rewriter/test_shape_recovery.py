@@ -9,10 +9,11 @@ from pathlib import Path
 
 import onnx
 import pytest
+from flow_spy import record_sink_kinds
 from onnx import helper
 
 from ortpa.errors import ConversionError
-from ortpa.rewriter import per_sequence_segments, pipeline
+from ortpa.rewriter import pipeline
 from ortpa.rewriter.pipeline import convert
 
 GPTOSS = Path(__file__).resolve().parents[1] / "fixtures" / "formats" / "genai_gptoss_fp32.onnx"  # contrib ops
@@ -36,15 +37,7 @@ def _shapeless(softmax_over_tokens: bool = False) -> onnx.ModelProto:
 
 
 def test_shapes_are_recovered_so_the_flow_reaches_every_sink_per_token(monkeypatch):
-    seen = []
-    real = per_sequence_segments.run_flow
-
-    def spy(graph, io):
-        live, flow = real(graph, io)
-        seen.append({flow.of(v).tag for v in per_sequence_segments._sinks(live, io)})
-        return live, flow
-
-    monkeypatch.setattr(per_sequence_segments, "run_flow", spy)
+    seen = record_sink_kinds(monkeypatch)
     convert(_shapeless(), providers=())
     assert seen and seen[-1] <= {"token", "const"} and "token" in seen[-1], seen
 

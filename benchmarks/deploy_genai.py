@@ -28,10 +28,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from ortpa.bench._timing import row
+from ortpa.bench._timing import engine_tokens_per_s, row
 
 __all__ = ["run"]
 
@@ -86,17 +85,13 @@ def _driver(python: str, request: dict) -> dict:
 def _ortpa_engine(model: Path, prompts: list[list[int]], new_tokens: int) -> float:
     import onnxruntime as ort
 
-    from ortpa.runtime.engine import Engine, SamplingParams
+    from ortpa.runtime.engine import Engine
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = THREADS
     opts.inter_op_num_threads = 1
     engine = Engine(model, block_size=16, max_num_batched_tokens=256, sess_options=opts, enable_prefix_caching=False)
-    params = SamplingParams(max_new_tokens=new_tokens)
-    engine.generate(prompts[:1], params)  # warm-up
-    t = time.perf_counter()
-    out = engine.generate(prompts, params)
-    return sum(len(o) for o in out) / (time.perf_counter() - t)
+    return engine_tokens_per_s(engine, prompts, new_tokens)
 
 
 def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:

@@ -30,9 +30,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
+from ortpa.bench._timing import engine_tokens_per_s
 from ortpa.bench._timing import row as _row
 
 __all__ = ["run"]
@@ -144,16 +144,6 @@ def _ortpa_engine(converted: Path):
     )
 
 
-def _ortpa_tokens_per_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
-    from ortpa.runtime.engine import SamplingParams
-
-    params = SamplingParams(max_new_tokens=new_tokens)
-    engine.generate(prompts[:1], params)  # warm-up
-    t = time.perf_counter()
-    out = engine.generate(prompts, params)
-    return sum(len(o) for o in out) / (time.perf_counter() - t)
-
-
 def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
     genai_python = genai_python or os.environ.get("ORTPA_GENAI_PYTHON")
     prompt_len, new_tokens = (16, 8) if quick else (64, 32)
@@ -187,11 +177,11 @@ def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
             ]
         _genai_options(Path(out))
         converted = Path(tmp) / "paged.onnx"
-        try:
-            from ortpa.rewriter.pipeline import convert_file
+        from ortpa import OrtpaError, convert_file
 
+        try:
             convert_file(Path(out) / "model.onnx", converted)
-        except Exception as exc:  # the recogniser's reason, reported instead of a crash
+        except OrtpaError as exc:  # the recogniser's (or the verification's) reason, reported instead of a crash
             reason = str(exc).splitlines()[0][:300]
             return [_row("vs_genai", "throughput_ratio", math.nan, "x", f"conversion not available: {reason}")]
         import onnxruntime as ort
@@ -206,7 +196,7 @@ def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
                 result = json.loads(_subprocess(genai_python, code, timeout=1800))
                 genai = max(genai, result["tokens"] / result["seconds"])
                 versions = f"genai {result['genai']} on ORT {result['ort']}; ortpa on ORT {ort.__version__}"
-                ours = max(ours, _ortpa_tokens_per_s(engine, prompts, new_tokens))
+                ours = max(ours, engine_tokens_per_s(engine, prompts, new_tokens))
             notes = f"{dims}; best of {ROUNDS}, alternated; {versions}"
             rows.append(_row(f"vs_genai.genai.{n}", "throughput", round(genai, 1), "tokens/s", notes))
             rows.append(_row(f"vs_genai.ortpa.{n}", "throughput", round(ours, 1), "tokens/s", notes))

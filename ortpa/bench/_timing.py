@@ -8,7 +8,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import onnxruntime as ort
 
-__all__ = ["aliased_step", "interleaved_ms", "median_ms", "row"]
+__all__ = [
+    "aliased_step",
+    "engine_tokens_per_s",
+    "interleaved_ms",
+    "median_ms",
+    "row",
+]
 
 _CACHES = (("key_cache", "key_cache_out"), ("value_cache", "value_cache_out"))
 
@@ -62,3 +68,15 @@ def aliased_step(sess: ort.InferenceSession, x: Mapping[str, np.ndarray], *, ali
 def row(name: str, metric: str, value: float, unit: str, notes: str = "") -> dict:
     """One benchmark row, as ``ortpa bench`` prints it."""
     return {"name": name, "metric": metric, "value": round(float(value), 6), "unit": unit, "notes": notes}
+
+
+def engine_tokens_per_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Generated tokens per second of ``engine.generate(prompts)`` (greedy, ``new_tokens`` each, all submitted at
+    once), after a one-prompt warm-up run."""
+    from ortpa.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens)
+    engine.generate(prompts[:1], params)  # warm-up: first-run allocations and kernel selection
+    t = time.perf_counter()
+    out = engine.generate(prompts, params)
+    return sum(len(o) for o in out) / (time.perf_counter() - t)

@@ -60,15 +60,6 @@ def _unavailable(why: str) -> list[dict]:
 _KINDS = ("genai_engine", "ortpa_engine", "genai_dense")
 
 
-def _threads(folder: Path) -> None:
-    path = folder / "genai_config.json"
-    cfg = json.loads(path.read_text())
-    opts = cfg["model"]["decoder"].setdefault("session_options", {})
-    opts["intra_op_num_threads"] = THREADS
-    opts["inter_op_num_threads"] = 1
-    path.write_text(json.dumps(cfg, indent=2))
-
-
 def _driver(python: str, request: dict) -> dict:
     proc = subprocess.run(
         [python, str(DRIVER)], input=json.dumps(request), capture_output=True, text=True, timeout=3600, check=False
@@ -109,7 +100,7 @@ def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
             subprocess.run([genai_python, "-c", code], check=True, capture_output=True, text=True, timeout=1800)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
             return _unavailable(f"build failed: {(getattr(exc, 'stderr', '') or str(exc))[-300:]}")
-        _threads(dense)
+        vs._genai_options(dense)  # genai's threads in its genai_config.json, as vs_genai.py gives them
         deploy = Path(tmp) / "deploy" / "model.onnx"
         try:
             from ortpa.deploy import GenaiOptions, convert_deployment
@@ -117,7 +108,7 @@ def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
             convert_deployment(dense, deploy, portable=True, genai=GenaiOptions(max_batch_size=16))
         except Exception as exc:
             return _unavailable(f"convert --portable failed: {str(exc).splitlines()[0][:300]}")
-        _threads(deploy.parent)
+        vs._genai_options(deploy.parent)
         warm = {"name": "warm", "prompts": vs._prompts(1, prompt_len), "max_new_tokens": new_tokens}
         scenarios = [warm] + [
             {"name": f"n{n}", "prompts": vs._prompts(n, prompt_len), "max_new_tokens": new_tokens} for n in CONCURRENCY

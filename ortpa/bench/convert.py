@@ -241,6 +241,12 @@ def run(quick: bool = False, counts: tuple[int, ...] | None = None, verify_sizes
             rows += measure(n, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+    return rows + _verify_rows(sizes)
+
+
+def _verify_rows(sizes) -> list[dict]:
+    """:func:`measure_verify` for each ``(label, dims, layers)`` of ``sizes``, each in a temp folder of its own."""
+    rows: list[dict] = []
     for label, dims, layers in sizes:
         root = Path(tempfile.mkdtemp(prefix=f"ortpa-bench-verify-{label}-"))
         try:
@@ -256,14 +262,7 @@ if __name__ == "__main__":
     if "--verify-only" in sys.argv[1:]:
         wanted = [a for a in sys.argv[1:] if a.endswith("GB")]
         sizes = tuple(s for s in VERIFY_SIZES if not wanted or s[0] in wanted)
-        rows = []
-        for label, dims, n in sizes:
-            root = Path(tempfile.mkdtemp(prefix=f"ortpa-bench-verify-{label}-"))
-            try:
-                rows += measure_verify(label, dims, n, root)
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-        print(format_table(rows))
+        print(format_table(_verify_rows(sizes)))
     else:
         layers = tuple(int(a) for a in sys.argv[1:] if a.isdigit())
         print(format_table(run(quick="--quick" in sys.argv[1:], counts=layers or None)))

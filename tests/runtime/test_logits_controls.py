@@ -203,9 +203,8 @@ def test_prompt_logprobs_equal_the_dense_model_batched_with_generation(logits_mo
 def test_scored_tokens_equal_those_generated_alone():
     engine = _engine("last")
     alone = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=6))
-    both = engine.generate(
-        [PROMPTS[1], PROMPTS[2]], [SamplingParams(max_new_tokens=0, prompt_logprobs=1), SamplingParams(max_new_tokens=6)]
-    )
+    scored = SamplingParams(max_new_tokens=0, prompt_logprobs=1)
+    both = engine.generate([PROMPTS[1], PROMPTS[2]], [scored, SamplingParams(max_new_tokens=6)])
     assert both == [[], alone[0]]
 
 

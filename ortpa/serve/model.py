@@ -24,6 +24,11 @@ class ServingModel:
     max_model_len: int | None  # prompt + generated tokens; None: bounded by the KV pool only
     name: str
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes: its logits' width, else the tokenizer's vocabulary."""
+        return self.engine.io.vocab or self.tokenizer.get_vocab_size()
+
     @classmethod
     def load(
         cls,

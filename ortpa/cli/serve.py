@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         provider=args.provider,
         threads=args.threads,
     )
+    if args.max_model_len is not None:
+        served.limit_context(args.max_model_len)
     if not args.quiet:
         print(
             f"ortpa serve: {served.name!r} on http://{args.host}:{args.port}/v1 ({served.engine.num_blocks} KV blocks "
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         drain_s=args.drain_timeout,
         log_level=log_level,
+        access_log=not args.no_access_log,
     )
     return EXIT_OK
 
@@ -118,6 +121,13 @@ def register(sub) -> None:
         default=None,
         help="ONNX Runtime intra-op threads (default: one per core; 1 suits a machine busy with other work)",
     )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive(int),
+        default=None,
+        help="tokens per request, prompt + completion (default: the model's); longer requests get a 400",
+    )
+    p.add_argument("--no-access-log", action="store_true", help="no line per request on stderr")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish")
     add_common(p)

@@ -20,11 +20,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ortpa.serve.access_log import AccessLog, access_logger
 from ortpa.serve.bridge import EngineBridge
 from ortpa.serve.chat import TemplateRenderError
-from ortpa.serve.generation import Admission, Generation
+from ortpa.serve.generation import Admission, Choice, Delta, Generation
+from ortpa.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from ortpa.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ortpa.serve.model import ServingModel
+from ortpa.serve.params import logprobs_asked
 from ortpa.serve.protocol import (
     MAX_N,
     ApiError,
@@ -33,6 +36,7 @@ from ortpa.serve.protocol import (
     error_body,
     parse_body,
 )
+from ortpa.serve.tokenize import add_tokenizer_routes
 
 __all__ = ["ServerState", "build_app"]
 
@@ -47,10 +51,14 @@ class ServerState:
         self.bridge = EngineBridge(served.engine, self.metrics)
         self.admission = Admission(served.engine.scheduler.max_num_seqs + max_queue)
         self.created = int(time.time())
+        self.token_text = TokenText(served.tokenizer)
 
 
-def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
-    """The app serving ``served``. ``max_queue``: requests waiting beyond the running batch before a 503."""
+def build_app(
+    served: ServingModel, *, api_key: str | None = None, max_queue: int = 256, access_log: bool = True
+) -> FastAPI:
+    """The app serving ``served``. ``max_queue``: requests waiting beyond the running batch before a 503.
+    ``access_log``: one line per request on stderr (:mod:`ortpa.serve.access_log`)."""
     state = ServerState(served, api_key=api_key, max_queue=max_queue)
 
     @contextlib.asynccontextmanager
@@ -63,6 +71,8 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
 
     app = FastAPI(title="ortpa", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ortpa = state
+    if access_log:
+        app.add_middleware(AccessLog, log=access_logger())
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -116,8 +126,10 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         check_key(request)
         body = parse_body(CompletionRequest, await request.body())
         _check_common(body, served)
-        prompts = _completion_prompts(body.prompt, served)
-        return await _respond(state, request, body, prompts, body.max_tokens, chat=False)
+        prompts, texts = _completion_prompts(body.prompt, served)
+        return await _respond(
+            state, request, body, prompts, body.max_tokens, chat=False, echo=texts if body.echo else None
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -144,6 +156,7 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await _respond(state, request, body, [ids], max_tokens, chat=True)
 
+    add_tokenizer_routes(app, served, check_key)
     return app
 
 
@@ -164,31 +177,35 @@ def _check_common(body: Any, served: ServingModel) -> None:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
 
 
-def _completion_prompts(prompt: Any, served: ServingModel) -> list[list[int]]:
-    """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
+def _completion_prompts(prompt: Any, served: ServingModel) -> tuple[list[list[int]], list[str]]:
+    """The prompt field as token id lists (a string, strings, token ids, or lists of token ids) and as texts."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise ApiError(400, "'prompt': expected a string or token ids, found an empty list", param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
-    out = []
+    out, texts = [], []
     for i, p in enumerate(prompt):
         ids = served.tokenizer.encode(p).ids if isinstance(p, str) else list(p)
         if not ids:
             raise ApiError(400, f"'prompt': prompt {i} is empty (expected at least one token)", param="prompt")
         out.append(ids)
-    return out
+        texts.append(p if isinstance(p, str) else None)
+    return out, texts
 
 
-def _max_tokens(requested: int | None, prompts: list[list[int]], served: ServingModel, chat: bool) -> int:
+def _max_tokens(
+    requested: int | None, prompts: list[list[int]], served: ServingModel, chat: bool, echo: bool = False
+) -> int:
     longest = max(len(p) for p in prompts)
     limit = served.max_model_len
     if requested is None:  # OpenAI's defaults: 16 for completions; chat: the rest of the context
         requested = 16 if not chat else (limit - longest if limit is not None else 256)
         requested = max(requested, 1)
-    elif requested < 1:
-        raise ApiError(400, f"'max_tokens': expected an integer >= 1, found {requested}", param="max_tokens")
+    elif requested < (0 if echo else 1):  # echo with max_tokens 0 scores the prompt alone
+        expected = "an integer >= 0 (with 'echo': true)" if echo else "an integer >= 1"
+        raise ApiError(400, f"'max_tokens': expected {expected}, found {requested}", param="max_tokens")
     if limit is not None and longest + requested > limit:
         raise ApiError(
             400,
@@ -223,12 +240,21 @@ async def _collect(gen: Generation, request: Request) -> list:
 
 
 async def _respond(
-    state: ServerState, request: Request, body: Any, prompts: list[list[int]], requested: int | None, chat: bool
+    state: ServerState,
+    request: Request,
+    body: Any,
+    prompts: list[list[int]],
+    requested: int | None,
+    chat: bool,
+    echo: list[str | None] | None = None,
 ) -> Response:
     served = state.served
-    max_tokens = _max_tokens(requested, prompts, served, chat)
+    max_tokens = _max_tokens(requested, prompts, served, chat, echo is not None)
+    top = logprobs_asked(body)
+    if echo is not None:  # a prompt given as token ids is echoed as their decoded text
+        echo = [t if t is not None else served.tokenizer.decode(p) for t, p in zip(echo, prompts, strict=True)]
     gen = Generation(served, state.bridge, state.admission)
-    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings())
+    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings(), echo)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = lambda: {  # noqa: E731
@@ -236,7 +262,26 @@ async def _respond(
         "completion_tokens": gen.completion_tokens,
         "total_tokens": sum(len(p) for p in prompts) + gen.completion_tokens,
     }
+    request.state.access = (ident, usage)  # for the access log line
     head = {"id": ident, "created": created, "model": served.name}
+    text_of = state.token_text
+
+    def chat_lps(entries) -> dict[str, Any] | None:
+        return None if top is None else chat_logprobs(entries, text_of, top)
+
+    def completion_lps(c: Choice | Delta, start: int = 0) -> dict[str, Any] | None:
+        if top is None:
+            return None
+        ids: list[int] = []
+        entries: list = []
+        prompt = c.prompt_ids if isinstance(c, Delta) or c.echo is not None else None
+        if prompt is not None:  # the echoed prompt: its first token has nothing to be scored against
+            ids += prompt
+            entries += c.prompt_logprobs or [None] * len(prompt)
+        ids += [e.token_id for e in c.logprobs]
+        entries += c.logprobs
+        return completion_logprobs(ids, entries, text_of, start)
+
     if not body.stream:
         try:
             choices = await _collect(gen, request)
@@ -249,26 +294,39 @@ async def _respond(
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": "".join(c.pieces)},
-                    "logprobs": None,
+                    "logprobs": chat_lps(c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
                 for c in choices
             ]
             return JSONResponse({**head, "object": "chat.completion", "choices": out, "usage": usage()})
         out = [
-            {"index": c.index, "text": "".join(c.pieces), "logprobs": None, "finish_reason": c.finish_reason}
+            {
+                "index": c.index,
+                "text": "".join(c.pieces),
+                "logprobs": completion_lps(c),
+                "finish_reason": c.finish_reason,
+            }
             for c in choices
         ]
         return JSONResponse({**head, "object": "text_completion", "choices": out, "usage": usage()})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    every_chunk = include_usage and body.stream_options.continuous_usage_stats
     kind = "chat.completion.chunk" if chat else "text_completion"
+    offsets: dict[int, int] = {}  # completions' text_offset continues across a choice's chunks
 
     def event(choices: list[dict[str, Any]], with_usage: bool = False) -> str:
         chunk = {**head, "object": kind, "choices": choices}
         if include_usage:
-            chunk["usage"] = usage() if with_usage else None
+            chunk["usage"] = usage() if with_usage or every_chunk else None
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def completion_chunk_lps(d: Delta) -> dict[str, Any] | None:
+        lps = completion_lps(d, offsets.get(d.index, 0))
+        if lps is not None and lps["tokens"]:
+            offsets[d.index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+        return lps
 
     async def sse() -> AsyncIterator[str]:
         try:
@@ -286,25 +344,30 @@ async def _respond(
                         {
                             "index": d.index,
                             "delta": {"content": d.text} if d.text else {},
-                            "logprobs": None,
+                            "logprobs": chat_lps(d.logprobs),
                             "finish_reason": d.finish_reason,
                         }
                         for d in deltas
                     ]
                 else:
                     parts = [
-                        {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                        {
+                            "index": d.index,
+                            "text": d.text,
+                            "logprobs": completion_chunk_lps(d),
+                            "finish_reason": d.finish_reason,
+                        }
                         for d in deltas
                     ]
                 yield event(parts)
-            if include_usage:
-                yield event([], with_usage=True)
         except ApiError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
         except Exception as exc:  # a failed step: the client learns why, the stream still ends properly
             yield f"data: {json.dumps(error_body(f'generation failed: {exc}', 'server_error'))}\n\n"
         finally:
             gen.close()  # a client gone mid-stream lands here: its requests are aborted, their blocks freed
+        if include_usage:  # also after an error: what was produced is counted
+            yield event([], with_usage=True)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -42,16 +42,16 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], text: TokenText, top: int) -
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None], text: TokenText
+    token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None], text: TokenText, start: int = 0
 ) -> dict[str, Any]:
     """One entry per token of ``token_ids``; None for a prompt's first token (nothing precedes it to score it).
 
     ``top_logprobs`` maps each alternative's text to its log-probability and always holds the chosen token
     (vLLM's shape: harnesses compare the chosen token with the best of the map to tell greedy continuations).
-    ``text_offset``: where each token's text starts, counted from the first token of ``token_ids``.
+    ``text_offset``: where each token's text starts in the choice's text, the first at ``start``.
     """
     tokens, values, tops, offsets = [], [], [], []
-    offset = 0
+    offset = start
     for token_id, e in zip(token_ids, entries, strict=True):
         s = text.text(token_id)
         tokens.append(s)

@@ -41,16 +41,20 @@ def run(args: argparse.Namespace) -> int:
             "fastapi, uvicorn, prometheus-client and jinja2 installed (pip install 'ortpa[serve]')",
             str(exc),
         ) from None
+    from ortpa.cli.serve_source import serving_source
+
+    model = serving_source(args.model, args.revision, cache_dir=args.cache_dir, quiet=args.quiet, options=[])
+    revision = args.revision if model == args.model else None  # a cache entry is a plain folder
     if args.quiet:
         log_level = "error"
     else:
         log_level = "info" if args.verbose else "warning"
-        print(f"ortpa serve: loading {args.model}", file=sys.stderr, flush=True)
+        print(f"ortpa serve: loading {model}", file=sys.stderr, flush=True)
     served = ServingModel.load(
-        args.model,
-        revision=args.revision,
+        model,
+        revision=revision,
         tokenizer=args.tokenizer,
-        name=args.served_model_name,
+        name=args.served_model_name or args.model,
         num_blocks=args.num_blocks,
         kv_budget_bytes=None if args.kv_memory is None else int(args.kv_memory * (1 << 30)),
         block_size=args.block_size,
@@ -95,7 +99,11 @@ def register(sub) -> None:
         '-d \'{"model": "tiny", "prompt": "Hello", "max_tokens": 8}\'',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a converted (paged) ONNX model" + MODEL_HELP)
+    p.add_argument(
+        "model",
+        help="a converted (paged) ONNX model, or what to convert once into --cache-dir first: a dense ONNX "
+        "model, a Hugging Face checkpoint folder, or ORG/NAME in the local hub cache" + MODEL_HELP,
+    )
     add_revision(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=_bounded(int, 1, 65535, "a port number 1..65535"), default=8000)
@@ -126,6 +134,11 @@ def register(sub) -> None:
         type=_positive(int),
         default=None,
         help="tokens per request, prompt + completion (default: the model's); longer requests get a 400",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where conversions made for serving are kept (default: $ORTPA_CACHE_DIR or ~/.cache/ortpa/serve)",
     )
     p.add_argument("--no-access-log", action="store_true", help="no line per request on stderr")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")

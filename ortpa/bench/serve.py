@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 
 from ortpa.bench import format_table
+from ortpa.bench._serve_overhead import overhead_rows
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
 
 __all__ = ["run"]
@@ -150,6 +151,8 @@ def run(quick: bool = False) -> list[dict]:
         with _server(folder) as api:
             asyncio.run(_level(api, work[:4], 4, seed=99))  # warm-up: first-run allocations, connections
             results = {c: asyncio.run(_level(api, work, c, seed=c)) for c in CONCURRENCY}
+            prompts = [p for p, _ in work[: 16 if quick else 32]]
+            extras = overhead_rows(api, NAME, prompts, quick=quick, notes=f"toy LM vocab {CONFIG.vocab}; {env}")
     base = results[1]["tokens"] / results[1]["elapsed"]
     for c, r in results.items():
         name = f"serve c={c}"
@@ -183,7 +186,7 @@ def run(quick: bool = False) -> list[dict]:
                         "notes": "",
                     }
                 )
-    return rows
+    return rows + extras
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
 from ortpa.model.file import LoadedModel
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
-from ortpa.runtime.logits_processing import token_logprobs
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
 from ortpa.runtime.prefix_cache import PrefixCache
+from ortpa.runtime.prompt_scoring import score_prompts
 from ortpa.runtime.sampling import RowContext, Sampler, SamplingParams, TokenLogprobs, sample_rows
 from ortpa.runtime.scheduler import (
     InvalidRequest,
@@ -217,22 +217,14 @@ class Engine:
         logits = self.session.run(feeds, ["logits"])["logits"]
         rows = self._rows_per_sequence(logits, len(plan.chunks), len(ids), inputs.last_token_indices)
         if any(c.request.prompt_scores is not None for c in plan.chunks):
-            self._score_prompts(plan.chunks, logits, rows)
+            score_prompts(plan.chunks, logits, rows)
         self.scheduler.commit(plan.chunks)
 
+        # one batched choice for every chunk that reached its request's last token (and has tokens to generate)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples and c.request.sampler.params.max_new_tokens > 0]
-        chosen = iter(
-            sample_rows(
-                rows[sampling],
-                [plan.chunks[i].request.sampler for i in sampling],
-                [
-                    RowContext(c.request.sampler.params, c.request.tokens, c.request.prompt_len)
-                    for c in (plan.chunks[i] for i in sampling)
-                ],
-            )
-            if sampling
-            else ()
-        )
+        reqs = [plan.chunks[i].request for i in sampling]
+        contexts = [RowContext(r.sampler.params, r.tokens, r.prompt_len) for r in reqs]
+        chosen = iter(sample_rows(rows[sampling], [r.sampler for r in reqs], contexts) if sampling else ())
         outputs = []
         for chunk in plan.chunks:
             if not chunk.samples:
@@ -267,26 +259,6 @@ class Engine:
             lps = None if picked.logprobs is None else (picked.logprobs,)
             outputs.append(RequestOutput(req.request_id, (token,), status is not None, reason, lps, prompt_lps))
         return outputs
-
-    def _score_prompts(self, chunks: Sequence, logits: np.ndarray, rows: np.ndarray) -> None:
-        """The prompt log-probabilities this step's logits give (a row at position p scores token p + 1)."""
-        per_token = logits.shape[0] != len(chunks) or all(c.num_tokens == 1 for c in chunks)
-        where, targets, tops, slots = [], [], [], []
-        offset = 0
-        for i, c in enumerate(chunks):
-            req, start, n = c.request, c.start, c.num_tokens
-            if req.prompt_scores is not None:
-                first = start if per_token else start + n - 1  # positions whose logits row this step has
-                for pos in range(first, min(start + n, req.prompt_len - 1)):
-                    where.append(offset + pos - start if per_token else i)
-                    targets.append(req.tokens[pos + 1])
-                    tops.append(req.sampler.params.prompt_logprobs)
-                    slots.append((req, pos + 1))
-            offset += n
-        if where:
-            table = logits if per_token else rows
-            for (req, slot), lp in zip(slots, token_logprobs(table[where], targets, tops), strict=True):
-                req.prompt_scores[slot] = lp
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None

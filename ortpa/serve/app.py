@@ -204,7 +204,7 @@ def _max_tokens(
         requested = 16 if not chat else (limit - longest if limit is not None else 256)
         requested = max(requested, 1)
     elif requested < (0 if echo else 1):  # echo with max_tokens 0 scores the prompt alone
-        expected = "an integer >= 0 (with 'echo': true)" if echo else "an integer >= 1"
+        expected = "an integer >= 0 (with 'echo': true)" if echo else "an integer >= 1 (0 only with 'echo': true)"
         raise ApiError(400, f"'max_tokens': expected {expected}, found {requested}", param="max_tokens")
     if limit is not None and longest + requested > limit:
         raise ApiError(

@@ -158,3 +158,17 @@ def test_access_log_names_each_request(server, client):
     lines = [line for line in server.output().splitlines() if got.id in line]
     assert len(lines) == 1 and " POST /v1/completions 200 " in lines[0], lines
     assert f"completion_tokens={got.usage.completion_tokens}" in lines[0] and lines[0].endswith("s")
+
+
+def test_echo_streamed_equals_whole_with_usage_in_every_chunk(client, tokenizer):
+    kw = {"model": MODEL_NAME, "prompt": PROMPT_IDS[0], "max_tokens": 4, "temperature": 0, "echo": True}
+    whole = client.completions.create(**kw, logprobs=1).choices[0]
+    assert whole.text.startswith(tokenizer.decode(PROMPT_IDS[0])) and len(whole.logprobs.tokens) == 9 + 4
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(**kw, logprobs=1, stream=True, stream_options=options))
+    assert "".join(c.text for ch in chunks for c in ch.choices) == whole.text
+    parts = [c.logprobs for ch in chunks for c in ch.choices if c.logprobs]
+    assert [v for p in parts for v in p.token_logprobs] == whole.logprobs.token_logprobs
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert all(ch.usage is not None for ch in chunks) and counts == sorted(counts) and counts[-1] == 4
+    assert chunks[-1].choices == []

@@ -17,8 +17,9 @@ from tolerances import FAMILY_EXTRA_ATOL
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model
-from ortpa.rewriter.attention import AttentionLayer, LayerFailure, match_attention_layers
+from ortpa.rewriter.layer import AttentionLayer, LayerFailure
 from ortpa.rewriter.pipeline import convert
+from ortpa.rewriter.recognisers.decomposed import match_attention_layers
 
 # (fixture, convert options)
 CASES = [

@@ -30,7 +30,7 @@ from ortpa.errors import InvalidArgument, InvalidModel, InvalidParameter, KVPool
 from ortpa.model.file import LoadedModel, ort_message_line, read_model
 from ortpa.model.ref import resolve_any
 from ortpa.ops.backends import backend_for_provider
-from ortpa.ops.portable_calls import lowered_cache_ports
+from ortpa.ops.portable.calls import lowered_cache_ports
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
 from ortpa.runtime.device import best_providers

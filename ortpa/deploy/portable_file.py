@@ -32,6 +32,7 @@ from ortpa.errors import ConversionError
 from ortpa.ops.portable import LayerCall, layer_call, lower_nodes, node_attributes, value_types
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import OP_TYPE, PAGED_ATTENTION
+from ortpa.providers import CPU
 
 __all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "portable_info"]
 
@@ -206,7 +207,7 @@ def _check_session(proto: onnx.ModelProto, path: Path) -> None:
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        ort.InferenceSession(_weightless(proto).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(_weightless(proto).SerializeToString(), opts, providers=[CPU])
     except Exception as exc:
         line = " ".join(str(exc).split())[:500]
         raise ConversionError(f"--portable: ONNX Runtime (CPU) rejects the lowered {path.name}: {line}") from None

@@ -36,8 +36,8 @@ import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from iobind import bind_cpu
-from tolerances import assert_close
+from support.iobind import bind_cpu
+from support.tolerances import assert_close
 
 from ortpa.ops.oracle import paged_attention
 from ortpa.ops.portable import portable_single_node_model

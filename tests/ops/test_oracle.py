@@ -8,7 +8,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from tolerances import assert_close
+from support.tolerances import assert_close
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
 from ortpa.ops.oracle import paged_attention

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from parity import FIXTURES, attrs, check_near_miss, near_miss, paged_nodes, run_parity
-from tolerances import FAMILY_EXTRA_ATOL
+from support.parity import FIXTURES, attrs, check_near_miss, near_miss, paged_nodes, run_parity
+from support.tolerances import FAMILY_EXTRA_ATOL
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model

@@ -12,7 +12,7 @@ import hashlib
 import numpy as np
 import onnx
 import pytest
-from parity import FIXTURES, attrs, check_near_miss, near_miss, run_parity
+from support.parity import FIXTURES, attrs, check_near_miss, near_miss, run_parity
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model

@@ -21,8 +21,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper
-from parity import FIXTURES, run_parity
-from tolerances import assert_close
+from support.parity import FIXTURES, run_parity
+from support.tolerances import assert_close
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from flow_spy import record_sink_kinds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
+from support.flow_spy import record_sink_kinds
+from support.tolerances import assert_close
 from test_per_sequence import FIXTURES, NEW_TOKENS, _paged, _prompts, _toposorted
-from tolerances import assert_close
 
 from ortpa.errors import ConversionError
 from ortpa.parity.greedy import dense_greedy, open_dense, paged_greedy

@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 from genai_toy import GqaToy, gqa_toy_model
-from parity import attrs, paged_nodes, run_parity
+from support.parity import attrs, paged_nodes, run_parity
 
 from ortpa.errors import ConversionError
 from ortpa.rewriter.layer import AttentionLayer

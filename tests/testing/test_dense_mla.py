@@ -14,7 +14,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import onnxscript.optimizer
 import pytest
-from tolerances import assert_close
+from support.tolerances import assert_close
 
 from ortpa.errors import OrtpaError
 from ortpa.parity.greedy import dense_greedy, paged_greedy

@@ -36,8 +36,8 @@ class TorchModel:
 def export_matches_torch(dense_path, model, *, steps: int = 3, seed: int = 0) -> float:
     """Prefill 7 tokens then ``steps`` single-token decodes on the ONNX export and on ``model`` (feeding the
     export's present KV back); every logits row within ``EXPORT_ATOL`` (fp32 export). Returns the max abs error."""
-    from parity import DenseModel
-    from tolerances import EXPORT_ATOL
+    from support.parity import DenseModel
+    from support.tolerances import EXPORT_ATOL
 
     onnx_model, ref = DenseModel(dense_path), TorchModel(model)
     a, b = onnx_model.new(), ref.new()

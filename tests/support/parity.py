@@ -17,15 +17,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from tolerances import assert_close, max_tie_flips, tie_bound
 
 from ortpa.parity.greedy import open_dense
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
+from support.tolerances import assert_close, max_tie_flips, tie_bound
 
 __all__ = ["DenseModel", "ParityResult", "attrs", "check_near_miss", "near_miss", "paged_nodes", "run_parity"]
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BLOCK_SIZE, NUM_BLOCKS = 16, 24
 PROMPTS = (("A", 5), ("B", 11), ("C", 3))
 LATE_PROMPT, LEAVER, JOIN_STEP = ("D", 6), "C", 4

@@ -31,7 +31,7 @@ THRESHOLD = 32  # the fixtures' original_max_position_embeddings
 NEW_TOKENS = 8
 LENGTHS = (5, 45, 28)
 # fp32 / int4: GroupQueryAttention with in-op RoPE (RoPE moves into the graph); fp16: RotaryEmbedding nodes in the
-# graph, whose tables become one row per packed token (ortpa.rewriter.rope_choice)
+# graph, whose tables become one row per packed token (ortpa.rewriter.per_sequence.rope_choice)
 NAMES = ("genai_phi3_longrope_fp32", "genai_phi3_longrope_fp16", "genai_phi3_longrope_int4")
 
 

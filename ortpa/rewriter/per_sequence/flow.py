@@ -7,7 +7,7 @@ op reads the sequence boundaries itself). From them a forward pass over the live
 
 * ``const``: no dependence on the step's tokens;
 * ``count``: an integer computed from the step's token count (``Shape`` of a per-token value); checked by
-  :func:`ortpa.rewriter.per_sequence._token_counts`, which allows it only as a size;
+  :func:`ortpa.rewriter.per_sequence.reductions._token_counts`, which allows it only as a size;
 * ``token``: one axis (``axis``) is the packed token axis and each slice along it depends on its own token only;
 * ``enum``: like ``token``, but the values hold each token's index in the packed step (``Range(0, count, 1)``, or
   rows ``0..count-1`` of a constant table): alone, a sequence would see its own indices ``0..len-1``. Used only

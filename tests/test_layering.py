@@ -9,6 +9,7 @@ both import). The layers, top to bottom, are the ones docs/architecture.md draws
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ortpa"
@@ -70,6 +71,7 @@ def _imports(name: str, path: Path, known: set[str], *, typing: bool) -> set[str
     return found
 
 
+@functools.cache  # one parse of the package per test session (read-only results)
 def _graph(*, typing: bool = False) -> dict[str, set[str]]:
     """Module -> the modules it imports when it runs; with ``typing``, those its TYPE_CHECKING imports add."""
     mods = _modules()

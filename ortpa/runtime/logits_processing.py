@@ -16,6 +16,7 @@ control (to build index arrays), never over the vocabulary. A row's result depen
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,13 +100,14 @@ def process_logits(logits: np.ndarray, rows: Sequence[RowContext]) -> np.ndarray
             x, copied = x.copy(), True
         return x
 
-    # logit_bias: one scatter-add over every biased (row, token) pair
-    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    # logit_bias: one scatter-add over every biased (row, token) pair (each pair once: a request's ids are unique)
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if biased:
-        r_idx = np.concatenate([np.full(len(b), i) for i, b in biased])
-        t_idx = np.concatenate([np.fromiter((t for t, _ in b), np.int64, len(b)) for _, b in biased])
-        vals = np.concatenate([np.fromiter((v for _, v in b), np.float32, len(b)) for _, b in biased])
-        np.add.at(writable(), (r_idx, t_idx), vals)
+        r_idx = np.repeat(biased, [len(rows[i].params.logit_bias) for i in biased])
+        t_idx = np.concatenate([rows[i].params._bias_ids for i in biased])
+        vals = np.concatenate([rows[i].params._bias_values for i in biased])
+        keep = t_idx < vocab
+        writable()[r_idx[keep], t_idx[keep]] += vals[keep]
 
     # repetition penalty (prompt + output, vLLM / CTRL): positive logits divided, negative multiplied
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
@@ -147,11 +149,9 @@ def process_logits(logits: np.ndarray, rows: Sequence[RowContext]) -> np.ndarray
 
 def _token_counts(vocab: int, sequences: Sequence[Sequence[int]]) -> np.ndarray:
     """``[len(sequences), vocab]`` occurrences of each token id (ids past the vocabulary are not counted)."""
-    counts = np.zeros((len(sequences), vocab), np.float32)
     lengths = [len(s) for s in sequences]
-    if sum(lengths):
-        r_idx = np.repeat(np.arange(len(sequences)), lengths)
-        t_idx = np.concatenate([np.asarray(s, np.int64) for s in sequences if len(s)])
-        keep = (t_idx >= 0) & (t_idx < vocab)
-        np.add.at(counts, (r_idx[keep], t_idx[keep]), 1.0)
-    return counts
+    t_idx = np.fromiter(itertools.chain.from_iterable(sequences), np.int64, sum(lengths))
+    flat = np.repeat(np.arange(len(sequences), dtype=np.int64) * vocab, lengths) + t_idx
+    flat = flat[(t_idx >= 0) & (t_idx < vocab)]
+    counts = np.bincount(flat, minlength=len(sequences) * vocab)
+    return counts.reshape(len(sequences), vocab).astype(np.float32)

@@ -103,6 +103,9 @@ class SamplingParams:
         if len({t for t, _ in bias}) != len(bias):
             raise InvalidSamplingParams("logit_bias", "each token id once", self.logit_bias)
         object.__setattr__(self, "logit_bias", bias)
+        # the same pairs as arrays, made once: the sampler scatters them every step
+        object.__setattr__(self, "_bias_ids", np.array([t for t, _ in bias], np.int64))
+        object.__setattr__(self, "_bias_values", np.array([v for _, v in bias], np.float32))
         if self.constraint is not None and not isinstance(self.constraint, TokenConstraint):
             raise InvalidSamplingParams("constraint", "a TokenConstraint or None", type(self.constraint).__name__)
 

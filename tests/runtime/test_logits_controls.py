@@ -4,6 +4,8 @@ against the dense NumPy model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -101,7 +103,7 @@ def test_a_row_is_processed_the_same_alone_and_batched():
 def test_sampled_tokens_and_logprobs_are_the_same_alone_and_batched():
     logits, ctx = _rows(2)
     params = [
-        SamplingParams(**{**p.__dict__, "temperature": 0.8 * (i % 2), "seed": i, "top_k": i % 3, "logprobs": i % 4})
+        dataclasses.replace(p, temperature=0.8 * (i % 2), seed=i, top_k=i % 3, logprobs=i % 4)
         for i, p in enumerate(CASES)
     ]
     ctx = [RowContext(p, c.tokens, c.prompt_len) for p, c in zip(params, ctx, strict=True)]

@@ -94,6 +94,7 @@ def register(sub) -> None:
         "tokenizer_config.json (chat template), generation_config.json (EOS) and config.json (context length) "
         "beside the model are used. SIGTERM drains in-flight requests, then exits.",
         epilog="examples:\n  ortpa serve out/paged.onnx --port 8000\n"
+        "  ortpa serve meta-llama/Llama-3.2-1B   (from the local HF cache: converted once, reused after)\n"
         "  ortpa serve out/ --served-model-name tiny --api-key secret --kv-memory 2\n"
         "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' "
         '-d \'{"model": "tiny", "prompt": "Hello", "max_tokens": 8}\'',

@@ -69,7 +69,7 @@ def _server(folder: Path):
     cmd = [sys.executable, "-m", "ortpa", "serve", str(folder), "--port", str(port), "--served-model-name", NAME]
     # one ONNX Runtime thread, as the engine benchmark: client and server share the cores, and a spinning
     # thread pool would take them from the event loop and the client (3x slower steps measured on 2 busy cores)
-    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet"]
+    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet", "--no-access-log"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         drain_s=args.drain_timeout,
         log_level=log_level,
-        access_log=not args.no_access_log,
+        access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
     )
     return EXIT_OK
 
@@ -141,7 +141,7 @@ def register(sub) -> None:
         default=None,
         help="where conversions made for serving are kept (default: $ORTPA_CACHE_DIR or ~/.cache/ortpa/serve)",
     )
-    p.add_argument("--no-access-log", action="store_true", help="no line per request on stderr")
+    p.add_argument("--no-access-log", action="store_true", help="no line per request on stderr (--quiet implies it)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish")
     add_common(p)

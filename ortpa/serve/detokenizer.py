@@ -27,16 +27,20 @@ class TextStream:
     """One choice's text. ``push`` tokens as they come, send what it returns; ``finish`` flushes the rest.
 
     ``skip_ids`` (EOS ids) are not decoded: ``ortpa generate`` drops them from its text the same way.
-    ``stopped`` turns true once a stop string matched; later tokens are ignored.
+    ``stopped`` turns true once a stop string matched; later tokens are ignored. ``context``: tokens that come
+    before (the end of an echoed prompt), decoded only as the first window, so that the first delta carries the
+    space a tokenizer puts after them; without it the text is decoded on its own.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str] = (), skip_ids: Iterable[int] = (), context: Sequence[int] = ()
+    ) -> None:
         self._tok = tokenizer
         self._stop = [s for s in stop if s]
         self._skip = frozenset(skip_ids)
-        self._ids: list[int] = []
+        self._ids: list[int] = [t for t in context if t not in self._skip]
         self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens whose text is already in self._text
+        self._read = len(self._ids)  # tokens whose text is already in self._text (the context's is not)
         self._text = ""  # decoded text so far (before stop-string truncation)
         self._sent = 0  # characters of self._text already returned
         self.stopped = False

@@ -17,6 +17,8 @@ from ortpa.serve.protocol import ApiError
 
 __all__ = ["Admission", "Choice", "Delta", "Generation", "sampling_params"]
 
+_ECHO_CONTEXT = 6  # prompt tokens an echoed completion is decoded after (vLLM's incremental window)
+
 
 @dataclass(frozen=True)
 class Delta:
@@ -107,7 +109,9 @@ class Generation:
         try:
             for p, prompt in enumerate(prompts):
                 for j in range(n):
-                    stream = TextStream(self.served.tokenizer, stop, params[j].stop_token_ids)
+                    # an echoed completion is decoded after the prompt's last tokens: the space between them shows
+                    context = prompt[-_ECHO_CONTEXT:] if echo is not None else ()
+                    stream = TextStream(self.served.tokenizer, stop, params[j].stop_token_ids, context)
                     choice = Choice(len(self.choices), list(prompt), stream, None if echo is None else echo[p])
                     self.choices.append(choice)
                     batch.append((prompt, params[j]))

@@ -100,9 +100,9 @@ class Generation:
     ) -> None:
         """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued. ``echo``: each
         prompt's text, sent first in its choices' text."""
-        params = [
-            sampling_params(body, max_tokens, j, self.served.eos_token_ids, self.served.vocab_size) for j in range(n)
-        ]  # checked before anything is admitted
+        # one SamplingParams per choice (a choice's constraint is its own state), all checked before admission
+        vocab, eos = self.served.vocab_size, self.served.eos_token_ids
+        params = [[sampling_params(body, max_tokens, j, eos, vocab) for j in range(n)] for _ in prompts]
         self.admission.take(len(prompts) * n)
         self._admitted = len(prompts) * n
         batch = []
@@ -111,10 +111,10 @@ class Generation:
                 for j in range(n):
                     # an echoed completion is decoded after the prompt's last tokens: the space between them shows
                     context = prompt[-_ECHO_CONTEXT:] if echo is not None else ()
-                    stream = TextStream(self.served.tokenizer, stop, params[j].stop_token_ids, context)
+                    stream = TextStream(self.served.tokenizer, stop, params[p][j].stop_token_ids, context)
                     choice = Choice(len(self.choices), list(prompt), stream, None if echo is None else echo[p])
                     self.choices.append(choice)
-                    batch.append((prompt, params[j]))
+                    batch.append((prompt, params[p][j]))
             ids = await self.bridge.submit_all(batch, self._sink)
         except ShuttingDown as exc:
             self.close()

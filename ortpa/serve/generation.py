@@ -111,10 +111,11 @@ class Generation:
                 for j in range(n):
                     # an echoed completion is decoded after the prompt's last tokens: the space between them shows
                     context = prompt[-_ECHO_CONTEXT:] if echo is not None else ()
-                    stream = TextStream(self.served.tokenizer, stop, params[p][j].stop_token_ids, context)
+                    one = params[p][j]
+                    stream = TextStream(self.served.tokenizer, stop, one.stop_token_ids, context, one.min_tokens)
                     choice = Choice(len(self.choices), list(prompt), stream, None if echo is None else echo[p])
                     self.choices.append(choice)
-                    batch.append((prompt, params[p][j]))
+                    batch.append((prompt, one))
             ids = await self.bridge.submit_all(batch, self._sink)
         except ShuttingDown as exc:
             self.close()

@@ -26,8 +26,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy (argmax, lowest token id on ties) and ignores ``top_k`` / ``top_p`` / ``seed``.
     ``top_k == 0`` and ``top_p == 1.0`` disable those filters. A request stops after ``max_new_tokens`` tokens or
     right after emitting any of ``stop_token_ids`` (the stop token is part of the output). A ``constraint``
-restricts every token to those its grammar allows (applied by the engine to the batch's logits before the
-filters above) and ends the request with "stop" once its grammar is complete.
+    restricts every token to those its grammar allows (applied by the engine to the batch's logits before the
+    filters above) and ends the request with "stop" once its grammar is complete.
     """
 
     max_new_tokens: int = 16

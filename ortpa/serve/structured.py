@@ -14,6 +14,7 @@ A schema may opt back in with ``"x-guidance": {"whitespace_flexible": true}``.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from ortpa.serve.protocol import ApiError
 __all__ = ["GrammarConstraint", "Grammars", "GuidedGrammar", "choice_grammar", "guided_grammar", "json_grammar"]
 
 _JSON_DEFAULTS = {"whitespace_flexible": False}
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ class GrammarConstraint:
         return mask
 
     def advance(self, token_id: int) -> None:
-        self._matcher.consume_token(int(token_id))
+        if not self._matcher.consume_token(int(token_id)):  # its own mask allowed it: a grammar engine fault
+            _log.warning("structured output: token %d left the grammar: %s", token_id, self._matcher.get_error())
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())

@@ -46,3 +46,20 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.api, api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def structured_server(tmp_path_factory) -> Iterator[Server]:
+    """A server whose tokenizer can spell JSON and whose template takes tools (structured output, tool calls)."""
+    from serve.structured_fixtures import write_structured_folder
+
+    folder = write_structured_folder(tmp_path_factory.mktemp("structured"))
+    with serve(folder, "--num-blocks", "256") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def structured_client(structured_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=structured_server.api, api_key="unused", timeout=60, max_retries=0)

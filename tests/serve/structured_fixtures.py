@@ -1,0 +1,58 @@
+"""A served folder for structured output and tool calls: the Llama fixture (vocab 256) with a byte-level BPE
+tokenizer that can spell JSON (the word-level one of ``helpers`` cannot), and a Hermes-style tool template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+
+from serve.helpers import CONTEXT, EOS, SOURCE, VOCAB
+
+__all__ = ["TOOL_TEMPLATE", "write_byte_tokenizer", "write_structured_folder"]
+
+# Hermes / Qwen form: tools listed as JSON in the prompt, calls as JSON in <tool_call> tags, results as "tool" turns
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}system tools: {% for t in tools %}{{ t | tojson }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}tool {{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}assistant "
+    "{% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}\n{% else %}{{ m['role'] }} {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+_CORPUS = [
+    '{"name": "paged", "value": 12, "ok": true, "tags": ["a", "b"]}',
+    "the paged latent cache holds one row per token and layer",
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    "user hello world assistant system tool null false 0123456789",
+]
+
+
+def write_byte_tokenizer(path: Path):
+    """Byte-level BPE: <s> and </s> (ids 0, 1), the printable ASCII bytes and newline, merges up to VOCAB ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    ((alphabet, _),) = byte_level.pre_tokenize_str("".join(map(chr, [10, *range(32, 127)])))
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"], initial_alphabet=list(alphabet))
+    tokenizer.train_from_iterator(_CORPUS * 50, trainer)
+    tokenizer.save(str(path))
+    return Tokenizer.from_file(str(path))
+
+
+def write_structured_folder(folder: Path) -> Path:
+    import ortpa
+
+    onnx.save(ortpa.convert(onnx.load(str(SOURCE))), str(folder / "model.onnx"))
+    write_byte_tokenizer(folder / "tokenizer.json")
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TOOL_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT}))
+    return folder

@@ -86,12 +86,17 @@ class ToolCallStream:
 
     def __init__(self) -> None:
         self._held = ""  # text not yet passed on
-        self._state = "start"  # start -> text | tagged | json
+        self._state = "start"  # start -> text | tagged | json; tagged -> between (after a call) -> text | tagged
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         self._held += text
         out, calls = "", []
         while True:
+            if self._state == "between":  # blanks between and after calls are layout, not content
+                self._held = self._held.lstrip()
+                if not self._held:
+                    return out, calls
+                self._state = "text"
             if self._state == "start":
                 head = self._held.lstrip()
                 if not head or any(m.startswith(head) for m in (_OPEN, _PYTHON_TAG)):
@@ -122,8 +127,7 @@ class ToolCallStream:
                 out += self._held[: end + len(_CLOSE)]
             else:
                 calls.append(call)
-            # blanks between and after calls are layout, not content
-            self._held, self._state = self._held[end + len(_CLOSE) :].lstrip(), "text"
+            self._held, self._state = self._held[end + len(_CLOSE) :], "text" if call is None else "between"
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What is held at the end: calls if it parses as calls, else content."""

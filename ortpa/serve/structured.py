@@ -141,19 +141,30 @@ class Grammars:
         self._lock = threading.Lock()
         self._ll: Any = None
 
-    def _ll_tokenizer(self) -> Any:
+    def _ll_tokenizer(self, param: str) -> Any:
         with self._lock:
             if self._ll is None:
                 import llguidance as llg
 
-                self._ll = llg.LLTokenizer(self._tokenizer.to_str(), eos_token=self._eos or None)
+                try:
+                    self._ll = llg.LLTokenizer(self._tokenizer.to_str(), eos_token=self._eos or None)
+                except ValueError as exc:  # a tokenizer whose token bytes it cannot work out (WordPiece, ...)
+                    self._ll = exc
+            if isinstance(self._ll, ValueError):
+                raise ApiError(
+                    400,
+                    f"'{param}': structured output is not available for this model: its tokenizer.json cannot be "
+                    f"read by the grammar engine (llguidance: {self._ll})",
+                    param=param,
+                    code="structured_output_unsupported",
+                )
             return self._ll
 
     def constraint(self, guided: GuidedGrammar) -> GrammarConstraint:
         """A fresh matcher for one choice; a grammar llguidance refuses, or one no token can start, is a 400."""
         import llguidance as llg
 
-        tok = self._ll_tokenizer()
+        tok = self._ll_tokenizer(guided.param)
         matcher = llg.LLMatcher(tok, guided.grammar, log_level=0)  # never raises: errors are its state
         if matcher.is_error():
             raise ApiError(400, f"'{guided.param}': {matcher.get_error()}", param=guided.param, code="invalid_grammar")

@@ -12,9 +12,11 @@ from serve.helpers import CONTEXT, EOS, SOURCE, VOCAB
 
 __all__ = ["TOOL_TEMPLATE", "write_byte_tokenizer", "write_structured_folder"]
 
-# Hermes / Qwen form: tools listed as JSON in the prompt, calls as JSON in <tool_call> tags, results as "tool" turns
+# Hermes / Qwen form: calls as JSON in <tool_call> tags, results as "tool" turns. The tools are listed by name only
+# (real templates write their whole JSON): the fixture model has 256 positions and a byte-level vocabulary.
 TOOL_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}system tools: {% for t in tools %}{{ t | tojson }} {% endfor %}\n{% endif %}"
+    "{{ bos_token }}{% if tools %}system tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n"
+    "{% endif %}"
     "{% for m in messages %}{% if m['role'] == 'tool' %}tool {{ m['content'] }}\n"
     "{% elif m['role'] == 'assistant' and m['tool_calls'] %}assistant "
     "{% for c in m['tool_calls'] %}<tool_call>"

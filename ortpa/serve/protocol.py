@@ -83,7 +83,7 @@ class StructuredOutputs(_Strict):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    json: dict[str, Any] | str | None = None
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
 

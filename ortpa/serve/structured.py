@@ -88,8 +88,8 @@ def guided_grammar(body: Any) -> GuidedGrammar | None:
         found.append(choice_grammar(body.guided_choice, "guided_choice"))
     if body.structured_outputs is not None:
         so = body.structured_outputs
-        if so.json is not None:
-            found.append(json_grammar(so.json, "structured_outputs.json"))
+        if so.json_ is not None:
+            found.append(json_grammar(so.json_, "structured_outputs.json"))
         if so.regex is not None:
             found.append(GuidedGrammar(llg.LLMatcher.grammar_from_regex(so.regex), "structured_outputs.regex"))
         if so.choice is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 
+from ortpa.testing.byte_tokenizer import write_byte_tokenizer as _write
 from serve.helpers import CONTEXT, EOS, SOURCE, VOCAB
 
 __all__ = ["TOOL_TEMPLATE", "write_byte_tokenizer", "write_structured_folder"]
@@ -25,27 +26,10 @@ TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}assistant {% endif %}"
 )
 
-_CORPUS = [
-    '{"name": "paged", "value": 12, "ok": true, "tags": ["a", "b"]}',
-    "the paged latent cache holds one row per token and layer",
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
-    "user hello world assistant system tool null false 0123456789",
-]
-
 
 def write_byte_tokenizer(path: Path):
-    """Byte-level BPE: <s> and </s> (ids 0, 1), the printable ASCII bytes and newline, merges up to VOCAB ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    ((alphabet, _),) = byte_level.pre_tokenize_str("".join(map(chr, [10, *range(32, 127)])))
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"], initial_alphabet=list(alphabet))
-    tokenizer.train_from_iterator(_CORPUS * 50, trainer)
-    tokenizer.save(str(path))
-    return Tokenizer.from_file(str(path))
+    """The byte-level BPE of ``ortpa.testing`` at the fixture model's vocabulary size (ids 0..VOCAB-1)."""
+    return _write(path, VOCAB)
 
 
 def write_structured_folder(folder: Path) -> Path:

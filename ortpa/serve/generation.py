@@ -83,7 +83,7 @@ def sampling_params(body: Any, max_tokens: int, choice: int, eos: Sequence[int])
             top_k=0 if body.top_k == -1 else body.top_k,
             top_p=body.top_p,
             seed=seed,
-            stop_token_ids=tuple(eos),
+            stop_token_ids=() if getattr(body, "ignore_eos", False) else tuple(eos),
         )
     except InvalidSamplingParams as exc:
         param = {"max_new_tokens": "max_tokens"}.get(exc.name, exc.name)

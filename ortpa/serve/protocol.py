@@ -101,6 +101,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    ignore_eos: bool = False  # vLLM's extension (load tools send it for fixed output lengths)
     # OpenAI fields the engine cannot honour: accepted only at their neutral value
     logprobs: Any = None
     presence_penalty: float = 0.0

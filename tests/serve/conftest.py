@@ -49,12 +49,16 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def structured_server(tmp_path_factory) -> Iterator[Server]:
-    """A server whose tokenizer can spell JSON and whose template takes tools (structured output, tool calls)."""
+def structured_folder(tmp_path_factory) -> Path:
     from serve.structured_fixtures import write_structured_folder
 
-    folder = write_structured_folder(tmp_path_factory.mktemp("structured"))
-    with serve(folder, "--num-blocks", "256") as s:
+    return write_structured_folder(tmp_path_factory.mktemp("structured"))
+
+
+@pytest.fixture(scope="session")
+def structured_server(structured_folder) -> Iterator[Server]:
+    """A server whose tokenizer can spell JSON and whose template takes tools (structured output, tool calls)."""
+    with serve(structured_folder, "--num-blocks", "256") as s:
         yield s
 
 

@@ -17,6 +17,9 @@ _CORPUS = [
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
     "user hello world assistant system tool null false 0123456789",
 ]
+# every two-letter word: enough pairs that merges fill a vocabulary of several hundred ids (a model's logits
+# row wider than the tokenizer would otherwise produce ids that decode to nothing)
+_PAIRS = " ".join(a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz")
 
 
 def write_byte_tokenizer(path: Path, vocab_size: int):
@@ -31,6 +34,6 @@ def write_byte_tokenizer(path: Path, vocab_size: int):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=list(alphabet), show_progress=False
     )
-    tokenizer.train_from_iterator(_CORPUS * 50, trainer)
+    tokenizer.train_from_iterator(_CORPUS * 50 + [_PAIRS] * 3, trainer)
     tokenizer.save(str(path))
     return Tokenizer.from_file(str(path))

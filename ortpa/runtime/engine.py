@@ -208,6 +208,7 @@ class Engine:
         rows = self._rows_per_sequence(logits, len(plan.chunks), len(ids), inputs.last_token_indices)
         self.scheduler.commit(plan.chunks)
 
+        rows = _apply_constraints(rows, plan.chunks)
         outputs = []
         for row, chunk in zip(rows, plan.chunks, strict=True):
             if not chunk.samples:
@@ -217,9 +218,13 @@ class Engine:
             req.tokens.append(token)
             self._generated_tokens += 1
             params = req.sampler.params
+            if params.constraint is not None:
+                params.constraint.advance(token)
             status = None
             if token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
+            elif params.constraint is not None and params.constraint.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing more may follow
             elif len(req.tokens) - req.prompt_len >= params.max_new_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
@@ -349,3 +354,23 @@ class Engine:
         raise InvalidModel(
             "logits", f"expected {batch} rows (one per sequence) or {tokens} (one per token), found {logits.shape[0]}"
         )
+
+
+def _apply_constraints(rows: np.ndarray, chunks: Sequence[Any]) -> np.ndarray:
+    """The logits rows with every constrained sampling request's disallowed tokens at -inf.
+
+    The masks of the constrained rows are stacked and applied in one operation; the rows of other requests are
+    untouched (and not copied when no request of the step has a constraint).
+    """
+    picked = [
+        (i, c.request.sampler.params.constraint)
+        for i, c in enumerate(chunks)
+        if c.samples and c.request.sampler.params.constraint is not None
+    ]
+    if not picked:
+        return rows
+    index = np.array([i for i, _ in picked])
+    masks = np.stack([np.asarray(c.allowed_mask(rows.shape[1]), dtype=bool) for _, c in picked])
+    rows = np.array(rows, copy=True)  # the session's output buffer is not ours to write
+    rows[index] = np.where(masks, rows[index], -np.inf)
+    return rows

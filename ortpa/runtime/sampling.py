@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ortpa.errors import InvalidSamplingParams
+from ortpa.runtime.constraints import TokenConstraint
 
 __all__ = ["InvalidSamplingParams", "Sampler", "SamplingParams", "sample_token"]
 
@@ -24,7 +25,9 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy (argmax, lowest token id on ties) and ignores ``top_k`` / ``top_p`` / ``seed``.
     ``top_k == 0`` and ``top_p == 1.0`` disable those filters. A request stops after ``max_new_tokens`` tokens or
-    right after emitting any of ``stop_token_ids`` (the stop token is part of the output).
+    right after emitting any of ``stop_token_ids`` (the stop token is part of the output). A ``constraint``
+    restricts every token to those its grammar allows (applied by the engine to the batch's logits before the
+    filters above) and ends the request with "stop" once its grammar is complete.
     """
 
     max_new_tokens: int = 16
@@ -33,6 +36,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None  # None: fresh OS entropy per request (not reproducible)
     stop_token_ids: Sequence[int] = field(default=())
+    # structured output / forced tool calls: masks the logits before sampling, finishes the request when done
+    constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Validation raises, never asserts: asserts vanish under `python -O`.

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ortpa.serve.bridge import EngineBridge
-from ortpa.serve.chat import TemplateRenderError
+from ortpa.serve.chat import ChatTemplate, TemplateRenderError
 from ortpa.serve.generation import Admission, Generation
 from ortpa.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ortpa.serve.model import ServingModel
@@ -33,6 +33,8 @@ from ortpa.serve.protocol import (
     error_body,
     parse_body,
 )
+from ortpa.serve.structured import Grammars, GuidedGrammar, guided_grammar
+from ortpa.serve.tool_calls import forced_call_grammar, template_messages
 
 __all__ = ["ServerState", "build_app"]
 
@@ -46,6 +48,7 @@ class ServerState:
         self.metrics = ServeMetrics(served.engine.num_blocks)
         self.bridge = EngineBridge(served.engine, self.metrics)
         self.admission = Admission(served.engine.scheduler.max_num_seqs + max_queue)
+        self.grammars = Grammars(served.tokenizer, served.eos_token_ids)
         self.created = int(time.time())
 
 
@@ -117,7 +120,8 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         body = parse_body(CompletionRequest, await request.body())
         _check_common(body, served)
         prompts = _completion_prompts(body.prompt, served)
-        return await _respond(state, request, body, prompts, body.max_tokens, chat=False)
+        guided = guided_grammar(body)
+        return await _respond(state, request, body, prompts, body.max_tokens, chat=False, guided=guided)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -132,9 +136,12 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
                 param="messages",
                 code="no_chat_template",
             )
+        tools, guided = _tool_plan(body, served, served.chat_template)
         try:
             text = served.chat_template.render(
-                [m.for_template() for m in body.messages], add_generation_prompt=body.add_generation_prompt
+                template_messages([m.for_template() for m in body.messages]),
+                add_generation_prompt=body.add_generation_prompt,
+                tools=tools,
             )
         except TemplateRenderError as exc:
             raise ApiError(400, str(exc), param="messages") from None
@@ -142,7 +149,9 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         if not ids:
             raise ApiError(400, "the messages render to an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _respond(state, request, body, [ids], max_tokens, chat=True)
+        return await _respond(
+            state, request, body, [ids], max_tokens, chat=True, guided=guided, tools=tools is not None
+        )
 
     return app
 
@@ -162,6 +171,43 @@ def _check_common(body: Any, served: ServingModel) -> None:
         raise ApiError(400, f"'n': expected 1 to {MAX_N} choices, found {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+
+
+def _tool_plan(
+    body: ChatCompletionRequest, served: ServingModel, template: ChatTemplate
+) -> tuple[list[dict] | None, GuidedGrammar | None]:
+    """The tools to render (None: no tools in play) and the one grammar the request's output must follow."""
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise ApiError(400, "'tool_choice' is set but no 'tools' are given", param="tool_choice")
+    guided = guided_grammar(body)
+    if not body.tools or choice == "none":
+        return None, guided
+    if not template.supports_tools:
+        raise ApiError(
+            400,
+            f"the chat template of {served.name!r} ({template.where}) does not read a 'tools' variable, so the "
+            "model would never see the tools: send the request without 'tools', or serve a tool-calling template",
+            param="tools",
+            code="tools_not_supported",
+        )
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, f"'tools': function names must be unique, found {names}", param="tools")
+    named = choice.function.name if choice not in (None, "auto", "required") else None  # type: ignore[union-attr]
+    if named is not None and named not in names:
+        raise ApiError(
+            400, f"'tool_choice': the function {named!r} is not among the tools given ({names})", param="tool_choice"
+        )
+    if choice == "required" or named is not None:
+        if guided is not None:
+            raise ApiError(
+                400,
+                f"expected at most one output constraint, found 'tool_choice' and '{guided.param}'",
+                param=guided.param,
+            )
+        guided = GuidedGrammar(forced_call_grammar(body.tools, named, template.tool_call_tags), "tools")
+    return [t.model_dump(exclude_none=True) for t in body.tools], guided
 
 
 def _completion_prompts(prompt: Any, served: ServingModel) -> list[list[int]]:
@@ -223,12 +269,23 @@ async def _collect(gen: Generation, request: Request) -> list:
 
 
 async def _respond(
-    state: ServerState, request: Request, body: Any, prompts: list[list[int]], requested: int | None, chat: bool
+    state: ServerState,
+    request: Request,
+    body: Any,
+    prompts: list[list[int]],
+    requested: int | None,
+    chat: bool,
+    guided: GuidedGrammar | None = None,
+    tools: bool = False,
 ) -> Response:
     served = state.served
     max_tokens = _max_tokens(requested, prompts, served, chat)
+    constraints = None
+    if guided is not None:  # off the event loop: the first one builds the tokenizer's grammar tables
+        count = len(prompts) * body.n
+        constraints = await asyncio.to_thread(lambda: [state.grammars.constraint(guided) for _ in range(count)])
     gen = Generation(served, state.bridge, state.admission)
-    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings())
+    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings(), constraints=constraints, tools=tools)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = lambda: {  # noqa: E731
@@ -248,7 +305,7 @@ async def _respond(
             out = [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": "".join(c.pieces)},
+                    "message": _message(c),
                     "logprobs": None,
                     "finish_reason": c.finish_reason,
                 }
@@ -285,7 +342,7 @@ async def _respond(
                     parts = [
                         {
                             "index": d.index,
-                            "delta": {"content": d.text} if d.text else {},
+                            "delta": _chat_delta(d),
                             "logprobs": None,
                             "finish_reason": d.finish_reason,
                         }
@@ -308,3 +365,18 @@ async def _respond(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _message(choice: Any) -> dict[str, Any]:
+    text = "".join(choice.pieces)
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": text}
+    content = text if text.strip() else None
+    return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in choice.tool_calls]}
+
+
+def _chat_delta(d: Any) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": d.text} if d.text else {}
+    if d.tool_calls:  # OpenAI's shape: each call's index, id, type and function; arguments whole, in one piece
+        delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in d.tool_calls]
+    return delta

@@ -4,16 +4,19 @@ text deltas, with stop strings and EOS handled per choice."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ortpa.errors import InvalidRequest, InvalidSamplingParams
+from ortpa.runtime.constraints import TokenConstraint
 from ortpa.runtime.sampling import SamplingParams
 from ortpa.serve.bridge import EngineBridge, Refused, ShuttingDown, TokenEvent
 from ortpa.serve.detokenizer import TextStream
 from ortpa.serve.model import ServingModel
 from ortpa.serve.protocol import ApiError
+from ortpa.serve.tool_calls import ToolCall, ToolCallStream
 
 __all__ = ["Admission", "Choice", "Delta", "Generation", "sampling_params"]
 
@@ -23,6 +26,7 @@ class Delta:
     index: int
     text: str
     finish_reason: str | None
+    tool_calls: tuple[tuple[int, ToolCall], ...] = ()  # (call's index within the choice, call)
 
 
 @dataclass
@@ -34,6 +38,9 @@ class Choice:
     tokens: int = 0
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)
+    tool_stream: ToolCallStream | None = None  # set when the request has tools: calls are read out of the text
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    max_tool_calls: int | None = None  # 1 with parallel_tool_calls false
 
     @property
     def done(self) -> bool:
@@ -76,7 +83,7 @@ def sampling_params(body: Any, max_tokens: int, choice: int, eos: Sequence[int])
             top_k=0 if body.top_k == -1 else body.top_k,
             top_p=body.top_p,
             seed=seed,
-            stop_token_ids=tuple(eos),
+            stop_token_ids=() if getattr(body, "ignore_eos", False) else tuple(eos),
         )
     except InvalidSamplingParams as exc:
         param = {"max_new_tokens": "max_tokens"}.get(exc.name, exc.name)
@@ -95,8 +102,21 @@ class Generation:
         self._by_id: dict[str, Choice] = {}
         self._admitted = 0
 
-    async def start(self, prompts: list[list[int]], n: int, body: Any, max_tokens: int, stop: list[str]) -> None:
-        """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued."""
+    async def start(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        body: Any,
+        max_tokens: int,
+        stop: list[str],
+        constraints: Sequence[TokenConstraint] | None = None,
+        tools: bool = False,
+    ) -> None:
+        """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued.
+
+        ``constraints``: one per choice (prompt-major), each used by that choice alone. ``tools``: read tool calls
+        out of each choice's text (``Choice.tool_calls``, deltas' ``tool_calls``).
+        """
         self.admission.take(len(prompts) * n)
         self._admitted = len(prompts) * n
         batch = []
@@ -104,9 +124,14 @@ class Generation:
             for prompt in prompts:
                 for j in range(n):
                     params = sampling_params(body, max_tokens, j, self.served.eos_token_ids)
+                    if constraints is not None:
+                        params = dataclasses.replace(params, constraint=constraints[len(self.choices)])
                     choice = Choice(
                         len(self.choices), len(prompt), TextStream(self.served.tokenizer, stop, params.stop_token_ids)
                     )
+                    if tools:
+                        choice.tool_stream = ToolCallStream()
+                        choice.max_tool_calls = None if getattr(body, "parallel_tool_calls", True) else 1
                     self.choices.append(choice)
                     batch.append((prompt, params))
             ids = await self.bridge.submit_all(batch, self._sink)
@@ -139,7 +164,11 @@ class Generation:
                     d = self._apply(*item)
                     if d is not None:
                         prev = merged.get(d.index)
-                        merged[d.index] = d if prev is None else Delta(d.index, prev.text + d.text, d.finish_reason)
+                        merged[d.index] = (
+                            d
+                            if prev is None
+                            else Delta(d.index, prev.text + d.text, d.finish_reason, prev.tool_calls + d.tool_calls)
+                        )
                 if merged:
                     yield list(merged.values())
         finally:
@@ -175,13 +204,33 @@ class Generation:
             self.bridge.abort(request_id, "stop")
         elif reason is not None:
             text += choice.text.finish()
+        calls: tuple[tuple[int, ToolCall], ...] = ()
+        if choice.tool_stream is not None:
+            text, calls = self._read_calls(choice, choice.tool_stream, text, reason is not None)
+            if choice.tool_calls and reason == "stop":
+                reason = "tool_calls"
         if reason is not None:
             choice.finish_reason = reason
         if text:
             choice.pieces.append(text)
-        if not text and reason is None:
+        if not text and not calls and reason is None:
             return None
-        return Delta(choice.index, text, reason)
+        return Delta(choice.index, text, reason, calls)
+
+    @staticmethod
+    def _read_calls(
+        choice: Choice, stream: ToolCallStream, text: str, final: bool
+    ) -> tuple[str, tuple[tuple[int, ToolCall], ...]]:
+        """The content part of ``text``, and the calls completed by it (numbered within the choice)."""
+        text, found = stream.push(text)
+        if final:
+            more, more_found = stream.finish()
+            text, found = text + more, found + more_found
+        first = len(choice.tool_calls)
+        if choice.max_tool_calls is not None:
+            found = found[: max(0, choice.max_tool_calls - first)]
+        choice.tool_calls.extend(found)
+        return text, tuple(enumerate(found, start=first))
 
     @property
     def prompt_tokens(self) -> int:

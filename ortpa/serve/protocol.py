@@ -2,8 +2,8 @@
 
 Bodies are parsed strictly (pydantic strict mode): ``"max_tokens": "5"`` or ``"stream": 1`` is a 400, not a
 silent coercion. Fields OpenAI defines that the engine cannot honour (``logprobs``, ``echo``, ``best_of`` > 1,
-penalties, ``logit_bias``, ``suffix``) are refused with a 400 naming the field when set to anything but their
-neutral value; unknown extra fields are ignored, as OpenAI's own server ignores them.
+penalties, ``logit_bias``, ``suffix``, vLLM's ``guided_grammar``) are refused with a 400 naming the field when
+set to anything but their neutral value; unknown extra fields are ignored, as OpenAI's own server ignores them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputs",
+    "Tool",
     "error_body",
     "parse_body",
 ]
@@ -63,6 +66,28 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar is enforced either way
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` extra field (one of these at a time; its other keys are refused, not ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
 class _Sampling(_Strict):
     """Fields completions and chat share."""
 
@@ -76,12 +101,21 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    ignore_eos: bool = False  # vLLM's extension (load tools send it for fixed output lengths)
     # OpenAI fields the engine cannot honour: accepted only at their neutral value
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output: OpenAI's response_format and vLLM's guided fields (at most one per request)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_grammar: Any = None  # vLLM's; refused (no EBNF front end here)
+    structural_tag: Any = None  # vLLM's; refused
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -98,6 +132,7 @@ class _Sampling(_Strict):
             bad.append("frequency_penalty")
         if self.logit_bias:
             bad.append("logit_bias")
+        bad += [name for name in ("guided_grammar", "structural_tag") if getattr(self, name) is not None]
         return bad
 
 
@@ -137,10 +172,34 @@ class ChatMessage(_Strict):
         return out
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule for names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True  # vLLM's extension
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 def _describe(exc: ValidationError) -> tuple[str, str | None]:
@@ -177,6 +236,8 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 _UNIONS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string or a list of strings",
+    "tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "a JSON schema (an object, or its text)",
 }
 
 

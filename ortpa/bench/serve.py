@@ -186,7 +186,9 @@ def run(quick: bool = False) -> list[dict]:
                         "notes": "",
                     }
                 )
-    return rows + extras
+    from ortpa.bench import _serve_extras  # structured-output overhead, guidellm's serving table
+
+    return rows + extras + _serve_extras.run(quick)
 
 
 if __name__ == "__main__":

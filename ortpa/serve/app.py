@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ortpa.serve.access_log import AccessLog, access_logger
 from ortpa.serve.bridge import EngineBridge
-from ortpa.serve.chat import TemplateRenderError
+from ortpa.serve.chat import ChatTemplate, TemplateRenderError
 from ortpa.serve.generation import Admission, Choice, Delta, Generation
 from ortpa.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from ortpa.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -36,7 +36,9 @@ from ortpa.serve.protocol import (
     error_body,
     parse_body,
 )
+from ortpa.serve.structured import Grammars, GuidedGrammar, guided_grammar
 from ortpa.serve.tokenize import add_tokenizer_routes
+from ortpa.serve.tool_calls import forced_call_grammar, template_messages
 
 __all__ = ["ServerState", "build_app"]
 
@@ -50,6 +52,7 @@ class ServerState:
         self.metrics = ServeMetrics(served.engine.num_blocks)
         self.bridge = EngineBridge(served.engine, self.metrics)
         self.admission = Admission(served.engine.scheduler.max_num_seqs + max_queue)
+        self.grammars = Grammars(served.tokenizer, served.eos_token_ids)
         self.created = int(time.time())
         self.token_text = TokenText(served.tokenizer)
 
@@ -127,9 +130,9 @@ def build_app(
         body = parse_body(CompletionRequest, await request.body())
         _check_common(body, served)
         prompts, texts = _completion_prompts(body.prompt, served)
-        return await _respond(
-            state, request, body, prompts, body.max_tokens, chat=False, echo=texts if body.echo else None
-        )
+        guided = guided_grammar(body)
+        echo = texts if body.echo else None
+        return await _respond(state, request, body, prompts, body.max_tokens, chat=False, guided=guided, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -144,9 +147,12 @@ def build_app(
                 param="messages",
                 code="no_chat_template",
             )
+        tools, guided = _tool_plan(body, served, served.chat_template)
         try:
             text = served.chat_template.render(
-                [m.for_template() for m in body.messages], add_generation_prompt=body.add_generation_prompt
+                template_messages([m.for_template() for m in body.messages]),
+                add_generation_prompt=body.add_generation_prompt,
+                tools=tools,
             )
         except TemplateRenderError as exc:
             raise ApiError(400, str(exc), param="messages") from None
@@ -154,7 +160,9 @@ def build_app(
         if not ids:
             raise ApiError(400, "the messages render to an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _respond(state, request, body, [ids], max_tokens, chat=True)
+        return await _respond(
+            state, request, body, [ids], max_tokens, chat=True, guided=guided, tools=tools is not None
+        )
 
     add_tokenizer_routes(app, served, check_key)
     return app
@@ -175,6 +183,43 @@ def _check_common(body: Any, served: ServingModel) -> None:
         raise ApiError(400, f"'n': expected 1 to {MAX_N} choices, found {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+
+
+def _tool_plan(
+    body: ChatCompletionRequest, served: ServingModel, template: ChatTemplate
+) -> tuple[list[dict] | None, GuidedGrammar | None]:
+    """The tools to render (None: no tools in play) and the one grammar the request's output must follow."""
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise ApiError(400, "'tool_choice' is set but no 'tools' are given", param="tool_choice")
+    guided = guided_grammar(body)
+    if not body.tools or choice == "none":
+        return None, guided
+    if not template.supports_tools:
+        raise ApiError(
+            400,
+            f"the chat template of {served.name!r} ({template.where}) does not read a 'tools' variable, so the "
+            "model would never see the tools: send the request without 'tools', or serve a tool-calling template",
+            param="tools",
+            code="tools_not_supported",
+        )
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, f"'tools': function names must be unique, found {names}", param="tools")
+    named = choice.function.name if choice not in (None, "auto", "required") else None  # type: ignore[union-attr]
+    if named is not None and named not in names:
+        raise ApiError(
+            400, f"'tool_choice': the function {named!r} is not among the tools given ({names})", param="tool_choice"
+        )
+    if choice == "required" or named is not None:
+        if guided is not None:
+            raise ApiError(
+                400,
+                f"expected at most one output constraint, found 'tool_choice' and '{guided.param}'",
+                param=guided.param,
+            )
+        guided = GuidedGrammar(forced_call_grammar(body.tools, named, template.tool_call_tags), "tools")
+    return [t.model_dump(exclude_none=True) for t in body.tools], guided
 
 
 def _completion_prompts(prompt: Any, served: ServingModel) -> tuple[list[list[int]], list[str]]:
@@ -247,14 +292,20 @@ async def _respond(
     requested: int | None,
     chat: bool,
     echo: list[str | None] | None = None,
+    guided: GuidedGrammar | None = None,
+    tools: bool = False,
 ) -> Response:
     served = state.served
     max_tokens = _max_tokens(requested, prompts, served, chat, echo is not None)
     top = logprobs_asked(body)
     if echo is not None:  # a prompt given as token ids is echoed as their decoded text
         echo = [t if t is not None else served.tokenizer.decode(p) for t, p in zip(echo, prompts, strict=True)]
+    constraints = None
+    if guided is not None:  # off the event loop: the first one builds the tokenizer's grammar tables
+        count = len(prompts) * body.n
+        constraints = await asyncio.to_thread(lambda: [state.grammars.constraint(guided) for _ in range(count)])
     gen = Generation(served, state.bridge, state.admission)
-    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings(), echo)
+    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings(), echo, constraints=constraints, tools=tools)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = lambda: {  # noqa: E731
@@ -293,7 +344,7 @@ async def _respond(
             out = [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": "".join(c.pieces)},
+                    "message": _message(c),
                     "logprobs": chat_lps(c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
@@ -343,7 +394,7 @@ async def _respond(
                     parts = [
                         {
                             "index": d.index,
-                            "delta": {"content": d.text} if d.text else {},
+                            "delta": _chat_delta(d),
                             "logprobs": chat_lps(d.logprobs),
                             "finish_reason": d.finish_reason,
                         }
@@ -371,3 +422,18 @@ async def _respond(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _message(choice: Any) -> dict[str, Any]:
+    text = "".join(choice.pieces)
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": text}
+    content = text if text.strip() else None
+    return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in choice.tool_calls]}
+
+
+def _chat_delta(d: Any) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": d.text} if d.text else {}
+    if d.tool_calls:  # OpenAI's shape: each call's index, id, type and function; arguments whole, in one piece
+        delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in d.tool_calls]
+    return delta

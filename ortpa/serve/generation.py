@@ -4,16 +4,19 @@ text deltas, with stop strings and EOS handled per choice."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ortpa.errors import InvalidRequest
+from ortpa.runtime.constraints import TokenConstraint
 from ortpa.serve.bridge import EngineBridge, Refused, ShuttingDown, TokenEvent
 from ortpa.serve.detokenizer import TextStream
 from ortpa.serve.model import ServingModel
 from ortpa.serve.params import sampling_params
 from ortpa.serve.protocol import ApiError
+from ortpa.serve.tool_calls import ToolCall, ToolCallStream
 
 __all__ = ["Admission", "Choice", "Delta", "Generation", "sampling_params"]
 
@@ -25,6 +28,7 @@ class Delta:
     index: int
     text: str
     finish_reason: str | None
+    tool_calls: tuple[tuple[int, ToolCall], ...] = ()  # (call's index within the choice, call)
     logprobs: tuple = ()  # TokenLogprobs of the tokens this delta covers (when asked)
     prompt_ids: tuple[int, ...] | None = None  # with the echoed prompt: its ids and log-probabilities
     prompt_logprobs: tuple | None = None
@@ -44,6 +48,9 @@ class Choice:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: tuple | None = None
     started: bool = False
+    tool_stream: ToolCallStream | None = None  # set when the request has tools: calls are read out of the text
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    max_tool_calls: int | None = None  # 1 with parallel_tool_calls false
 
     @property
     def prompt_len(self) -> int:
@@ -97,9 +104,15 @@ class Generation:
         max_tokens: int,
         stop: list[str],
         echo: list[str] | None = None,
+        constraints: Sequence[TokenConstraint] | None = None,
+        tools: bool = False,
     ) -> None:
-        """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued. ``echo``: each
-        prompt's text, sent first in its choices' text."""
+        """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued.
+
+        ``echo``: each prompt's text, sent first in its choices' text. ``constraints``: one per choice
+        (prompt-major), each used by that choice alone. ``tools``: read tool calls out of each choice's text
+        (``Choice.tool_calls``, deltas' ``tool_calls``).
+        """
         # one SamplingParams per choice (a choice's constraint is its own state), all checked before admission
         vocab, eos = self.served.vocab_size, self.served.eos_token_ids
         params = [[sampling_params(body, max_tokens, j, eos, vocab) for j in range(n)] for _ in prompts]
@@ -112,8 +125,13 @@ class Generation:
                     # an echoed completion is decoded after the prompt's last tokens: the space between them shows
                     context = prompt[-_ECHO_CONTEXT:] if echo is not None else ()
                     one = params[p][j]
+                    if constraints is not None:
+                        one = dataclasses.replace(one, constraint=constraints[len(self.choices)])
                     stream = TextStream(self.served.tokenizer, stop, one.stop_token_ids, context, one.min_tokens)
                     choice = Choice(len(self.choices), list(prompt), stream, None if echo is None else echo[p])
+                    if tools:
+                        choice.tool_stream = ToolCallStream()
+                        choice.max_tool_calls = None if getattr(body, "parallel_tool_calls", True) else 1
                     self.choices.append(choice)
                     batch.append((prompt, one))
             ids = await self.bridge.submit_all(batch, self._sink)
@@ -185,6 +203,11 @@ class Generation:
             self.bridge.abort(request_id, "stop")
         elif reason is not None:
             text += choice.text.finish()
+        calls: tuple[tuple[int, ToolCall], ...] = ()
+        if choice.tool_stream is not None:
+            text, calls = self._read_calls(choice, choice.tool_stream, text, reason is not None)
+            if choice.tool_calls and reason == "stop":
+                reason = "tool_calls"
         prompt_ids = prompt_lps = None
         if not choice.started:  # the first event: the echoed prompt and its log-probabilities go first
             choice.started = True
@@ -196,9 +219,24 @@ class Generation:
             choice.finish_reason = reason
         if text:
             choice.pieces.append(text)
-        if not text and reason is None and not lps and prompt_ids is None:
+        if not text and not calls and reason is None and not lps and prompt_ids is None:
             return None
-        return Delta(choice.index, text, reason, lps, prompt_ids, prompt_lps)
+        return Delta(choice.index, text, reason, calls, lps, prompt_ids, prompt_lps)
+
+    @staticmethod
+    def _read_calls(
+        choice: Choice, stream: ToolCallStream, text: str, final: bool
+    ) -> tuple[str, tuple[tuple[int, ToolCall], ...]]:
+        """The content part of ``text``, and the calls completed by it (numbered within the choice)."""
+        text, found = stream.push(text)
+        if final:
+            more, more_found = stream.finish()
+            text, found = text + more, found + more_found
+        first = len(choice.tool_calls)
+        if choice.max_tool_calls is not None:
+            found = found[: max(0, choice.max_tool_calls - first)]
+        choice.tool_calls.extend(found)
+        return text, tuple(enumerate(found, start=first))
 
     @property
     def prompt_tokens(self) -> int:
@@ -213,4 +251,5 @@ def _merge(a: Delta, b: Delta) -> Delta:
     """Two deltas of one choice as one (the first holds the echoed prompt, if any)."""
     prompt_ids = a.prompt_ids if a.prompt_ids is not None else b.prompt_ids
     prompt_lps = a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs
-    return Delta(a.index, a.text + b.text, b.finish_reason, a.logprobs + b.logprobs, prompt_ids, prompt_lps)
+    calls, lps = a.tool_calls + b.tool_calls, a.logprobs + b.logprobs
+    return Delta(a.index, a.text + b.text, b.finish_reason, calls, lps, prompt_ids, prompt_lps)

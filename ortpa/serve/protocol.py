@@ -1,11 +1,11 @@
 """The OpenAI request bodies ``ortpa serve`` accepts and its error body.
 
 Bodies are parsed strictly (pydantic strict mode): ``"max_tokens": "5"`` or ``"stream": 1`` is a 400, not a
-silent coercion. Fields OpenAI defines that the engine cannot honour (``best_of`` > 1, ``suffix``) are refused
-with a 400 naming the field when set to anything but their neutral value; unknown extra fields are ignored, as
-OpenAI's own server ignores them. vLLM's extensions ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids`` and ``add_generation_prompt`` are understood. How a body becomes ``SamplingParams``:
-:mod:`ortpa.serve.params`.
+silent coercion. Fields OpenAI defines that the engine cannot honour (``best_of`` > 1, ``suffix``, vLLM's
+``guided_grammar`` and ``structural_tag``) are refused with a 400 naming the field when set to anything but their
+neutral value; unknown extra fields are ignored, as OpenAI's own server ignores them. vLLM's extensions ``top_k``,
+``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` and ``add_generation_prompt`` are
+understood. How a body becomes ``SamplingParams``: :mod:`ortpa.serve.params`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputs",
     "TokenizeRequest",
+    "Tool",
     "error_body",
     "parse_body",
 ]
@@ -68,6 +71,28 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar is enforced either way
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` extra field (one of these at a time; its other keys are refused, not ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
 class _Sampling(_Strict):
     """Fields completions and chat share."""
 
@@ -81,6 +106,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    ignore_eos: bool = False  # vLLM's extension (load tools send it for fixed output lengths)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension; 1 disables it
@@ -88,6 +114,14 @@ class _Sampling(_Strict):
     min_tokens: int = 0  # vLLM's extension
     stop_token_ids: list[int] | None = None  # vLLM's extension
     user: str | None = None
+    # structured output: OpenAI's response_format and vLLM's guided fields (at most one per request)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_grammar: Any = None  # vLLM's; refused (no EBNF front end here)
+    structural_tag: Any = None  # vLLM's; refused
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -95,7 +129,7 @@ class _Sampling(_Strict):
 
     def unsupported(self) -> list[str]:
         """Names of the fields set to something the engine cannot do."""
-        return []
+        return [name for name in ("guided_grammar", "structural_tag") if getattr(self, name) is not None]
 
 
 class CompletionRequest(_Sampling):
@@ -133,12 +167,36 @@ class ChatMessage(_Strict):
         return out
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule for names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extension
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Strict):
@@ -192,6 +250,8 @@ _UNIONS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string or a list of strings",
     "logit_bias": "an object of token ids ('42') to numbers",
+    "tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "a JSON schema (an object, or its text)",
 }
 
 

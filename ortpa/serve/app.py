@@ -29,13 +29,13 @@ from ortpa.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ortpa.serve.model import ServingModel
 from ortpa.serve.params import logprobs_asked
 from ortpa.serve.protocol import (
-    MAX_N,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
     parse_body,
 )
+from ortpa.serve.request_checks import check_common, completion_prompts, max_tokens_for
 from ortpa.serve.structured import Grammars, GuidedGrammar, guided_grammar
 from ortpa.serve.tokenize import add_tokenizer_routes
 from ortpa.serve.tool_calls import forced_call_grammar, template_messages
@@ -128,8 +128,8 @@ def build_app(
     async def completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(CompletionRequest, await request.body())
-        _check_common(body, served)
-        prompts, texts = _completion_prompts(body.prompt, served)
+        check_common(body, served)
+        prompts, texts = completion_prompts(body.prompt, served)
         guided = guided_grammar(body)
         echo = texts if body.echo else None
         return await _respond(state, request, body, prompts, body.max_tokens, chat=False, guided=guided, echo=echo)
@@ -138,7 +138,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(ChatCompletionRequest, await request.body())
-        _check_common(body, served)
+        check_common(body, served)
         if served.chat_template is None:
             raise ApiError(
                 400,
@@ -166,23 +166,6 @@ def build_app(
 
     add_tokenizer_routes(app, served, check_key)
     return app
-
-
-def _check_common(body: Any, served: ServingModel) -> None:
-    if body.model != served.name:
-        raise ApiError(
-            404,
-            f"the model {body.model!r} does not exist: this server serves {served.name!r}",
-            param="model",
-            code="model_not_found",
-        )
-    bad = body.unsupported()
-    if bad:
-        raise ApiError(400, f"'{bad[0]}' is not supported by this server (leave it unset)", param=bad[0])
-    if not 1 <= body.n <= MAX_N:
-        raise ApiError(400, f"'n': expected 1 to {MAX_N} choices, found {body.n}", param="n")
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
 
 
 def _tool_plan(
@@ -222,46 +205,6 @@ def _tool_plan(
     return [t.model_dump(exclude_none=True) for t in body.tools], guided
 
 
-def _completion_prompts(prompt: Any, served: ServingModel) -> tuple[list[list[int]], list[str]]:
-    """The prompt field as token id lists (a string, strings, token ids, or lists of token ids) and as texts."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise ApiError(400, "'prompt': expected a string or token ids, found an empty list", param="prompt")
-    if isinstance(prompt[0], int):
-        prompt = [prompt]
-    out, texts = [], []
-    for i, p in enumerate(prompt):
-        ids = served.tokenizer.encode(p).ids if isinstance(p, str) else list(p)
-        if not ids:
-            raise ApiError(400, f"'prompt': prompt {i} is empty (expected at least one token)", param="prompt")
-        out.append(ids)
-        texts.append(p if isinstance(p, str) else None)
-    return out, texts
-
-
-def _max_tokens(
-    requested: int | None, prompts: list[list[int]], served: ServingModel, chat: bool, echo: bool = False
-) -> int:
-    longest = max(len(p) for p in prompts)
-    limit = served.max_model_len
-    if requested is None:  # OpenAI's defaults: 16 for completions; chat: the rest of the context
-        requested = 16 if not chat else (limit - longest if limit is not None else 256)
-        requested = max(requested, 1)
-    elif requested < (0 if echo else 1):  # echo with max_tokens 0 scores the prompt alone
-        expected = "an integer >= 0 (with 'echo': true)" if echo else "an integer >= 1 (0 only with 'echo': true)"
-        raise ApiError(400, f"'max_tokens': expected {expected}, found {requested}", param="max_tokens")
-    if limit is not None and longest + requested > limit:
-        raise ApiError(
-            400,
-            f"this model's maximum context length is {limit} tokens, but {longest + requested} were requested "
-            f"({longest} in the prompt, {requested} in the completion): shorten the prompt or lower max_tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested
-
-
 async def _until_disconnect(request: Request) -> None:
     """Returns when the client goes away (the body is read, so the next ASGI message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -296,7 +239,7 @@ async def _respond(
     tools: bool = False,
 ) -> Response:
     served = state.served
-    max_tokens = _max_tokens(requested, prompts, served, chat, echo is not None)
+    max_tokens = max_tokens_for(requested, prompts, served, chat, echo is not None)
     top = logprobs_asked(body)
     if echo is not None:  # a prompt given as token ids is echoed as their decoded text
         echo = [t if t is not None else served.tokenizer.decode(p) for t, p in zip(echo, prompts, strict=True)]

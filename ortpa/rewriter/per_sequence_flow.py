@@ -33,6 +33,7 @@ from dataclasses import replace
 
 import onnx_ir as ir
 
+from ortpa.rewriter import per_sequence_routes as routes
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
 from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind, unknown_op
 from ortpa.rewriter.per_sequence_kinds import lost as _lost
@@ -101,8 +102,8 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
         return [steps[0]] * n_out
     if node.domain == "com.microsoft" and op == "PagedAttention":
         q = ins[0]
-        if q.tag == "route":
-            return [_lost(node, "its query's rows are regrouped")] * n_out
+        if q.tag == "route":  # other tokens' rows (or the sort's positions / counts) in a token's place
+            return [_step(node, f"its query's rows are regrouped{_by(q)} and not put back in token order")] * n_out
         if q.tag == "enum":
             return [Kind("enum", flow.rank(node.outputs[0]) or 2, 0, q.sources)] + [CONST] * (n_out - 1)
         return [Kind("token", flow.rank(node.outputs[0]) or 2, q.axis if q.tag == "token" else 0)] + [CONST] * (
@@ -117,14 +118,17 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
         if op in ("Shape", "Size") or any(k.tag == "count" for k in ins):
             return [COUNT] * n_out
         return [CONST] * n_out
+    if "route" in data_tags:
+        return routes.transfer(node, ins, flow, lambda n, k: _token_transfer(n, k, flow))
+    return _token_transfer(node, ins, flow)
+
+
+def _token_transfer(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    """The rules for per-token (and enumeration) inputs, by op."""
+    n_out = len(node.outputs)
+    op = node.op_type
     if op in ("Shape", "Size"):
         return [_shape_kind(node, ins[0], flow)]
-    if "route" in data_tags:
-        origin = next(k.node for k in ins if k.tag == "route")
-        out = _route(node, ins, flow)
-        if out.tag == "route":
-            out = Kind("route", out.rank, node=origin)
-        return [out] * n_out
     handler = _HANDLERS.get(op)
     if handler is not None and node.domain in ("", "ai.onnx", "com.microsoft"):
         return handler(node, ins, flow)
@@ -229,14 +233,6 @@ def _reduction(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
     return replace(k, rank=k.rank - len(set(axes)), axis=k.axis - sum(a < k.axis for a in set(axes)))
 
 
-def _route(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
-    """Regrouped rows stay regrouped, except where a scatter puts them back on a per-token tensor's rows (MoE's
-    ``index_add``: each row is added to the token its index names)."""
-    if node.op_type in ("ScatterND", "ScatterElements") and ins[0].tag == "token":
-        return ins[0]
-    return Kind("route", flow.rank(node.outputs[0]))
-
-
 # -- layout ops -------------------------------------------------------------------------------------------------
 
 
@@ -273,6 +269,14 @@ def _gather_nd(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     indices = const_array(node.inputs[1])
     if data.tag == "const" and idx.tag == "const":
         return [CONST]
+    if data.tag == "const" and idx.tag == "token" and int_attr(node, "batch_dims", 0) == 0:
+        # a table lookup per token (MoE batched_mm: each (token, expert) row's expert weights)
+        idx_rank, data_rank, depth = idx.rank, flow.rank(node.inputs[0]), (flow.dims(node.inputs[1]) or [None])[-1]
+        if idx_rank is None or data_rank is None or not isinstance(depth, int):
+            return [_lost(node, "ranks unknown")]
+        if idx.axis == idx_rank - 1:
+            return [_step(node, "its index tuples run along the token axis")]
+        return [replace(idx, rank=idx_rank - 1 + data_rank - depth, axis=idx.axis)]
     if idx.tag != "const" or indices is None or indices.ndim < 1 or int_attr(node, "batch_dims", 0) != 0:
         return [_step(node, "its indices are not constant (or it has batch dims)")]
     if data.tag not in ("token", "enum"):
@@ -310,7 +314,7 @@ def _matmul(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         out_rank = max(a_rank, b.rank)
         return [replace(b, rank=out_rank, axis=out_rank - 1)]
     if b.tag not in ("const", "count"):
-        return [_step(node, "both of its operands depend on the tokens (a contraction across them)")]
+        return [_batched_matmul(node, a, b)]
     if a.tag not in ("token", "enum") or a.rank is None:
         return [_lost(node, "its operand's token axis is unknown")]
     if a.axis == a.rank - 1:
@@ -318,6 +322,17 @@ def _matmul(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     b_rank = flow.rank(node.inputs[1]) or 2
     out_rank = max(a.rank, b_rank)
     return [replace(a, rank=out_rank, axis=a.axis + (out_rank - a.rank))]
+
+
+def _batched_matmul(node: ir.Node, a: Kind, b: Kind) -> Kind:
+    """Both operands per token: per token when the token axis is one of the batch axes of both, aligned (MoE
+    batched_mm: each row times its own expert's matrix); else a contraction across tokens."""
+    if a.tag != "token" or b.tag != "token" or a.rank is None or b.rank is None or a.block != b.block:
+        return _step(node, "both of its operands depend on the tokens (a contraction across them)")
+    out_rank = max(a.rank, b.rank)
+    if a.axis >= a.rank - 2 or b.axis >= b.rank - 2 or _aligned(a, out_rank) != _aligned(b, out_rank):
+        return _step(node, "both of its operands depend on the tokens (a contraction across them)")
+    return replace(a, rank=out_rank, axis=_aligned(a, out_rank))
 
 
 def _per_token_op(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -349,12 +364,40 @@ def _topk(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     if k.tag not in ("token", "enum") or k.rank is None or ins[1].tag not in ("const", "count"):
         return [_lost(node, "its input or k is not known per token")] * len(node.outputs)
     if _norm(int_attr(node, "axis", -1), k.rank) == k.axis:
-        if ins[1].tag == "count":  # a sort of every row: a permutation of the tokens' rows (MoE dispatch)
-            return [Kind("route", k.rank, node=node)] * len(node.outputs)
+        if ins[1].tag == "count":  # a sort of the rows of the whole step (MoE dispatch) when k keeps them all
+            return routes.sort_kinds(node, k, _is_own_length(node.inputs[1], node.inputs[0], k.axis))
         return [_step(node, "TopK picks tokens across the step")] * len(node.outputs)
     if ins[1].tag != "const":
         return [_lost(node, "its k depends on the token count")] * len(node.outputs)
     return [replace(k, sources=k.sources)] * len(node.outputs)
+
+
+def _is_own_length(k: ir.Value, data: ir.Value, axis: int) -> bool:
+    """``k`` is dim ``axis`` of ``data`` itself, read with ``Shape`` (through Gather / shape-only ops)."""
+    picked: int | None = None
+    while (node := k.producer()) is not None:
+        if node.op_type in ("Reshape", "Squeeze", "Unsqueeze", "Cast", "Identity"):
+            k = node.inputs[0]
+        elif node.op_type == "Gather" and picked is None:
+            idx = const_array(node.inputs[1])
+            if idx is None or idx.size != 1:
+                return False
+            picked, k = int(idx.reshape(-1)[0]), node.inputs[0]
+        elif node.op_type == "Shape":
+            rank = len(data.shape) if data.shape is not None else None
+            if node.inputs[0] is not data or rank is None:
+                return False
+            dims = list(range(rank))[slice(int_attr(node, "start", 0), int_attr(node, "end", rank))]
+            if picked is None:
+                return dims == [axis]
+            return -len(dims) <= picked < len(dims) and dims[picked] == axis
+        else:
+            return False
+    return False
+
+
+def _by(k: Kind) -> str:
+    return f" by {k.node.op_type} node {k.node.name!r}" if k.node is not None else ""
 
 
 def _scatter_elements(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:

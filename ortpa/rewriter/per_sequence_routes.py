@@ -93,6 +93,9 @@ def transfer(node: ir.Node, ins: list[Kind], flow: Flow, token_rule: TokenRule) 
     outs = token_rule(node, as_tokens)
     if role == "rows" and op in _REDUCE and outs[0].tag == "step":  # counted over every sorted row
         return [Kind("route", flow.rank(node.outputs[0]), node=origin, role="meta", span=routes[0].span)] * n_out
+    if op == "Reshape" and not (outs[0].tag == "token" and outs[0].block == 1):
+        # the sorted axis split or merged: rows of different tokens side by side, as if they were in token order
+        return [step(node, f"it folds rows regrouped {where} together (rows of different tokens in one group)")]
     result = []
     for out in outs:
         if out.tag == "token":

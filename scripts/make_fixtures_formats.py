@@ -106,6 +106,34 @@ GPT_OSS = {
     "rope_scaling": None,
 }
 
+# optimum's other decoder families (issue 28): Falcon (fused query_key_value, multi-query, parallel attention),
+# StableLM (partial rotary, its scale computed from a Shape at run time), GPT-NeoX, Phi, Gemma, Mistral, Qwen2.
+_SMALL = {k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads", "intermediate_size")}
+FALCON = {
+    **_SMALL,
+    "model_type": "falcon",
+    "num_kv_heads": 1,
+    "num_key_value_heads": 1,  # for _numbers; Falcon reads num_kv_heads (and multi_query)
+    "multi_query": True,
+    "parallel_attn": True,
+    "new_decoder_architecture": False,
+    "alibi": False,
+    "bias": False,
+}
+STABLELM = {**_COMMON, "model_type": "stablelm", "partial_rotary_factor": 0.25}
+GPT_NEOX = {
+    **_SMALL,
+    "model_type": "gpt_neox",
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "rotary_pct": 0.25,
+    "use_parallel_residual": True,
+}
+PHI = {**_COMMON, "model_type": "phi", "num_key_value_heads": 4, "partial_rotary_factor": 0.5}
+GEMMA = {**_COMMON, "model_type": "gemma", "head_dim": 16}
+MISTRAL = {**_COMMON, "model_type": "mistral", "head_dim": 16, "sliding_window": 8}
+QWEN2 = {**_COMMON, "model_type": "qwen2"}
+
 # name -> (tool, config, tool options)
 FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_llama_fp32": ("genai", LLAMA, {"precision": "fp32"}),
@@ -128,6 +156,13 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_llama_paged_fp16": ("genai", LLAMA, {"precision": "fp16", "ep": "cuda", "paged": True}),
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),
+    "optimum_falcon": ("optimum", FALCON, {}),
+    "optimum_stablelm": ("optimum", STABLELM, {}),
+    "optimum_gptneox": ("optimum", GPT_NEOX, {}),
+    "optimum_phi": ("optimum", PHI, {}),
+    "optimum_gemma": ("optimum", GEMMA, {}),
+    "optimum_mistral": ("optimum", MISTRAL, {}),
+    "optimum_qwen2": ("optimum", QWEN2, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
 }

@@ -285,8 +285,7 @@ def _convert(
     _progress(progress, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
-    if recover_shapes(irm):  # shapes the optimizer could not infer (past contrib ops): the per-sequence flow reads them
-        fold_shape_values(irm)  # and what they make static (StableLM's 1/sqrt(head_dim) from Shape(q)[-1:])
+    recover_shapes(irm)  # shapes the optimizer could not infer (past contrib ops): the per-sequence flow reads them
     graph = irm.graph
     _progress(progress, "matching MLA layers")
     mla_results = match_mla_layers(graph)

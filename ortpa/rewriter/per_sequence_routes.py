@@ -99,7 +99,9 @@ def transfer(node: ir.Node, ins: list[Kind], flow: Flow, token_rule: TokenRule) 
     result = []
     for out in outs:
         if out.tag == "token":
-            out = Kind("route", out.rank, out.axis, node=origin, role=role, span=routes[0].span, bounds=routes[0].bounds)
+            out = Kind(
+                "route", out.rank, out.axis, node=origin, role=role, span=routes[0].span, bounds=routes[0].bounds
+            )
         elif out.tag == "step":
             out = replace(out, why=f"{out.why} (its rows regrouped {where})")
         result.append(out)
@@ -182,7 +184,7 @@ def _scatter(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind] | None:
 
 def _range(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind] | None:
     """``Range(a, b, 1)`` between bounds counted over the sorted rows: the indices of one expert's segment."""
-    start, limit, delta = ins
+    start, limit, _delta = ins
     d = const_array(node.inputs[2])
     if limit.tag != "route" or limit.role != "meta" or d is None or d.size != 1 or int(d.reshape(-1)[0]) != 1:
         return None
@@ -346,4 +348,3 @@ def _cast(a: np.ndarray, to: int) -> np.ndarray | None:
     except (ValueError, TypeError):
         return None
     return np.asarray(a).astype(dtype)
-

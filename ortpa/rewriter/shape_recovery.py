@@ -121,7 +121,9 @@ def recover_shapes(irm: ir.Model) -> int:
     if not missing:
         return 0
     found = _inferred_types(weightless_proto(irm))
-    symbols = {d.value for v in irm.graph.inputs if v.shape is not None for d in v.shape if isinstance(d, ir.SymbolicDim)}
+    symbols = {
+        d.value for v in irm.graph.inputs if v.shape is not None for d in v.shape if isinstance(d, ir.SymbolicDim)
+    }
     count = 0
     for value in missing:
         type_proto = found.get(value.name)

@@ -22,10 +22,9 @@ from parity import FIXTURES, paged_nodes, run_parity
 from test_per_sequence import NEW_TOKENS, _prompts
 from tolerances import assert_close
 
+from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import dense_greedy, open_dense, paged_greedy
 from ortpa.runtime.session import PagedSession
-
-from ortpa.parity.convert_file import convert_file
 
 # ~10-35 s each on 2 shared cores: the headline form in the default run, the others (whose flow the default run
 # still follows to every sink: tests/rewriter/test_per_sequence_flow.py) slow
@@ -65,14 +64,18 @@ def _assert_batched_equals_alone_and_original(paged_path, dense_path, info: dict
     the original alone (ONNX Runtime, in its own format). Prompt lengths differ, one past every threshold (YaRN's
     original context). The original's logits are not compared here: that is the verification's float16 bound
     (issue 28 part 1), which the conversion above passed."""
-    threshold = (info["config"].get("rope_parameters") or {}).get("original_max_position_embeddings", 0)
+    cfg = info["config"]
+    thresholds = [(cfg.get("rope_parameters") or {}).get("original_max_position_embeddings") or 0]
+    thresholds += [cfg.get("sliding_window") or 0, *(info.get("thresholds") or {}).values()]
+    threshold = max(thresholds)
     prompts = _prompts((5, 13, max(40, threshold + 6)), seed=3)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
 
     def paged():
-        return PagedSession(paged_path, num_blocks=24, block_size=16, providers=["CPUExecutionProvider"],
-                            sess_options=options)
+        return PagedSession(
+            paged_path, num_blocks=24, block_size=16, providers=["CPUExecutionProvider"], sess_options=options
+        )
 
     batched = paged_greedy(paged(), prompts, NEW_TOKENS)
     dense = open_dense(dense_path, threads=2)

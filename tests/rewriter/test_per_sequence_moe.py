@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from test_per_sequence_flow import LENGTHS, _assert_batched_equals_alone, _ints, _probe
 from test_per_sequence import _prompts
+from test_per_sequence_flow import LENGTHS, _assert_batched_equals_alone, _ints, _probe
 
 from ortpa.errors import ConversionError
 from ortpa.rewriter.pipeline import convert
@@ -54,7 +54,10 @@ def _moe(leak: str | None = None):
             helper.make_node("MatMul", ["moe/x", "moe/router"], ["moe/logits"]),
             # the leak "batch_norm_routing": the routing normalised over every token of the step
             helper.make_node(
-                "Softmax", ["moe/logits"], ["moe/probs"], axis=0 if leak == "batch_norm_routing" else -1,
+                "Softmax",
+                ["moe/logits"],
+                ["moe/probs"],
+                axis=0 if leak == "batch_norm_routing" else -1,
                 name="router_softmax",
             ),
             helper.make_node("TopK", ["moe/probs", "moe/k"], ["moe/topw", "moe/ids"], axis=-1),
@@ -108,8 +111,12 @@ def _moe(leak: str | None = None):
             n += [helper.make_node("Identity", ["moe/yw"], ["moe/ytok"], name="not_put_back")]
         else:
             n += [
-                helper.make_node("ConstantOfShape", ["moe/n"], ["moe/zeros"], value=helper.make_tensor(
-                    "z", onnx.TensorProto.INT64, [1], [0])),
+                helper.make_node(
+                    "ConstantOfShape",
+                    ["moe/n"],
+                    ["moe/zeros"],
+                    value=helper.make_tensor("z", onnx.TensorProto.INT64, [1], [0]),
+                ),
                 helper.make_node("Squeeze", ["moe/n"], ["moe/n0"]),
                 helper.make_node("Range", ["moe/zero", "moe/n0", "moe/one"], ["moe/arange"]),
                 helper.make_node("Unsqueeze", ["moe/perm", "moe/ax1"], ["moe/perm_col"]),

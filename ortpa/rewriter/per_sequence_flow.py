@@ -13,10 +13,11 @@ op reads the sequence boundaries itself). From them a forward pass over the live
   rows ``0..count-1`` of a constant table): alone, a sequence would see its own indices ``0..len-1``. Used only
   to re-index the tokens themselves (``Gather`` on the token axis of a per-token value) it is exact; used as a
   value (learned absolute positions) :mod:`ortpa.rewriter.per_sequence` makes its sources per sequence;
-* ``route``: elements that each belong to one token but regrouped across the step (``node``: where). MoE dispatch
-  sorts every (token, expert) row (a TopK over the whole token axis) and puts them back with an inverse-permutation
-  gather or a scatter: only such a sort is taken to be undone; any other regrouping that reaches the logits or the
-  caches is refused (:mod:`ortpa.rewriter.per_sequence_segments`);
+* ``route``: rows regrouped across the step (``node``: the sort that regrouped them, ``role``: what the value is to
+  it). MoE dispatch sorts every (token, expert) row of the step and puts the rows back:
+  :mod:`ortpa.rewriter.per_sequence_routes` follows the sorted rows and shows them put back on their own tokens
+  (the kind turns ``token`` again) or names the leak; a regrouping nothing undoes stays ``route`` and is refused
+  where it reaches the logits or a cache (:mod:`ortpa.rewriter.per_sequence_segments`);
 * ``step``: depends on more than one sequence of the step: ``why`` says how, ``node`` where. An op with no rule
   here and a non-constant input gives ``step``: unknown is step-wide. Where only a shape is missing (what
   :mod:`ortpa.rewriter.shape_recovery` could not recover) the value is ``step`` but not ``definite`` (the flow
@@ -39,6 +40,7 @@ from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind, unknown_
 from ortpa.rewriter.per_sequence_kinds import lost as _lost
 from ortpa.rewriter.per_sequence_kinds import norm as _norm
 from ortpa.rewriter.per_sequence_kinds import step as _step
+from ortpa.rewriter.per_sequence_layout import gather_nd as _gather_nd
 from ortpa.rewriter.per_sequence_layout import keep as _keep
 from ortpa.rewriter.per_sequence_layout import reshape as _reshape
 from ortpa.rewriter.per_sequence_layout import squeeze_like as _squeeze_like
@@ -262,34 +264,6 @@ def _gather(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     return [_step(node, "it gathers across tokens")]
 
 
-def _gather_nd(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
-    """GatherND with constant indices (``batch_dims`` 0) over leading axes other than the token axis: a fixed
-    pick per token (e.g. the k and v heads of a fused projection, heads moved to the front); else step-wide."""
-    data, idx = ins[0], ins[1]
-    indices = const_array(node.inputs[1])
-    if data.tag == "const" and idx.tag == "const":
-        return [CONST]
-    if data.tag == "const" and idx.tag == "token" and int_attr(node, "batch_dims", 0) == 0:
-        # a table lookup per token (MoE batched_mm: each (token, expert) row's expert weights)
-        idx_rank, data_rank, depth = idx.rank, flow.rank(node.inputs[0]), (flow.dims(node.inputs[1]) or [None])[-1]
-        if idx_rank is None or data_rank is None or not isinstance(depth, int):
-            return [_lost(node, "ranks unknown")]
-        if idx.axis == idx_rank - 1:
-            return [_step(node, "its index tuples run along the token axis")]
-        return [replace(idx, rank=idx_rank - 1 + data_rank - depth, axis=idx.axis)]
-    if idx.tag != "const" or indices is None or indices.ndim < 1 or int_attr(node, "batch_dims", 0) != 0:
-        return [_step(node, "its indices are not constant (or it has batch dims)")]
-    if data.tag not in ("token", "enum"):
-        return [_step(node, "its data is not per token")]
-    if data.rank is None:
-        return [_lost(node, "ranks unknown")]
-    depth = int(indices.shape[-1])  # how many leading data axes each index row addresses
-    if data.axis < depth:
-        return [_step(node, "it picks fixed tokens of the packed step")]
-    lead = indices.ndim - 1
-    return [replace(data, rank=lead + data.rank - depth, axis=lead + data.axis - depth)]
-
-
 def _is_enumeration(value: ir.Value, kind: Kind) -> bool:
     """``value`` is the output of one of ``kind``'s ``Range(0, count, 1)`` sources, through layout ops only (not
     ``count - 1 - t`` or ``t + 1``, which pick other tokens)."""
@@ -365,35 +339,11 @@ def _topk(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         return [_lost(node, "its input or k is not known per token")] * len(node.outputs)
     if _norm(int_attr(node, "axis", -1), k.rank) == k.axis:
         if ins[1].tag == "count":  # a sort of the rows of the whole step (MoE dispatch) when k keeps them all
-            return routes.sort_kinds(node, k, _is_own_length(node.inputs[1], node.inputs[0], k.axis))
+            return routes.sort_kinds(node, k, routes.is_own_length(node.inputs[1], node.inputs[0], k.axis))
         return [_step(node, "TopK picks tokens across the step")] * len(node.outputs)
     if ins[1].tag != "const":
         return [_lost(node, "its k depends on the token count")] * len(node.outputs)
     return [replace(k, sources=k.sources)] * len(node.outputs)
-
-
-def _is_own_length(k: ir.Value, data: ir.Value, axis: int) -> bool:
-    """``k`` is dim ``axis`` of ``data`` itself, read with ``Shape`` (through Gather / shape-only ops)."""
-    picked: int | None = None
-    while (node := k.producer()) is not None:
-        if node.op_type in ("Reshape", "Squeeze", "Unsqueeze", "Cast", "Identity"):
-            k = node.inputs[0]
-        elif node.op_type == "Gather" and picked is None:
-            idx = const_array(node.inputs[1])
-            if idx is None or idx.size != 1:
-                return False
-            picked, k = int(idx.reshape(-1)[0]), node.inputs[0]
-        elif node.op_type == "Shape":
-            rank = len(data.shape) if data.shape is not None else None
-            if node.inputs[0] is not data or rank is None:
-                return False
-            dims = list(range(rank))[slice(int_attr(node, "start", 0), int_attr(node, "end", rank))]
-            if picked is None:
-                return dims == [axis]
-            return -len(dims) <= picked < len(dims) and dims[picked] == axis
-        else:
-            return False
-    return False
 
 
 def _by(k: Kind) -> str:

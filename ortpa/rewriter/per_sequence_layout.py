@@ -1,5 +1,6 @@
 """Layout ops for the per-sequence dataflow: where the token axis goes through Reshape (blocked axes included),
-Squeeze / Unsqueeze, Transpose, Concat / Split / Slice / Expand / Tile, and shape vectors read with ``Shape``."""
+Squeeze / Unsqueeze, Transpose, Concat / Split / Slice / Expand / Tile, GatherND with constant indices, and shape
+vectors read with ``Shape``."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence_kinds import Flow, Kind
+from ortpa.rewriter.per_sequence_kinds import CONST, Flow, Kind
 from ortpa.rewriter.per_sequence_kinds import lost as _lost
 from ortpa.rewriter.per_sequence_kinds import norm as _norm
 from ortpa.rewriter.per_sequence_kinds import step as _step
 
-__all__ = ["is_count", "keep", "reshape", "shape_elements", "squeeze_like", "static_dims", "transpose"]
+__all__ = ["gather_nd", "is_count", "keep", "reshape", "shape_elements", "squeeze_like", "static_dims", "transpose"]
 
 
 def reshape(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -194,6 +195,34 @@ def shape_elements(value: ir.Value, flow: Flow, depth: int = 0) -> list | None:
             return None
         return base[int(bounds[0].reshape(-1)[0]) : int(bounds[1].reshape(-1)[0])]
     return None
+
+
+def gather_nd(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    """GatherND with constant indices (``batch_dims`` 0) over leading axes other than the token axis: a fixed
+    pick per token (e.g. the k and v heads of a fused projection, heads moved to the front); else step-wide."""
+    data, idx = ins[0], ins[1]
+    indices = const_array(node.inputs[1])
+    if data.tag == "const" and idx.tag == "const":
+        return [CONST]
+    if data.tag == "const" and idx.tag == "token" and int_attr(node, "batch_dims", 0) == 0:
+        # a table lookup per token (MoE batched_mm: each (token, expert) row's expert weights)
+        idx_rank, data_rank, depth = idx.rank, flow.rank(node.inputs[0]), (flow.dims(node.inputs[1]) or [None])[-1]
+        if idx_rank is None or data_rank is None or not isinstance(depth, int):
+            return [_lost(node, "ranks unknown")]
+        if idx.axis == idx_rank - 1:
+            return [_step(node, "its index tuples run along the token axis")]
+        return [replace(idx, rank=idx_rank - 1 + data_rank - depth, axis=idx.axis)]
+    if idx.tag != "const" or indices is None or indices.ndim < 1 or int_attr(node, "batch_dims", 0) != 0:
+        return [_step(node, "its indices are not constant (or it has batch dims)")]
+    if data.tag not in ("token", "enum"):
+        return [_step(node, "its data is not per token")]
+    if data.rank is None:
+        return [_lost(node, "ranks unknown")]
+    depth = int(indices.shape[-1])  # how many leading data axes each index row addresses
+    if data.axis < depth:
+        return [_step(node, "it picks fixed tokens of the packed step")]
+    lead = indices.ndim - 1
+    return [replace(data, rank=lead + data.rank - depth, axis=lead + data.axis - depth)]
 
 
 def squeeze_like(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:

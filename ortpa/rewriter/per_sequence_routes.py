@@ -38,7 +38,7 @@ import onnx_ir as ir
 from ortpa.rewriter._graph import const_array, int_attr
 from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind, norm, step
 
-__all__ = ["sort_kinds", "transfer"]
+__all__ = ["is_own_length", "sort_kinds", "transfer"]
 
 TokenRule = Callable[[ir.Node, list[Kind]], list[Kind]]
 
@@ -56,6 +56,30 @@ def sort_kinds(node: ir.Node, data: Kind, k_is_full: bool) -> list[Kind]:
         return [step(node, "TopK keeps some rows of the whole step (k is not the length of the axis it sorts)")] * 2
     common = {"rank": data.rank, "axis": data.axis, "node": node, "span": data.block}
     return [Kind("route", role="rows", **common), Kind("route", role="perm", **common)]
+
+
+def is_own_length(k: ir.Value, data: ir.Value, axis: int) -> bool:
+    """``k`` is dim ``axis`` of ``data`` itself, read with ``Shape`` (through Gather / shape-only ops)."""
+    picked: int | None = None
+    while (node := k.producer()) is not None:
+        if node.op_type in ("Reshape", "Squeeze", "Unsqueeze", "Cast", "Identity"):
+            k = node.inputs[0]
+        elif node.op_type == "Gather" and picked is None:
+            idx = const_array(node.inputs[1])
+            if idx is None or idx.size != 1:
+                return False
+            picked, k = int(idx.reshape(-1)[0]), node.inputs[0]
+        elif node.op_type == "Shape":
+            rank = len(data.shape) if data.shape is not None else None
+            if node.inputs[0] is not data or rank is None:
+                return False
+            dims = list(range(rank))[slice(int_attr(node, "start", 0), int_attr(node, "end", rank))]
+            if picked is None:
+                return dims == [axis]
+            return -len(dims) <= picked < len(dims) and dims[picked] == axis
+        else:
+            return False
+    return False
 
 
 def transfer(node: ir.Node, ins: list[Kind], flow: Flow, token_rule: TokenRule) -> list[Kind]:

@@ -67,13 +67,8 @@ def _moe(leak: str | None = None):
             helper.make_node("TopK", ["moe/flat_ids", "moe/n"], ["moe/sorted", "moe/perm"], largest=0, name="sort"),
             helper.make_node("Div", ["moe/perm", "moe/kk"], ["moe/tok0"]),
         ]
-        if leak == "neighbour":  # each sorted row reads the next token's hidden state
-            n += [helper.make_node("Add", ["moe/tok0", "moe/one"], ["moe/tok1"])]
-            n += [helper.make_node("Min", ["moe/tok1", "moe/last_tok"], ["moe/tok"])]
-            n += [
-                helper.make_node("Shape", ["moe/x"], ["moe/xs"], start=0, end=1),
-                helper.make_node("Sub", ["moe/xs", "moe/one"], ["moe/last_tok"]),
-            ]
+        if leak == "neighbour":  # each sorted row reads the next token's hidden state (never run: refused)
+            n += [helper.make_node("Add", ["moe/tok0", "moe/one"], ["moe/tok"])]
         else:
             n += [helper.make_node("Identity", ["moe/tok0"], ["moe/tok"])]
         n += [

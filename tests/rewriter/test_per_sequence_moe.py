@@ -6,7 +6,7 @@ token to its top-2 of 4 experts, sort every (token, expert) row of the step by e
 segment of the sorted rows (bounds from a histogram of the sorted ids, over the whole step), weight, put the rows
 back through the inverse permutation and sum each token's two rows. The leaks change one thing each: a routing
 normalised over every token of the step, a capacity per expert (rows past it dropped: tokens compete across
-sequences), rows read from a neighbouring token, rows never put back in token order.
+sequences), rows read from a neighbouring token, rows never put back in token order, a sort that drops a row.
 """
 
 from __future__ import annotations
@@ -64,7 +64,15 @@ def _moe(leak: str | None = None):
             helper.make_node("Reshape", ["moe/ids", "moe/flat"], ["moe/flat_ids"]),
             helper.make_node("Reshape", ["moe/topw", "moe/flat"], ["moe/flat_w"]),
             helper.make_node("Shape", ["moe/flat_ids"], ["moe/n"]),
-            helper.make_node("TopK", ["moe/flat_ids", "moe/n"], ["moe/sorted", "moe/perm"], largest=0, name="sort"),
+            # the leak "truncated_sort": the sort keeps all rows but one (which token loses depends on the others)
+            helper.make_node("Sub", ["moe/n", "moe/one"], ["moe/n_minus_1"]),
+            helper.make_node(
+                "TopK",
+                ["moe/flat_ids", "moe/n_minus_1" if leak == "truncated_sort" else "moe/n"],
+                ["moe/sorted", "moe/perm"],
+                largest=0,
+                name="sort",
+            ),
             helper.make_node("Div", ["moe/perm", "moe/kk"], ["moe/tok0"]),
         ]
         if leak == "neighbour":  # each sorted row reads the next token's hidden state (never run: refused)
@@ -146,6 +154,7 @@ def test_sort_dispatch_converts_and_batched_equals_alone(tmp_path):
         ("capacity", "experts_concat", "do not tile the rows sorted by the sort 'sort'"),
         ("neighbour", "dispatch_gather", "reads rows of other tokens"),
         ("not_put_back", "per_token_rows", "folds rows regrouped by the sort 'sort' together"),
+        ("truncated_sort", "sort", "TopK keeps some rows of the whole step"),
     ],
 )
 def test_moe_leaks_are_refused_and_named(leak, node, reason):

@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 with MoE in every layer past the first (3 layers, first_k_dense_replace=1): a routed output feeds
 the next attention layer, so the per-sequence flow must show each MoE layer's sorted rows put back on their own
-tokens, not assume it (``ortpa.rewriter.per_sequence_routes``).
+tokens, not assume it (``ortpa.rewriter.per_sequence.routes``).
 
 Fixtures (``scripts/make_fixtures.py``): DeepSeek-V3 with group-limited ``noaux_tc`` routing (8 experts in 4
 groups, top 2 groups), a shared expert and ``routed_scaling_factor`` 2.5, exported through transformers'
@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from flow_spy import record_sink_kinds
-from parity import FIXTURES, paged_nodes, run_parity
+from support.flow_spy import record_sink_kinds
+from support.parity import FIXTURES, paged_nodes, run_parity
+from support.tolerances import assert_close
 from test_per_sequence import NEW_TOKENS, _prompts
-from tolerances import assert_close
 
 from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import dense_greedy, open_dense, paged_greedy
@@ -91,7 +91,7 @@ def _assert_batched_equals_alone_and_original(paged_path, dense_path, info: dict
 def test_moe3_fixture_equals_pytorch_and_converts_to_its_tokens(tmp_path):
     """The grouped_mm fixture is PyTorch's model (to 1e-4), and its conversion gives PyTorch's greedy tokens,
     batched."""
-    from torch_reference import TorchModel, export_matches_torch
+    from support.torch_reference import TorchModel, export_matches_torch
 
     from ortpa.export.hf import build_model
 

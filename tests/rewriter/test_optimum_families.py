@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from parity import paged_nodes, run_parity
+from support.parity import paged_nodes, run_parity
 from test_moe_layers import _assert_batched_equals_alone_and_original
 
 from ortpa.parity.convert_file import convert_file

@@ -18,7 +18,7 @@ step, but no row's *value* does, provided that
 4. the rows go back to token order through the inverse permutation (``ScatterND(zeros, P, Range(0, n))``
    then a gather by it) or by a scatter onto each row's own token (``index_add``).
 
-Each kind of :class:`~ortpa.rewriter.per_sequence_kinds.Kind` with tag ``route`` carries its sort node (``node``)
+Each kind of :class:`~ortpa.rewriter.per_sequence.kinds.Kind` with tag ``route`` carries its sort node (``node``)
 and its ``role`` towards it: ``rows`` (values in sorted order, each from one token), ``perm`` (computed from ``P``
 alone), ``meta`` (computed over every sorted row), ``seg`` / ``segrows`` (a segment's indices / rows, with
 ``bounds``), ``inverse`` (``P``'s inverse, in token order). Role ``""`` is a regrouping nothing undoes. Anything
@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr
-from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind, norm, step
+from ortpa.rewriter.per_sequence.kinds import CONST, COUNT, Flow, Kind, norm, step
 
 __all__ = ["is_own_length", "sort_kinds", "transfer"]
 

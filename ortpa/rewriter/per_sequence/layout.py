@@ -10,10 +10,10 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence_kinds import CONST, Flow, Kind
-from ortpa.rewriter.per_sequence_kinds import lost as _lost
-from ortpa.rewriter.per_sequence_kinds import norm as _norm
-from ortpa.rewriter.per_sequence_kinds import step as _step
+from ortpa.rewriter.per_sequence.kinds import CONST, Flow, Kind
+from ortpa.rewriter.per_sequence.kinds import lost as _lost
+from ortpa.rewriter.per_sequence.kinds import norm as _norm
+from ortpa.rewriter.per_sequence.kinds import step as _step
 
 __all__ = ["gather_nd", "is_count", "keep", "reshape", "shape_elements", "squeeze_like", "static_dims", "transpose"]
 

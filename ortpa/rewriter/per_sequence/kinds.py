@@ -1,4 +1,4 @@
-"""The kinds the per-sequence dataflow gives values (:mod:`ortpa.rewriter.per_sequence_flow`), and the state it
+"""The kinds the per-sequence dataflow gives values (:mod:`ortpa.rewriter.per_sequence.flow`), and the state it
 keeps: ranks, static dims (the dense batch symbol as 1), each value's kind."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Kind:
     definite: bool = True  # step: False when the flow only lost track (an unknown op, rank or dim)
     block: int = 1  # token: rows per token on the token axis (a reshape folding [T, heads, d] into [T*heads, d])
     no_rule: bool = False  # step (not definite): an op the flow has no rule for, not merely a shape it cannot read
-    # route (:mod:`ortpa.rewriter.per_sequence_routes`): what the value is to the sort ``node`` that regrouped its
+    # route (:mod:`ortpa.rewriter.per_sequence.routes`): what the value is to the sort ``node`` that regrouped its
     # rows ("rows", "perm", "meta", "seg", "segrows", "inverse"; "" for a regrouping nothing shows undone), how
     # many rows per token the sorted axis holds, and a segment's (start, end) bound values
     role: str = ""

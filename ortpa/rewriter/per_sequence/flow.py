@@ -7,7 +7,7 @@ op reads the sequence boundaries itself). From them a forward pass over the live
 
 * ``const``: no dependence on the step's tokens;
 * ``count``: an integer computed from the step's token count (``Shape`` of a per-token value); checked by
-  :func:`ortpa.rewriter.per_sequence._token_counts`, which allows it only as a size;
+  :func:`ortpa.rewriter.per_sequence.reductions._token_counts`, which allows it only as a size;
 * ``token``: one axis (``axis``) is the packed token axis and each slice along it depends on its own token only;
 * ``enum``: like ``token``, but the values hold each token's index in the packed step (``Range(0, count, 1)``, or
   rows ``0..count-1`` of a constant table): alone, a sequence would see its own indices ``0..len-1``. Used only
@@ -15,9 +15,9 @@ op reads the sequence boundaries itself). From them a forward pass over the live
   value (learned absolute positions) :mod:`ortpa.rewriter.per_sequence` makes its sources per sequence;
 * ``route``: rows regrouped across the step (``node``: the sort that regrouped them, ``role``: what the value is to
   it). MoE dispatch sorts every (token, expert) row of the step and puts the rows back:
-  :mod:`ortpa.rewriter.per_sequence_routes` follows the sorted rows and shows them put back on their own tokens
+  :mod:`ortpa.rewriter.per_sequence.routes` follows the sorted rows and shows them put back on their own tokens
   (the kind turns ``token`` again) or names the leak; a regrouping nothing undoes stays ``route`` and is refused
-  where it reaches the logits or a cache (:mod:`ortpa.rewriter.per_sequence_segments`);
+  where it reaches the logits or a cache (:mod:`ortpa.rewriter.per_sequence.segments`);
 * ``step``: depends on more than one sequence of the step: ``why`` says how, ``node`` where. An op with no rule
   here and a non-constant input gives ``step``: unknown is step-wide. Where only a shape is missing (what
   :mod:`ortpa.rewriter.shape_recovery` could not recover) the value is ``step`` but not ``definite`` (the flow
@@ -25,7 +25,7 @@ op reads the sequence boundaries itself). From them a forward pass over the live
 
 A token axis may be "blocked" (``block`` rows per token): a reshape folding each token's trailing elements into
 rows of the token axis (``[1, T, 4 * 32] -> [1, T * 4, 32]``) and back. Kinds and state live in
-:mod:`ortpa.rewriter.per_sequence_kinds`, the layout ops in :mod:`ortpa.rewriter.per_sequence_layout`.
+:mod:`ortpa.rewriter.per_sequence.kinds`, the layout ops in :mod:`ortpa.rewriter.per_sequence.layout`.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from dataclasses import replace
 
 import onnx_ir as ir
 
-from ortpa.rewriter import per_sequence_routes as routes
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind, unknown_op
-from ortpa.rewriter.per_sequence_kinds import lost as _lost
-from ortpa.rewriter.per_sequence_kinds import norm as _norm
-from ortpa.rewriter.per_sequence_kinds import step as _step
-from ortpa.rewriter.per_sequence_layout import gather_nd as _gather_nd
-from ortpa.rewriter.per_sequence_layout import keep as _keep
-from ortpa.rewriter.per_sequence_layout import reshape as _reshape
-from ortpa.rewriter.per_sequence_layout import squeeze_like as _squeeze_like
-from ortpa.rewriter.per_sequence_layout import transpose as _transpose
+from ortpa.rewriter.per_sequence import routes
+from ortpa.rewriter.per_sequence.kinds import CONST, COUNT, Flow, Kind, unknown_op
+from ortpa.rewriter.per_sequence.kinds import lost as _lost
+from ortpa.rewriter.per_sequence.kinds import norm as _norm
+from ortpa.rewriter.per_sequence.kinds import step as _step
+from ortpa.rewriter.per_sequence.layout import gather_nd as _gather_nd
+from ortpa.rewriter.per_sequence.layout import keep as _keep
+from ortpa.rewriter.per_sequence.layout import reshape as _reshape
+from ortpa.rewriter.per_sequence.layout import squeeze_like as _squeeze_like
+from ortpa.rewriter.per_sequence.layout import transpose as _transpose
 
 __all__ = ["Flow", "Kind", "analyse"]
 

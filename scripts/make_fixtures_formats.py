@@ -17,7 +17,10 @@ tokenizer is built offline with ``tokenizers``); pass the tool as the first argu
   and int4. ``genai_llama_paged_fp16``: the builder's own paged model (``-p fp16 -e cuda --extra_options
   use_paged_attention=true``, which builds without a GPU), written to ``tests/fixtures/genai_paged/``.
 * ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
-  optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
+  optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23. One that reuses ortpa's torch and onnx:
+  ``python -m venv V``, a ``.pth`` file in V's site-packages naming ortpa's site-packages (it comes after V's own,
+  so V's transformers 4.57 wins), ``V/bin/pip install optimum-onnx "transformers<4.58"``, then run this script
+  with ``V/bin/python``. Llama, Qwen3, Falcon, StableLM, GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2.
 * ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
   environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7).
 * ``ortpa``: ``ortpa.export.export_hf`` (``torch.onnx.export(dynamo=True)``), ortpa's environment, for the

@@ -88,6 +88,7 @@ def _assert_batched_equals_alone_and_original(paged_path, dense_path, info: dict
 
 
 @pytest.mark.export
+@pytest.mark.slow  # ~45 s on 2 shared cores (transformers' own model, 24 greedy tokens)
 def test_moe3_fixture_equals_pytorch_and_converts_to_its_tokens(tmp_path):
     """The grouped_mm fixture is PyTorch's model (to 1e-4), and its conversion gives PyTorch's greedy tokens,
     batched."""

@@ -46,7 +46,11 @@ _ROW_ROLES = frozenset({"rows", "perm", "segrows", "inverse"})
 _REDUCE = frozenset({"ReduceSum", "ReduceMax", "ReduceMin", "ReduceMean"})
 # Ops whose output is a function of their inputs' values only (no axis semantics): a step-wide count stays one.
 _LAYOUT = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Identity", "Cast", "Flatten", "Transpose", "Expand"})
-_SAMPLE_ROWS = 4096  # sorted positions on which f(P) is evaluated (tokens x experts of any real step fit below)
+# f(P) is evaluated on the positions of the first _SAMPLE_ROWS tokens and of _SAMPLE_ROWS tokens ending at
+# _FAR_TOKEN (past any step's token count): what exporters write (k's floor division with its sign correction) is
+# the same on both, a clamp or an offset is not
+_SAMPLE_ROWS = 4096
+_FAR_TOKEN = 2**24
 
 
 def sort_kinds(node: ir.Node, data: Kind, k_is_full: bool) -> list[Kind]:
@@ -287,24 +291,30 @@ def _is_range(value: ir.Value, kind: Kind) -> bool:
 def _reads_own_token(index: ir.Value, idx: Kind, block: int) -> bool:
     """``index`` = f(P) reads, for each sorted row, a row of the token its position belongs to (``block`` rows per
     token in the data, ``idx.span`` per token in the sorted axis)."""
-    f = _index_map(index, idx)
-    v = np.arange(_SAMPLE_ROWS * idx.span, dtype=np.int64)
-    return f is not None and np.array_equal(f.astype(np.int64) // block, v // idx.span)
+    v = _positions(idx.span)
+    f = _index_map(index, idx, v)
+    return f is not None and np.array_equal(f // block, v // idx.span)
 
 
 def _is_perm_itself(index: ir.Value, idx: Kind) -> bool:
-    f = _index_map(index, idx)
-    return f is not None and np.array_equal(f.astype(np.int64), np.arange(f.size, dtype=np.int64))
+    v = _positions(idx.span)
+    f = _index_map(index, idx, v)
+    return f is not None and np.array_equal(f, v)
 
 
-def _index_map(index: ir.Value, idx: Kind) -> np.ndarray | None:
-    """f(P) on every sorted position ``0 .. _SAMPLE_ROWS * span - 1``, or None where f is not computed from ``P``
-    and scalar constants alone (or gives non-integers)."""
-    size = _SAMPLE_ROWS * max(idx.span, 1)
-    f = _evaluate(index, idx.node.outputs[1], np.arange(size, dtype=np.int64))
-    if f is None or f.shape != (size,) or not np.issubdtype(f.dtype, np.integer):
+def _positions(span: int) -> np.ndarray:
+    span = max(span, 1)
+    near = np.arange(_SAMPLE_ROWS * span, dtype=np.int64)
+    return np.concatenate([near, near + (_FAR_TOKEN - _SAMPLE_ROWS) * span])
+
+
+def _index_map(index: ir.Value, idx: Kind, v: np.ndarray) -> np.ndarray | None:
+    """f(P) at the sorted positions ``v``, or None where f is not computed from ``P`` and scalar constants alone (or
+    gives non-integers)."""
+    f = _evaluate(index, idx.node.outputs[1], v)
+    if f is None or f.shape != v.shape or not np.issubdtype(f.dtype, np.integer):
         return None
-    return f
+    return f.astype(np.int64)
 
 
 _BINARY = {

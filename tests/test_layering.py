@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ortpa.runtime", "ortpa.formats"),
     ("ortpa.ops",),
     ("ortpa.model",),
-    ("ortpa.errors", "ortpa.dtypes", "ortpa.tolerances"),
+    ("ortpa.errors", "ortpa.dtypes", "ortpa.tolerances", "ortpa.extras"),
 )
 OUTSIDE = ("ortpa.testing",)  # test models: nothing the product runs imports them
 

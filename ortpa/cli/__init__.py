@@ -1,6 +1,7 @@
 """The ``ortpa`` console script: one module per command (``register`` its parser, ``run`` it).
 
-Exit codes: 0 success, 1 the model or input is invalid (diagnostics printed), 2 usage errors.
+Exit codes (``ortpa.cli._common``): 0 success, 1 the model or input is invalid (diagnostics printed), 2 usage
+errors, 3 this machine lacks what the command needs (an optional extra, a free port), 130 interrupted.
 Errors print without a traceback unless ``--verbose`` is given. Each command's work lives in the package
 (``rewriter``, ``runtime``, ``parity``, ``export``...); the command modules only parse and print.
 """
@@ -13,8 +14,15 @@ import traceback
 from collections.abc import Sequence
 
 from ortpa.cli import bench, convert, demo, export, generate, parity, serve, validate
-from ortpa.cli._common import EXIT_INVALID, EXIT_USAGE, Parser, library_logging
-from ortpa.errors import OrtpaError
+from ortpa.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    Parser,
+    library_logging,
+)
+from ortpa.errors import OrtpaError, Unavailable
 
 __all__ = ["build_parser", "main"]
 
@@ -64,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "verbose", False):
             traceback.print_exc()
         print(f"ortpa {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return EXIT_UNAVAILABLE if isinstance(exc, Unavailable) else EXIT_INVALID
     except FileNotFoundError as exc:
         print(f"ortpa {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return EXIT_INVALID
@@ -87,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

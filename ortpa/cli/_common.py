@@ -10,8 +10,10 @@ import warnings
 from collections.abc import Callable, Iterator
 
 __all__ = [
+    "EXIT_INTERRUPTED",
     "EXIT_INVALID",
     "EXIT_OK",
+    "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
     "MODEL_HELP",
     "Parser",
@@ -23,7 +25,12 @@ __all__ = [
     "prompt_ids",
 ]
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+# one meaning each (README's synopsis and docs/cli.md list them; tests/test_cli_errors.py checks them)
+EXIT_OK = 0  # done
+EXIT_INVALID = 1  # the model or input is invalid, or a check failed (parity, validate): diagnostics printed
+EXIT_USAGE = 2  # the command line cannot be carried out as given (argparse's own code)
+EXIT_UNAVAILABLE = 3  # this machine lacks what the command needs: an optional extra, a free port
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 
 MODEL_HELP = "; or a model folder, or a Hugging Face repo id ORG/NAME in the local cache (never downloaded)"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
 from ortpa.cli.export import add_export_options, export_from_args
-from ortpa.errors import ConversionError, OrtpaError
+from ortpa.errors import ConversionError, OrtpaError, Unavailable
 from ortpa.tolerances import FAMILY_EXTRA_ATOL
 
 __all__ = ["register", "run"]
@@ -51,14 +51,11 @@ def _remove_if_empty(folder: Path) -> None:
 
 def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> str:
     """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``dense_dir/model.onnx`` first; its path."""
-    try:
-        import ortpa.export.hf  # noqa: F401  (the export extra is there; else one line, below)
-        from ortpa.export.checkpoint_dtype import default_export_dtype, refuse_cpu_bfloat16, stored_dtype
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConversionError(
-            f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
-            f"(pip install 'ortpa[export]'): {exc}"
-        ) from None
+    from ortpa.extras import require_extra
+
+    require_extra("export", f"{args.input} is a Hugging Face checkpoint: exporting it")
+    from ortpa.export.checkpoint_dtype import default_export_dtype, refuse_cpu_bfloat16, stored_dtype
+
     refuse_cpu_bfloat16(args.input, default_export_dtype(stored_dtype(folder), args.export_dtype), args.providers)
     progress = progress_printer(args)
     dense = str(dense_dir / "model.onnx")
@@ -104,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
                 raise
             try:
                 ref = ModelRef(Path(_export_first(args, exc.folder, _dense_folder(args, stack))), exc.folder)
+            except Unavailable:  # a missing extra: said as such (exit 3), not as a refused model
+                raise
             except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
                 raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
         progress = _convert_progress(args)

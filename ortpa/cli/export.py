@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from ortpa.cli._common import EXIT_INVALID, EXIT_OK, add_common, add_providers, progress_printer
+from ortpa.cli._common import EXIT_OK, add_common, add_providers, progress_printer
 
 __all__ = ["add_export_options", "export_from_args", "register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import ortpa.export.hf  # noqa: F401  (the export extra is there; else one line, below)
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        print(f"ortpa export needs the export extra (pip install 'ortpa[export]'): {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    from ortpa.extras import require_extra
+
+    require_extra("export", "ortpa export")
     dense = args.output if args.dense_only else args.output + ".dense.onnx"
     if not args.dense_only and not args.random_weights:
         from ortpa.export.checkpoint_dtype import default_export_dtype, refuse_cpu_bfloat16, stored_dtype

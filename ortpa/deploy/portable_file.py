@@ -29,6 +29,7 @@ import onnx
 from onnx import helper
 
 from ortpa.errors import ConversionError
+from ortpa.model.kind import PORTABLE_METADATA_KEY
 from ortpa.ops.portable import plan_call, portable_config, value_types
 from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig
 from ortpa.ops.shape_inference import infer_shapes
@@ -36,7 +37,7 @@ from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
 
 __all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "portable_info"]
 
-METADATA_KEY = "ortpa.portable"
+METADATA_KEY = PORTABLE_METADATA_KEY
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import onnx_ir as ir
 import onnxscript.optimizer
 
 from ortpa.errors import ConversionError
+from ortpa.model.kind import ModelKind, model_kind
 from ortpa.model.ref import resolve_any
 from ortpa.rewriter import kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter._fold import fold_shape_values
@@ -279,6 +280,7 @@ def _convert(
         kv_cache_dtype = None  # the op's T follows dtype / the model as for a float cache; the cache is int8
     _progress(progress, "loading")
     irm = model_store.load_ir(model, sink)
+    _refuse_paged(irm, model)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
         kv_plan.dense = model_store.inline_copy(irm)
     canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
@@ -287,7 +289,7 @@ def _convert(
     fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
     recover_shapes(irm)  # shapes the optimizer could not infer (past contrib ops): the per-sequence flow reads them
     graph = irm.graph
-    _progress(progress, "matching MLA layers")
+    _progress(progress, "matching attention layers")
     mla_results = match_mla_layers(graph)
     attention_results = _attention_family(graph, mla_results)
     if attention_results is not None:  # MHA / GQA -> PagedAttention SEPARATE
@@ -356,6 +358,19 @@ def _convert(
         kv_plan=kv_plan,
     )
     return model_store.finish(irm, sink, progress, providers, before_move)
+
+
+def _refuse_paged(irm: ir.Model, model) -> None:
+    """A paged model given again: said as such, not as layers whose dense caches are missing."""
+    kind = model_kind(irm)
+    if kind is ModelKind.DENSE:
+        return
+    where = os.fspath(model) if isinstance(model, (str, os.PathLike)) else "the model"
+    lowered = ", lowered to standard ONNX ops (--portable)" if kind is ModelKind.PORTABLE else ""
+    raise ConversionError(
+        f"{where} is already a paged model{lowered}: nothing to convert. Run it as it is "
+        "(ortpa generate / ortpa serve), or convert its dense original (past/present KV caches)"
+    )
 
 
 def _const(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:

@@ -9,12 +9,14 @@ Errors print without a traceback unless ``--verbose`` is given. Each command's w
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 from collections.abc import Sequence
 
-from ortpa.cli import bench, convert, demo, export, generate, parity, serve, validate
+from ortpa import __version__
 from ortpa.cli._common import (
+    COMMANDS,
     EXIT_INTERRUPTED,
     EXIT_INVALID,
     EXIT_UNAVAILABLE,
@@ -38,11 +40,10 @@ _EPILOG = """examples:
 """
 
 
-# the order of `ortpa --help`
-COMMANDS = (demo, convert, validate, generate, serve, parity, export, bench)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
+    """The ``ortpa`` parser. ``every``: each command's own options (as the tests and docs read them); otherwise
+    only ``command``'s, the others listed by name and help (``main``: starting a command imports its module
+    alone, and ``ortpa --help`` / ``--version`` import none)."""
     parser = Parser(
         prog="ortpa",
         description="Convert dense-attention ONNX LLMs to paged-KV models on ONNX Runtime's "
@@ -50,17 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from ortpa import __version__
-
     parser.add_argument("--version", action="version", version=f"ortpa {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for command in COMMANDS:
-        command.register(sub)
+    for name, help_text in COMMANDS.items():
+        if every or name == command:
+            importlib.import_module(f"ortpa.cli.{name}").register(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ortpa's own options take no value, so the command is the first word that is not an option
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command, every=False)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
 from ortpa.cli.export import add_export_options, export_from_args
 from ortpa.errors import ConversionError, OrtpaError, Unavailable
 from ortpa.tolerances import FAMILY_EXTRA_ATOL
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert a dense-attention ONNX model to a paged PagedAttention model",
+        help=COMMANDS["convert"],
         description="Rewrite dense MLA attention (DeepSeek-style) into PagedAttention LATENT and MHA/GQA into "
         "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
         "The converted model is then run against the original (a few seeded prompts, a few greedy steps) before it is "

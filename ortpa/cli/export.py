@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ortpa.cli._common import EXIT_OK, add_common, add_providers, progress_printer
+from ortpa.cli._common import COMMANDS, EXIT_OK, add_common, add_providers, progress_printer
 
 __all__ = ["add_export_options", "export_from_args", "register", "run"]
 
@@ -84,7 +84,7 @@ def add_export_options(p, dtype_dest: str = "dtype") -> None:
 def register(sub) -> None:
     p = sub.add_parser(
         "export",
-        help="export a Hugging Face model (local dir or config) to dense ONNX, then convert it",
+        help=COMMANDS["export"],
         description="Export with torch.onnx.export(dynamo=True) and convert. Needs the `export` extra. "
         "No downloads: MODEL is a local model directory (safetensors, sharded or not) or a config.json "
         "(use --random-weights). MoE layers export through transformers' grouped_mm lowering, DeepSeek-V2's "

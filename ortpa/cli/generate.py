@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision, prompt_ids
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision, prompt_ids
 from ortpa.errors import InvalidModel, InvalidRequest
 
 __all__ = ["register", "run"]
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="greedy generation with continuous batching on a converted model",
+        help=COMMANDS["generate"],
         description="All prompts are batched continuously on the paged model (CUDA natively where present, "
         "else the portable CPU path). --prompt encodes text with the tokenizer.json next to the model (or in "
         "--tokenizer) and prints text; generation stops at the EOS ids of generation_config.json found there.",

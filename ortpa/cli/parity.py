@@ -6,7 +6,16 @@ import argparse
 import json
 import sys
 
-from ortpa.cli._common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, MODEL_HELP, add_common, add_revision, prompt_ids
+from ortpa.cli._common import (
+    COMMANDS,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_USAGE,
+    MODEL_HELP,
+    add_common,
+    add_revision,
+    prompt_ids,
+)
 from ortpa.errors import InvalidModel
 from ortpa.tolerances import FAMILY_EXTRA_ATOL, logit_tolerance
 
@@ -95,7 +104,7 @@ def _cache_dtype(paged) -> str:
 def register(sub) -> None:
     p = sub.add_parser(
         "parity",
-        help="run the same prompts through the dense original and the converted model; compare",
+        help=COMMANDS["parity"],
         description="Greedy decoding of each prompt alone on the dense model (ONNX Runtime CPU, past/present KV, "
         "fed in its own format: dynamo export, onnxruntime-genai builder, optimum, transformers' OnnxExporter) and "
         "of all prompts batched on the converted model; prints per-step max logit error and token agreement. "

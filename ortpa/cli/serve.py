@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision
 from ortpa.errors import InvalidParameter, Unavailable
 
 __all__ = ["register", "run"]
@@ -112,7 +112,7 @@ def _check_port_free(host: str, port: int) -> None:
 def register(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a converted model over HTTP with OpenAI's completions and chat API",
+        help=COMMANDS["serve"],
         description="Continuous batching over one Engine; /v1/completions, /v1/chat/completions (streamed as "
         "Server-Sent Events or not), /v1/models, /health, /metrics (Prometheus). The tokenizer.json, "
         "tokenizer_config.json (chat template), generation_config.json (EOS) and config.json (context length) "

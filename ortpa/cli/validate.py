@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ortpa.cli._common import EXIT_INVALID, EXIT_OK, MODEL_HELP, add_common, add_revision
+from ortpa.cli._common import COMMANDS, EXIT_INVALID, EXIT_OK, MODEL_HELP, add_common, add_revision
 from ortpa.errors import InvalidModel
 
 __all__ = ["register", "run"]
@@ -44,7 +44,7 @@ def _nothing_to_validate(path: str) -> str:
 def register(sub) -> None:
     p = sub.add_parser(
         "validate",
-        help="check every PagedAttention node of a model against ONNX Runtime's rules",
+        help=COMMANDS["validate"],
         description="Validate each com.microsoft::PagedAttention node from its declared types and shapes. "
         "Rules that depend on an unknown (symbolic) dimension are reported as unchecked, never as passed.",
         epilog="example:\n  ortpa validate paged.onnx --backend cuda --json",

@@ -2,8 +2,10 @@
 
 The public API, re-exported from the modules that implement it:
 
-* :func:`convert` / :func:`convert_file` — dense ONNX (MLA, MHA, GQA) -> paged PagedAttention model;
-  ``convert_file(..., portable=True)`` lowers it to standard ONNX ops, and writes a ``genai_config.json`` beside it.
+* :func:`convert_file` — dense ONNX (MLA, MHA, GQA) or a Hugging Face checkpoint -> a verified paged deployment
+  folder (the model, ``genai_config.json``, tokenizer files; ``portable=True``: lowered to standard ONNX ops), with
+  :class:`ConvertOptions`; a :class:`Conversion` back.
+* :func:`convert` — the same rewrite and checks in memory: a ``ModelProto`` back, nothing written or verified.
 * :func:`validate` — check every PagedAttention node of a model against ONNX Runtime's rules and a backend.
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` running PagedAttention on any EP.
 * :class:`PagedSession` — caches owned as OrtValues and updated in place through IO binding.
@@ -41,8 +43,10 @@ _PUBLIC: dict[str, str] = {
     "ValidationReport": "ortpa.ops.validate",
     "check_inputs": "ortpa.ops.validate",
     "validate": "ortpa.ops.validate",
-    "convert": "ortpa.parity.convert_file",
-    "convert_file": "ortpa.deploy.deployment",
+    "convert": "ortpa.conversion",
+    "convert_file": "ortpa.conversion",
+    "Conversion": "ortpa.conversion",
+    "ConvertOptions": "ortpa.conversion",
     "Engine": "ortpa.runtime.engine",
     "EngineStats": "ortpa.runtime.engine",
     "RequestOutput": "ortpa.runtime.engine",
@@ -55,7 +59,9 @@ _PUBLIC: dict[str, str] = {
 
 __all__ = [
     "ConcurrentUse",
+    "Conversion",
     "ConversionError",
+    "ConvertOptions",
     "Engine",
     "EngineStats",
     "InferenceSession",
@@ -87,7 +93,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name comes from __getattr__
-    from ortpa.deploy.deployment import convert_file
+    from ortpa.conversion import Conversion, ConvertOptions, convert, convert_file
     from ortpa.errors import (
         ConcurrentUse,
         ConversionError,
@@ -105,7 +111,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name come
     )
     from ortpa.model.ref import NoOnnxFile, resolve_model
     from ortpa.ops.validate import ValidationReport, check_inputs, validate
-    from ortpa.parity.convert_file import convert
     from ortpa.runtime.engine import Engine, EngineStats, RequestOutput
     from ortpa.runtime.kv import PagedKVCache, StepInputs
     from ortpa.runtime.sampling import SamplingParams

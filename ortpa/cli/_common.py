@@ -42,7 +42,7 @@ COMMANDS: dict[str, str] = {
     "generate": "greedy generation with continuous batching on a converted model",
     "serve": "serve a converted model over HTTP with OpenAI's completions and chat API",
     "parity": "run the same prompts through the dense original and the converted model; compare",
-    "export": "export a Hugging Face model (local dir or config) to dense ONNX, then convert it",
+    "export": "export a Hugging Face model (local dir or config) to dense ONNX (convert exports and converts)",
     "bench": "run the built-in benchmarks (ortpa.bench) and those in ./benchmarks; print one table",
 }
 

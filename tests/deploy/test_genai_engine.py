@@ -23,7 +23,8 @@ from genai_env import find_genai_python, run_genai_driver
 from tolerances import ACT_INT8_EXTRA_ATOL
 
 from ortpa.cli import main
-from ortpa.deploy import GenaiOptions, convert_deployment, portable_info
+from ortpa.conversion import convert_file
+from ortpa.deploy import GenaiOptions, portable_info
 from ortpa.parity.greedy import dense_greedy, open_dense
 from ortpa.runtime.engine import Engine
 from ortpa.runtime.sampling import SamplingParams
@@ -108,7 +109,7 @@ def deployed(tmp_path_factory):
             if case.hf_config is not None:
                 (src / "config.json").write_text(json.dumps(case.hf_config))
             out = tmp_path_factory.mktemp(f"out_{name}") / "model.onnx"
-            convert_deployment(
+            convert_file(
                 src, out, portable=True, genai=GenaiOptions(max_batch_size=MAX_BATCH, max_scheduled_tokens=CHUNK)
             )
             made[name] = out
@@ -219,7 +220,7 @@ def test_genai_engine_with_convert_options(tmp_path, genai_python):
     folder as written, with ortpa's Engine's tokens on the same file (int8 is checked against the original in
     tests/rewriter/test_kv_quant.py)."""
     out = tmp_path / "model.onnx"
-    convert_deployment(
+    convert_file(
         FIXTURES / "llama_sdpa_op18.onnx",
         out,
         portable=True,

@@ -14,9 +14,9 @@ import onnx
 import pytest
 from parity import FIXTURES, attrs, check_near_miss, near_miss, run_parity
 
+from ortpa.conversion import convert_file
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model
-from ortpa.parity.convert_file import convert_file
 from ortpa.rewriter.mla import LayerFailure, MlaLayer, match_mla_layers
 from ortpa.rewriter.pipeline import convert
 

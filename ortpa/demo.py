@@ -271,6 +271,7 @@ def run_demo(
     if not report.ok:
         failures.insert(0, "validation failed:\n" + report.format())
     n_paged = conversion.paged_attention_nodes
+    paged_graph = onnx.load(str(paged), load_external_data=False)  # declared shapes: the figures below
     if n_paged != c.layers:
         failures.append(f"{n_paged} PagedAttention nodes for {c.layers} layers")
     H, P, R, V = c.heads, c.qk_nope, c.qk_rope, c.v_head
@@ -284,9 +285,9 @@ def run_demo(
         layers=c.layers,
         paged_attention_nodes=n_paged,
         dense_nodes=len(dense.graph.node),
-        paged_nodes=len(onnx.load(str(paged), load_external_data=False).graph.node),
+        paged_nodes=len(paged_graph.graph.node),
         kv_bytes_per_token_dense=_kv_bytes(dense, heads_axis=1),
-        kv_bytes_per_token_paged=_kv_bytes(paged, heads_axis=2),
+        kv_bytes_per_token_paged=_kv_bytes(paged_graph, heads_axis=2),
         kv_bytes_per_token_mha=H * (P + R + V) * 2,
         validation_ok=report.ok,
         validation_backend="cuda",

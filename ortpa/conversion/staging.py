@@ -63,6 +63,7 @@ class Staging:
                     if staged.name != self.out.name:
                         os.replace(staged, target / staged.name)
                 os.replace(self.model, self.out)
+                self.folder.rmdir()  # empty now
         except OSError as exc:
             raise ConversionError(f"cannot write {self.out}: {exc.strerror or exc}") from exc
         self.committed = True
@@ -75,7 +76,9 @@ def staging(out_path: str | os.PathLike) -> Iterator[Staging]:
     if out.is_dir():  # found before the work, not after it
         raise ConversionError(f"cannot write {os.fspath(out_path)}: it is a directory")
     target = out.parent
-    whole = not target.exists() or (target.is_dir() and not any(target.iterdir()))
+    # an existing empty folder is replaced only where its parent may be written (else: staged inside it)
+    empty = target.is_dir() and not any(target.iterdir()) and os.access(target.parent, os.W_OK)
+    whole = not target.exists() or empty
     root = target.parent if whole else target
     made = [p for p in (root, *root.parents) if not p.exists()]
     try:

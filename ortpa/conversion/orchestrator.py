@@ -134,8 +134,8 @@ def _locate(
             raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
     if opts.keep_dense is not None:
         raise ConversionError(
-            f"keep_dense (--keep-dense): expected a Hugging Face checkpoint folder as the input (the dense export to keep), found "
-            f"the ONNX model {ref.path}"
+            "keep_dense (--keep-dense): expected a Hugging Face checkpoint folder as the input (the dense export "
+            f"to keep), found the ONNX model {ref.path}"
         )
     return ref
 

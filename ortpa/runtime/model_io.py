@@ -16,7 +16,7 @@ import onnx
 
 from ortpa.errors import InvalidModel
 from ortpa.model.kind import ModelKind, model_kind
-from ortpa.ops.portable_calls import lowered_rotary_tables
+from ortpa.ops.portable.calls import lowered_rotary_tables
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
 
 __all__ = [

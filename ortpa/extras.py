@@ -16,9 +16,9 @@ __all__ = ["EXTRAS", "extra_providing", "require_extra"]
 # pyproject.toml's [project.optional-dependencies], by import name
 EXTRAS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers", "tokenizers", "safetensors"),
-    "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2", "tokenizers"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2", "tokenizers", "llguidance"),
     "text": ("tokenizers",),
-    "test": ("pytest", "hypothesis", "openai"),
+    "test": ("pytest", "hypothesis", "openai", "jsonschema"),
 }
 
 

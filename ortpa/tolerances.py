@@ -30,6 +30,7 @@ __all__ = [
     "TOL",
     "TieBound",
     "logit_tolerance",
+    "logprob_bound",
     "max_tie_flips",
     "tie_bound",
     "tol_for",
@@ -100,6 +101,15 @@ def tol_for(dtype) -> tuple[float, float]:
     if name not in TOL:
         raise KeyError(f"no tolerance for dtype {name!r}; have {sorted(TOL)}")
     return TOL[name]
+
+
+def logprob_bound(reference_logits, cache_dtype: str = "float16", family: str | None = None) -> float:
+    """Absolute bound on log-probabilities whose logits rows are each within :func:`logit_tolerance` of
+    ``reference_logits``: ``log_softmax(x)_i = x_i - logsumexp(x)`` and logsumexp moves by at most the largest
+    logit error, so a log-probability moves by at most twice the largest bound ``atol + rtol * |x|`` of the row.
+    Used for prompt and token log-probabilities (``ortpa serve``'s ``logprobs``, lm-evaluation-harness)."""
+    rtol, atol = logit_tolerance(cache_dtype, family)
+    return 2.0 * (atol + rtol * float(np.max(np.abs(np.asarray(reference_logits, dtype=np.float64)))))
 
 
 def logit_tolerance(

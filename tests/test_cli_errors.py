@@ -83,7 +83,6 @@ def test_parity_quiet_prints_only_the_verdict(converted, capsys):
 
 def test_serve_on_a_busy_port_fails_at_once_with_exit_3(tmp_path, capsys):
     """Refused before the model loads (the model here does not even exist) and before any 'serving on' line."""
-    pytest.importorskip("uvicorn")  # the serve extra, which the test extra installs
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ortpa.dtypes import dtype_name
-
 __all__ = [
     "ACT_INT8_EXTRA_ATOL",
     "EXPORT_ATOL",
@@ -97,6 +95,8 @@ TIE_FLIPS_PER = 100
 
 def tol_for(dtype) -> tuple[float, float]:
     """``(rtol, atol)`` for activations of ``dtype`` (a NumPy dtype, ``ml_dtypes.bfloat16`` or its name)."""
+    from ortpa.dtypes import dtype_name  # here: onnx_ir is no import of the CLI's start (--family's choices)
+
     name = dtype_name(dtype)
     if name not in TOL:
         raise KeyError(f"no tolerance for dtype {name!r}; have {sorted(TOL)}")

@@ -32,6 +32,8 @@ from ortpa.bench import format_table
 from ortpa.bench._serve_overhead import overhead_rows
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
 
+EXTRAS = ("serve", "test")  # the server, and the openai client that drives it
+
 __all__ = ["run"]
 
 CONFIG = ToyLMConfig(vocab=512, hidden=256, num_heads=4, kv_heads=2, num_layers=4, max_positions=512)

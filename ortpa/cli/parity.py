@@ -6,7 +6,17 @@ import argparse
 import json
 import sys
 
-from ortpa.cli._common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, MODEL_HELP, add_common, add_revision, prompt_ids
+from ortpa.cli._common import (
+    COMMANDS,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_USAGE,
+    MODEL_HELP,
+    add_common,
+    add_revision,
+    prompt_ids,
+)
+from ortpa.errors import InvalidModel
 from ortpa.tolerances import FAMILY_EXTRA_ATOL, logit_tolerance
 
 __all__ = ["register", "run"]
@@ -26,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     original, converted = (
         resolve_any(m, args.revision if is_repo_id(m) else None) for m in (args.original, args.converted)
     )
+    _check_kinds(original, converted)
     # the original runs alone, in its own format (genai, optimum, OnnxExporter, dynamo: ortpa.formats.detect)
     dense = open_dense(original)
     if not args.prompt_ids:
@@ -43,9 +54,35 @@ def run(args: argparse.Namespace) -> int:
     # teacher forcing: the converted model reads the original's tokens, so a tie flip does not cascade
     got = paged_greedy(paged, args.prompt_ids, args.max_new_tokens, follow=ref.tokens)
     result = compare_runs(ref, got, rtol=rtol, atol=atol)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.format())
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:  # --quiet: the verdict line only (the per-step table is the progress of the comparison)
+        print(result.format().splitlines()[-1] if args.quiet else result.format())
     ok = result.ok
     return EXIT_OK if ok else EXIT_INVALID
+
+
+def _check_kinds(original, converted) -> None:
+    """The dense original first, its conversion second: either one of the other kind is said as such, before
+    ONNX Runtime fails on it with its own words."""
+    from ortpa.model.file import read_model
+    from ortpa.model.kind import ModelKind, model_kind
+
+    def kind(path):
+        return model_kind(read_model(path, copy=False, check_runtime=False, load_external_data=False).proto)
+
+    if kind(original) is not ModelKind.DENSE:
+        raise InvalidModel(
+            str(original),
+            "ORIGINAL is already a paged model: parity runs the dense original (past/present KV) against its "
+            "conversion, `ortpa parity DENSE CONVERTED`",
+        )
+    if kind(converted) is ModelKind.DENSE:
+        raise InvalidModel(
+            str(converted),
+            "CONVERTED is a dense model (no PagedAttention, no block_table): convert it first, "
+            "`ortpa convert DENSE paged.onnx`, then `ortpa parity DENSE paged.onnx`",
+        )
 
 
 def _int4_source(path) -> bool:
@@ -67,7 +104,7 @@ def _cache_dtype(paged) -> str:
 def register(sub) -> None:
     p = sub.add_parser(
         "parity",
-        help="run the same prompts through the dense original and the converted model; compare",
+        help=COMMANDS["parity"],
         description="Greedy decoding of each prompt alone on the dense model (ONNX Runtime CPU, past/present KV, "
         "fed in its own format: dynamo export, onnxruntime-genai builder, optimum, transformers' OnnxExporter) and "
         "of all prompts batched on the converted model; prints per-step max logit error and token agreement. "

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision
-from ortpa.errors import InvalidParameter
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision
+from ortpa.errors import InvalidParameter, Unavailable
 
 __all__ = ["register", "run"]
 
@@ -31,17 +31,13 @@ def _positive(kind):
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from ortpa.serve.model import ServingModel
-        from ortpa.serve.server import run_server
-    except ImportError as exc:
-        raise InvalidParameter(
-            "ortpa serve",
-            "the serve extra",
-            "fastapi, uvicorn, prometheus-client and jinja2 installed (pip install 'ortpa[serve]')",
-            str(exc),
-        ) from None
+    from ortpa.extras import require_extra
+
+    require_extra("serve", "ortpa serve")
+    _check_port_free(args.host, args.port)  # before the model loads (or converts), not seconds later from uvicorn
     from ortpa.cli.serve_source import serving_source
+    from ortpa.serve.model import ServingModel
+    from ortpa.serve.server import run_server
 
     model = serving_source(args.model, args.revision, cache_dir=args.cache_dir, quiet=args.quiet, options=[])
     revision = args.revision if model == args.model else None  # a cache entry is a plain folder
@@ -72,23 +68,57 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    run_server(
-        served,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        max_queue=args.max_queue,
-        drain_s=args.drain_timeout,
-        log_level=log_level,
-        access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
-    )
+    try:
+        run_server(
+            served,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            drain_s=args.drain_timeout,
+            log_level=log_level,
+            access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
+        )
+    except SystemExit as exc:  # uvicorn exits 3 when it cannot bind: taken since the check above
+        if exc.code != _UVICORN_STARTUP_FAILURE:
+            raise
+        raise Unavailable(_port_message(args.host, args.port, "was taken while the model loaded")) from None
     return EXIT_OK
+
+
+_UVICORN_STARTUP_FAILURE = 3
+
+
+def _port_message(host: str, port: int, what: str) -> str:
+    return f"--port {port}: {host}:{port} {what} (another server?); stop it, or pass another --port"
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """:class:`~ortpa.errors.Unavailable` when ``host:port`` cannot be bound (bound the way uvicorn binds it)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InvalidParameter("ortpa serve", "--host", "an address of this machine", host) from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise Unavailable(_port_message(host, port, "is already in use")) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise InvalidParameter("ortpa serve", "--host", "an address of this machine", host) from None
+            raise Unavailable(_port_message(host, port, f"cannot be bound: {exc.strerror}")) from None
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a converted model over HTTP with OpenAI's completions and chat API",
+        help=COMMANDS["serve"],
         description="Continuous batching over one Engine; /v1/completions, /v1/chat/completions (streamed as "
         "Server-Sent Events or not), /v1/models, /health, /metrics (Prometheus). The tokenizer.json, "
         "tokenizer_config.json (chat template), generation_config.json (EOS) and config.json (context length) "

@@ -44,7 +44,7 @@ from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS
 from ortpa.ops.params import PagedAttentionParams
-from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
+from ortpa.ops.portable_graph import FUNCTION_DOMAIN, ORT_DOMAIN, PortableConfig, build_function
 from ortpa.ops.portable_plan import PLAN_OUTPUTS, PlanConfig, build_plan_function
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
@@ -54,6 +54,7 @@ __all__ = [
     "BACKEND",
     "FUNCTION_DOMAIN",
     "PORTABLE_FEATURES",
+    "fused_decode_reason",
     "lower_to_portable",
     "paged_attention_model",
     "portable_config",
@@ -105,9 +106,16 @@ def _tensor_info(tp: onnx.TypeProto | None) -> TensorInfo:
 
 
 def portable_config(
-    node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int = _FUNCTION_OPSET
+    node: onnx.NodeProto,
+    types: Mapping[str, onnx.TypeProto],
+    opset: int = _FUNCTION_OPSET,
+    *,
+    fused: bool = True,
 ) -> PortableConfig:
-    """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration."""
+    """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration.
+
+    ``fused``: let decodes attend through ONNX Runtime's ``com.microsoft::MultiHeadAttention`` where it computes
+    the op's semantics (:func:`fused_decode_reason`); ``False`` keeps every kernel a standard ONNX op."""
     where = node.name or None
     names = list(node.input) + [""] * (len(PAGED_ATTENTION.inputs) - len(node.input))
     inputs = {f.name: _tensor_info(types.get(names[f.index])) for f in PAGED_ATTENTION.inputs if names[f.index] != ""}
@@ -156,6 +164,7 @@ def portable_config(
     present = tuple(f.name for f in PAGED_ATTENTION.inputs if f.name in inputs and f.name in needed)
     outs = list(node.output) + [""] * (3 - len(node.output))
     present_outputs = tuple(o.name for o in PAGED_ATTENTION.outputs if outs[o.index] != "")
+    unfused = fused_decode_reason(p, has_sink="head_sink" in present)
     return PortableConfig(
         present_inputs=present,
         present_outputs=present_outputs,
@@ -180,7 +189,21 @@ def portable_config(
         k_quant=p.k_quant_type,
         v_quant="NONE" if p.is_latent else p.v_quant_type,
         opset=opset,
+        fused_decode=fused and unfused is None,
     )
+
+
+def fused_decode_reason(p: PagedAttentionParams, *, has_sink: bool) -> str | None:
+    """Why decodes of a node with parameters ``p`` cannot attend through ``com.microsoft::MultiHeadAttention``,
+    or ``None`` when they can. The op has one softmax over masked scores: no softcap (applied before the mask) and
+    no sink (an extra term in the denominator). LATENT reads V as a prefix of K, which the op has no form for."""
+    if p.is_latent:
+        return "LATENT layout: V is a prefix of the cached row"
+    if p.softcap > 0:
+        return f"softcap={p.softcap}: MultiHeadAttention has no softcap"
+    if has_sink:
+        return "head_sink: MultiHeadAttention has no attention sink"
+    return None
 
 
 def _dim(shape: tuple | None, i: int) -> int | None:
@@ -194,13 +217,16 @@ def lower_to_portable(
     node_names: Collection[str] | None = None,
     *,
     types: Mapping[str, onnx.TypeProto] | None = None,
+    fused: bool = True,
 ) -> onnx.ModelProto:
     """A copy of ``model`` whose (selected) PagedAttention nodes call portable local functions.
 
     ``node_names`` selects nodes by name (``None``: all). Raises :class:`~ortpa.errors.InvalidArgument` for a
     node ONNX Runtime would reject and :class:`~ortpa.errors.NotImplementedByBackend` for an unsupported mode;
     ``model`` is never mutated. ``types`` (:func:`value_types` of the model after shape inference) spares a
-    second shape inference when the caller ran one.
+    second shape inference when the caller ran one. ``fused`` (default): decodes attend through ONNX Runtime's
+    ``com.microsoft::MultiHeadAttention`` where it computes the op's semantics (see :func:`portable_config`);
+    ``False`` emits standard ONNX ops only.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -224,7 +250,7 @@ def lower_to_portable(
         if node.op_type != OP_TYPE or node.domain != DOMAIN or (wanted is not None and node.name not in wanted):
             nodes.append(node)
             continue
-        cfg = portable_config(node, types, fn_opset)
+        cfg = portable_config(node, types, fn_opset, fused=fused)
         plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
         if plan_node is not None:
             nodes.append(plan_node)
@@ -245,6 +271,8 @@ def lower_to_portable(
     out.functions.extend(functions.values())
     if functions and FUNCTION_DOMAIN not in opsets:
         out.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
+    if any(isinstance(c, PortableConfig) and c.fused_decode for c in functions) and ORT_DOMAIN not in opsets:
+        out.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
     return out
 
 

@@ -44,6 +44,7 @@ PLAN_OUTPUTS = (
     "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
     "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
     "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
+    "d_mask",  # [D, kv_d] int32: d_allowed as the key_padding_mask of com.microsoft::MultiHeadAttention
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
     "p_row",  # [P, kvh, kv_p]
     "p_row_ok",  # [P, 1, kv_p, 1]
@@ -203,7 +204,12 @@ class _Plan(GraphTracer):
         out_row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
         # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
         # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
-        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
+        # A decode whose every key is masked (its own page unmapped) is a zero row too: the fused decode path
+        # (MultiHeadAttention, whose fully masked rows are NaN) relies on it; the other paths give 0 there anyway
+        d_any = op.ReduceSum(dec["mask"], [1], keepdims=0)  # [D] attended keys (0 when max_kv == 0)
+        seq_ok = op.ScatterElements(op.Cast(op.Not(is_dec), to=ir.DataType.INT32), dec["sel"], d_any)
+        has_keys = op.And(op.Greater(op.Gather(self.kvlen, self.seq), 0), op.Greater(op.Gather(seq_ok, self.seq), 0))
+        has_keys = op.Unsqueeze(has_keys, [1])
         return [
             self.pos,
             rows,
@@ -216,6 +222,7 @@ class _Plan(GraphTracer):
             dec["row_ok"],
             dec["allowed"],
             dec["rows_ok"],
+            dec["mask"],
             pre["query"],
             pre["row"],
             pre["row_ok"],
@@ -348,8 +355,18 @@ class _Plan(GraphTracer):
             if p.local_window_size > 0:
                 near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
                 allowed = op.And(live, near)
+            mask = op.Cast(allowed, to=ir.DataType.INT32)
             allowed = op.Unsqueeze(allowed, [1, 2])
-            return {"query": c_lo, "row": row, "row_ok": row_ok, "allowed": allowed, "rows_ok": rows_ok, "count": count}
+            return {
+                "query": c_lo,
+                "row": row,
+                "row_ok": row_ok,
+                "allowed": allowed,
+                "rows_ok": rows_ok,
+                "count": count,
+                "mask": mask,
+                "sel": sel,
+            }
         maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
         i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
         tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))

@@ -33,6 +33,7 @@ packed int4 (uint8) caches, and head sizes or rotary widths that are not static 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -242,6 +243,7 @@ def lower_to_portable(
     fn_opset = main_opset
     types = _value_infos(out) if types is None else types
     wanted = None if node_names is None else set(node_names)
+    constants = {i.name for i in out.graph.initializer}
     functions: dict[PortableConfig | PlanConfig, onnx.FunctionProto] = {}
     idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
     plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
@@ -251,6 +253,8 @@ def lower_to_portable(
             nodes.append(node)
             continue
         cfg = portable_config(node, types, fn_opset, fused=fused)
+        if cfg.rotary_dim and _foldable_rope(node, types, constants, cfg.rotary_dim):
+            cfg = dataclasses.replace(cfg, rope_table_folded=True)
         plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
         if plan_node is not None:
             nodes.append(plan_node)
@@ -274,6 +278,22 @@ def lower_to_portable(
     if any(isinstance(c, PortableConfig) and c.fused_decode for c in functions) and ORT_DOMAIN not in opsets:
         out.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
     return out
+
+
+# The largest float32 RoPE table (every position's cos and signed sin per rotated channel, 4x the bytes of float16
+# cos + sin) a layer may fold into a constant; past it the rows are gathered per step (two kernels more per layer)
+_MAX_FOLDED_ROPE_BYTES = 32 << 20
+
+
+def _foldable_rope(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], constants: set[str], rd: int) -> bool:
+    """Whether ``node``'s cos/sin caches are initializers whose folded float32 table stays small (see
+    :data:`_MAX_FOLDED_ROPE_BYTES`)."""
+    idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+    names = [node.input[idx[n]] if idx[n] < len(node.input) else "" for n in ("cos_cache", "sin_cache")]
+    if not all(n in constants for n in names):
+        return False
+    rows = _dim(_tensor_info(types.get(names[0])).shape, 0)
+    return rows is not None and rows * 2 * rd * 4 <= _MAX_FOLDED_ROPE_BYTES
 
 
 def plan_call(

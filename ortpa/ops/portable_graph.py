@@ -82,6 +82,9 @@ class PortableConfig:
     # decodes attend through ONNX Runtime's fused com.microsoft::MultiHeadAttention (see
     # ``_Body.attend_decodes_fused``); set by the lowering only where that op computes the same thing
     fused_decode: bool = False
+    # cos_cache / sin_cache are initializers of a size worth folding: the layer builds its float32 table of every
+    # row (``rope_table``) from them alone, which ONNX Runtime folds into a constant when it opens the session
+    rope_table_folded: bool = False
 
     @property
     def opset_imports(self) -> dict[str, int]:
@@ -128,15 +131,25 @@ class _Body(GraphTracer):
 
     # ------------------------------------------------------------------ run
     def run(self) -> list[ir.Value]:
-        c, x = self.c, self.x
-        q, k, v = self.split_qkv()
-        if c.use_qk_norm:
-            q = self.rms_norm(q, x["q_norm_weight"])
-            k = self.rms_norm(k, x["k_norm_weight"])
-        if c.rotary_dim > 0:
-            # Q and K (both [T, heads, head_size]) rotated as one [T, N + kvh, H] tensor: half the kernels
-            qk = self.rotary(self.op.Concat(q, k, axis=1))
-            q, k = self.op.Split(qk, self.ints([c.num_heads, c.kv_num_heads]), axis=1, _outputs=2)
+        c, x, op = self.c, self.x, self.op
+        n, kvh, h = c.num_heads, c.kv_num_heads, c.head_size
+        if c.packed_qkv and c.query_width == (n + 2 * kvh) * h and not c.use_qk_norm:
+            # packed Q, K, V as heads of one [T, N + 2 kvh, H] view: Q and K are already one tensor for RoPE
+            heads = op.Reshape(x["query"], self.ints([0, n + 2 * kvh, h]))
+            if c.rotary_dim > 0:
+                qk, v = op.Split(heads, self.ints([n + kvh, kvh]), axis=1, _outputs=2)
+                q, k = op.Split(self.rotary(qk), self.ints([n, kvh]), axis=1, _outputs=2)
+            else:
+                q, k, v = op.Split(heads, self.ints([n, kvh, kvh]), axis=1, _outputs=3)
+        else:
+            q, k, v = self.split_qkv()
+            if c.use_qk_norm:
+                q = self.rms_norm(q, x["q_norm_weight"])
+                k = self.rms_norm(k, x["k_norm_weight"])
+            if c.rotary_dim > 0:
+                # Q and K (both [T, heads, head_size]) rotated as one [T, N + kvh, H] tensor: half the kernels
+                qk = self.rotary(op.Concat(q, k, axis=1))
+                q, k = op.Split(qk, self.ints([n, kvh]), axis=1, _outputs=2)
         if c.split_latent:
             return self.split_latent_tail(q, k)
         k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
@@ -199,15 +212,23 @@ class _Body(GraphTracer):
             # that Gather stays in bounds; only invalid sequences (zero output, no writes) reach it with sane inputs
             rows = op.Min(self.dim(cos, 0), self.dim(sin, 0))
             p = op.Min(op.Max(self.plan["pos"], 0), op.Sub(rows, 1))
-            half = c.rotary_dim // 2
-            chan = np.arange(c.rotary_dim)
-            angle = chan // 2 if c.rotary_interleaved else chan % half  # the angle each channel turns by
-            first = chan % 2 == 0 if c.rotary_interleaved else chan < half  # the channel is its pair's first
-            cs = self.f32(op.Concat(op.Gather(cos, p), op.Gather(sin, p), axis=1))  # [T, 2 * half]
-            cs = op.Gather(cs, self.constant(np.concatenate([angle, half + angle])), axis=1)
-            sign = np.concatenate([np.ones(c.rotary_dim), np.where(first, -1.0, 1.0)]).astype(np.float32)
-            self._rope_rows = op.Reshape(op.Mul(cs, self.constant(sign)), self.ints([0, 1, 2, c.rotary_dim]))
+            if c.rope_table_folded:  # every row's table from the initializers alone: a constant once folded
+                cos, sin = (op.Slice(t, self.ints([0]), rows, self.ints([0])) for t in (cos, sin))
+                self._rope_rows = op.Gather(self.rope_layout(op.Concat(cos, sin, axis=1)), p)
+            else:
+                self._rope_rows = self.rope_layout(op.Concat(op.Gather(cos, p), op.Gather(sin, p), axis=1))
         return self._rope_rows
+
+    def rope_layout(self, cs):
+        """``[rows, 2 * half]`` (cos | sin, in T) -> float32 ``[rows, 1, 2, rd]`` as :meth:`rotary` multiplies."""
+        op, c = self.op, self.c
+        half = c.rotary_dim // 2
+        chan = np.arange(c.rotary_dim)
+        angle = chan // 2 if c.rotary_interleaved else chan % half  # the angle each channel turns by
+        first = chan % 2 == 0 if c.rotary_interleaved else chan < half  # the channel is its pair's first
+        cs = op.Gather(self.f32(cs), self.constant(np.concatenate([angle, half + angle])), axis=1)
+        sign = np.concatenate([np.ones(c.rotary_dim), np.where(first, -1.0, 1.0)]).astype(np.float32)
+        return op.Reshape(op.Mul(cs, self.constant(sign)), self.ints([-1, 1, 2, c.rotary_dim]))
 
     def rotary(self, x):
         """RoPE on channels [offset, offset + rotary_dim) at position past + i; products and sums rounded to T.
@@ -280,8 +301,8 @@ class _Body(GraphTracer):
             lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)],
             lambda: [self.constant(empty)],
         )  # [P * max_q, N * vh]
-        out = op.Gather(op.Concat(o_dec, o_pre, axis=0), pl["out_row"])
-        return op.Cast(op.Where(pl["has_keys"], out, 0.0), to=self.t_dtype)
+        zero = self.constant(np.zeros((1, self.c.num_heads * self.c.v_head_size), np.float32))
+        return op.Cast(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), to=self.t_dtype)
 
     def attend_group(self, q, k_cache, v_cache, g_: str, *, one_query: bool):
         """Attention of one group over the plan's ``{g_}*`` indices (``d_``: decodes, ``p_``: prefills).
@@ -357,7 +378,7 @@ class _Body(GraphTracer):
         share a KV head are laid out as G query *positions* of that head (``[D, G, kvh * H]``), none causal
         among themselves: the same scores as GQA, with K and V read in place as gathered (``[D, kvh, kv, H]``,
         BNSH). Keys are masked by the plan's ``d_mask`` (padding, unmapped pages, the window); a decode with no
-        key left is zeroed by the plan's ``has_keys`` (the op returns NaN there). Float32 throughout, as the
+        key left reads the zero row (the plan's ``out_row``) (the op returns NaN there). Float32 throughout, as the
         unfused path. Only where the op has no softcap or sink to express (the lowering decides per node).
         """
         op, c, pl = self.op, self.c, self.plan

@@ -37,8 +37,7 @@ PLAN_OUTPUTS = (
     "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
     "write_index",  # [n, 2] (block, offset) of each written row
     "any_prefill",  # bool scalar: the prefill group is not empty
-    "out_row",  # [T] each token's row in Concat(decode output, prefill output)
-    "has_keys",  # [T, 1] bool: the token's sequence attends to at least one key
+    "out_row",  # [T] each token's row in Concat(decode output, prefill output, one zero row)
     "d_query",  # [D] the decoding sequences' tokens
     "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
     "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
@@ -203,20 +202,21 @@ class _Plan(GraphTracer):
         first = op.Where(is_dec, op.Sub(rank_dec, 1), first_pre)
         out_row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
         # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
-        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
+        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory.
         # A decode whose every key is masked (its own page unmapped) is a zero row too: the fused decode path
-        # (MultiHeadAttention, whose fully masked rows are NaN) relies on it; the other paths give 0 there anyway
+        # (MultiHeadAttention, whose fully masked rows are NaN) relies on it; the other paths give 0 there anyway.
+        # Such tokens read the zero row the layers append after both groups (a Gather, no Where per layer).
         d_any = op.ReduceSum(dec["mask"], [1], keepdims=0)  # [D] attended keys (0 when max_kv == 0)
         seq_ok = op.ScatterElements(op.Cast(op.Not(is_dec), to=ir.DataType.INT32), dec["sel"], d_any)
         has_keys = op.And(op.Greater(op.Gather(self.kvlen, self.seq), 0), op.Greater(op.Gather(seq_ok, self.seq), 0))
-        has_keys = op.Unsqueeze(has_keys, [1])
+        zero_row = op.Add(op.Mul(pre["count"], pre["max_q"]), dec["count"])  # [1]
+        out_row = op.Where(has_keys, out_row, zero_row)
         return [
             self.pos,
             rows,
             index,
             any_pre,
             out_row,
-            has_keys,
             dec["query"],
             dec["row"],
             dec["row_ok"],

@@ -101,6 +101,7 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
     inputs = {vi.name: vi for vi in graph.input}
     outputs = {vi.name: vi for vi in graph.output}
     schema_index = {f.name: f.index for f in PAGED_ATTENTION.inputs}
+    constants = {init.name for init in graph.initializer}  # RoPE tables among them fold (portable_config)
     functions: dict = {}  # layer and plan configurations -> their FunctionProto
     plans: dict[tuple, list[str]] = {}  # the per-step plan calls layers share (ortpa.ops.portable.plan_call)
     lowered: list[onnx.NodeProto] = []
@@ -116,7 +117,7 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
             continue
         where = node.name or f"{OP_TYPE}_{i}"
         try:
-            cfg = portable_config(node, types, fn_opset)
+            cfg = portable_config(node, types, fn_opset, constants=constants)
         except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
             raise ConversionError(f"--portable cannot lower node {where}: {exc}") from None
         call_inputs = [node.input[schema_index[name]] for name in cfg.present_inputs]

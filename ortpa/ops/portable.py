@@ -33,7 +33,6 @@ packed int4 (uint8) caches, and head sizes or rotary widths that are not static 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -112,11 +111,13 @@ def portable_config(
     opset: int = _FUNCTION_OPSET,
     *,
     fused: bool = True,
+    constants: Collection[str] = (),
 ) -> PortableConfig:
     """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration.
 
     ``fused``: let decodes attend through ONNX Runtime's ``com.microsoft::MultiHeadAttention`` where it computes
-    the op's semantics (:func:`fused_decode_reason`); ``False`` keeps every kernel a standard ONNX op."""
+    the op's semantics (:func:`fused_decode_reason`); ``False`` keeps every kernel a standard ONNX op.
+    ``constants``: the model's initializer names; RoPE tables among them are folded (see :func:`_foldable_rope`)."""
     where = node.name or None
     names = list(node.input) + [""] * (len(PAGED_ATTENTION.inputs) - len(node.input))
     inputs = {f.name: _tensor_info(types.get(names[f.index])) for f in PAGED_ATTENTION.inputs if names[f.index] != ""}
@@ -191,6 +192,7 @@ def portable_config(
         v_quant="NONE" if p.is_latent else p.v_quant_type,
         opset=opset,
         fused_decode=fused and unfused is None,
+        rope_table_folded=rotary and _foldable_rope(node, types, constants, p.rotary_dim),
     )
 
 
@@ -252,9 +254,7 @@ def lower_to_portable(
         if node.op_type != OP_TYPE or node.domain != DOMAIN or (wanted is not None and node.name not in wanted):
             nodes.append(node)
             continue
-        cfg = portable_config(node, types, fn_opset, fused=fused)
-        if cfg.rotary_dim and _foldable_rope(node, types, constants, cfg.rotary_dim):
-            cfg = dataclasses.replace(cfg, rope_table_folded=True)
+        cfg = portable_config(node, types, fn_opset, fused=fused, constants=constants)
         plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
         if plan_node is not None:
             nodes.append(plan_node)
@@ -285,7 +285,9 @@ def lower_to_portable(
 _MAX_FOLDED_ROPE_BYTES = 32 << 20
 
 
-def _foldable_rope(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], constants: set[str], rd: int) -> bool:
+def _foldable_rope(
+    node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], constants: Collection[str], rd: int
+) -> bool:
     """Whether ``node``'s cos/sin caches are initializers whose folded float32 table stays small (see
     :data:`_MAX_FOLDED_ROPE_BYTES`)."""
     idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}

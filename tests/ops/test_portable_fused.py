@@ -136,3 +136,50 @@ def test_fused_batched_equals_alone(window: int) -> None:
         np.testing.assert_array_equal(got["output"][0].view(np.uint16), batched["output"][i].view(np.uint16))
         exp = paged_attention(**{n: alone.get(n) for n in PAGED_ATTENTION.input_names}, **case.attrs)[0]
         assert_close(got["output"], exp, np.float16, what=f"sequence {i} alone")
+
+
+def _with_constant_rope(model: onnx.ModelProto, x: dict) -> onnx.ModelProto:
+    """``model`` with its cos/sin caches as initializers (as a converted model has them), not graph inputs."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for name in ("cos_cache", "sin_cache"):
+        keep = [vi for vi in out.graph.input if vi.name != name]
+        del out.graph.input[:]
+        out.graph.input.extend(keep)
+        out.graph.initializer.append(onnx.numpy_helper.from_array(x[name].view(np.uint16), name))
+        out.graph.initializer[-1].data_type = onnx.TensorProto.FLOAT16
+    return out
+
+
+@pytest.mark.parametrize(
+    "rotary", [(64, False, 0), (64, True, 0), (32, False, 16)], ids=["half", "interleaved", "partial"]
+)
+def test_rope_table_folded_from_initializers(rotary) -> None:
+    """Constant cos/sin caches: the layer's float32 table of every row is folded by ONNX Runtime into a constant,
+    and the caches it writes are still bit for bit the oracle's (T arithmetic)."""
+    case = make_case(np.random.default_rng(9), np.float16, num_heads=4, kv_num_heads=2, head_size=64,
+                     q_lens=(1, 5, 1), pasts=(30, 0, 7), rotary=rotary)  # fmt: skip
+    x = case.inputs
+    model = lower_to_portable(_with_constant_rope(paged_attention_model(x, case.attrs), x))
+    layer = next(f for f in model.functions if not f.name.startswith("PagedAttentionPlan"))
+    gathered = {n.input[0] for n in layer.node if n.op_type == "Gather"}
+    assert not gathered & {"cos_cache", "sin_cache"}, "expected the folded table, not rows gathered per step"
+    exp_out, exp_k, exp_v = paged_attention(**{n: x.get(n) for n in PAGED_ATTENTION.input_names}, **case.attrs)
+    feeds = {k: v for k, v in x.items() if k not in ("cos_cache", "sin_cache")}
+    got = run(session(model), {**feeds, "_width": exp_out.shape[1]})
+    assert_close(got["output"], exp_out, np.float16, what="output")
+    np.testing.assert_array_equal(got["key_cache_out"].view(np.uint16), exp_k.view(np.uint16))
+    np.testing.assert_array_equal(got["value_cache_out"].view(np.uint16), exp_v.view(np.uint16))
+
+
+def test_large_rope_tables_are_gathered_per_step() -> None:
+    """A table past the fold limit (long-context models) is not folded: its rows are gathered each step."""
+    case = make_case(np.random.default_rng(10), np.float16, q_lens=(1,), pasts=(3,), head_size=128,
+                     rotary=(128, False, 0))  # fmt: skip
+    x = dict(case.inputs)
+    rows = (32 << 20) // (2 * 128 * 4) + 1
+    x["cos_cache"] = np.ones((rows, 64), np.float16)
+    x["sin_cache"] = np.zeros((rows, 64), np.float16)
+    model = lower_to_portable(_with_constant_rope(paged_attention_model(x, case.attrs), x))
+    layer = next(f for f in model.functions if not f.name.startswith("PagedAttentionPlan"))
+    assert {"cos_cache", "sin_cache"} <= {n.input[0] for n in layer.node if n.op_type == "Gather"}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from support.tolerances import assert_close
 from test_portable import BF16, check, make_case, run, session
-from tolerances import assert_close
 
 from ortpa.ops.oracle import paged_attention
 from ortpa.ops.portable import lower_to_portable, paged_attention_model

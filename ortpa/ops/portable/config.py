@@ -13,7 +13,6 @@ from dataclasses import dataclass
 __all__ = ["DEFAULT_OPSET", "ORT_DOMAIN", "PLAN_INPUTS", "PLAN_OUTPUTS", "PlanConfig", "PortableConfig"]
 
 DEFAULT_OPSET = 21  # the default-domain opset of functions built outside a model (one-node models, tools)
-_FLOAT16 = 10  # onnx TensorProto.FLOAT16 (= ir.DataType.FLOAT16)
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MultiHeadAttention), version 1 in every release
 
 # What the plan function computes once per step for every layer that shares its index inputs; the layer
@@ -85,18 +84,6 @@ class PortableConfig:
     def opset_imports(self) -> dict[str, int]:
         """The function's opsets: the model's default-domain version, and ONNX Runtime's for the fused ops."""
         return {"": self.opset, ORT_DOMAIN: 1} if self.fused_decode else {"": self.opset}
-
-    @property
-    def decode_in_t(self) -> bool:
-        """The fused decode kernel takes Q, K and V in T as gathered: ONNX Runtime's CPU MultiHeadAttention has a
-        float16 kernel that widens to float32 and rounds only its output (bit for bit the float32 kernel's output
-        rounded to T); it has no bfloat16 one, and int8 caches are dequantized in float32 first."""
-        return (
-            self.fused_decode
-            and self.act_dtype == _FLOAT16
-            and self.cache_dtype == self.act_dtype
-            and (self.k_quant, self.v_quant) == ("NONE", "NONE")
-        )
 
     @property
     def group(self) -> int:

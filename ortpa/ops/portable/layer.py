@@ -239,22 +239,15 @@ class _Body(GraphTracer):
         op, pl = self.op, self.plan
         o_dec = self.attend_group(q, k_cache, v_cache, "d_", one_query=True)  # [D, N * vh]
         # the prefill group runs under an If on its being non-empty: a decode-only step does not dispatch it
-        # decodes through the fused kernel in T (decode_in_t) come out rounded to T already: the prefill group is
-        # rounded inside its branch instead, and rows are gathered in T (no Cast of the step's output per layer)
-        in_t = self.c.decode_in_t
-        width = self.c.num_heads * self.c.v_head_size
-        empty = np.zeros((0, width), np.float16 if in_t else np.float32)
+        empty = np.zeros((0, self.c.num_heads * self.c.v_head_size), np.float32)
         (o_pre,) = self.branch(
             pl["any_prefill"],
             "prefills",
-            lambda: [self.to_t(self.attend_group(q, k_cache, v_cache, "p_", one_query=False), in_t)],
+            lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)],
             lambda: [self.constant(empty)],
         )  # [P * max_q, N * vh]
-        zero = self.constant(np.zeros((1, width), empty.dtype))
-        return self.to_t(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), not in_t)
-
-    def to_t(self, v, cast: bool):
-        return self.op.Cast(v, to=self.t_dtype) if cast else v
+        zero = self.constant(np.zeros((1, self.c.num_heads * self.c.v_head_size), np.float32))
+        return op.Cast(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), to=self.t_dtype)
 
     def attend_group(self, q, k_cache, v_cache, g_: str, *, one_query: bool):
         """Attention of one group over the plan's ``{g_}*`` indices (``d_``: decodes, ``p_``: prefills).
@@ -336,14 +329,12 @@ class _Body(GraphTracer):
         op, c, pl = self.op, self.c, self.plan
         kvh, g, h, vh = c.kv_num_heads, c.group, c.head_size, c.v_head_size
         row = pl["d_row"]
-        in_t = c.decode_in_t  # float16 in, float16 out: the kernel computes in float32 and rounds its output
-        qd = op.Gather(q, pl["d_query"])  # [D, N, H], head n = k * G + j
-        qd = qd if in_t else self.f32(qd)
+        qd = self.f32(op.Gather(q, pl["d_query"]))  # [D, N, H], head n = k * G + j
         if g > 1:
             qd = op.Transpose(op.Reshape(qd, self.ints([0, kvh, g, h])), perm=[0, 2, 1, 3])  # [D, G, kvh, H]
         qd = op.Reshape(qd, self.ints([0, g, kvh * h]))
-        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h, f32=not in_t)
-        vf = self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h, f32=not in_t)
+        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
+        vf = self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h)
         mask = pl["d_mask"]
 
         def mha(k, v):
@@ -374,16 +365,13 @@ class _Body(GraphTracer):
             o = op.Transpose(op.Reshape(o, self.ints([0, g, kvh, vh])), perm=[0, 2, 1, 3])  # [D, kvh, G, vh]
         return op.Reshape(o, self.ints([0, c.num_heads * vh]))
 
-    def read(self, cache, row, quant: str, scale, width: int, *, f32: bool = True):
+    def read(self, cache, row, quant: str, scale, width: int):
         """Gather ``row`` ([S, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32."""
         op = self.op
         if isinstance(cache, tuple):  # split latent: the row's two halves, from the key and the value cache
             return op.Concat(*[self.read(part, row, quant, scale, width // 2) for part in cache], axis=-1)
         flat = op.Reshape(cache, self.ints([-1, width]))  # a view of the written cache, not a copy
-        rows = op.Gather(flat, row)
-        if not f32:  # the rows in the cache's own type (T, unquantized), for a kernel that widens them itself
-            return rows
-        rows = self.f32(rows)
+        rows = self.f32(op.Gather(flat, row))
         if quant != "NONE":
             s = self.scale_for(scale, quant, [self.c.kv_num_heads, width])
             if quant == "PER_CHANNEL":

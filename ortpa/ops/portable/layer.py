@@ -186,9 +186,14 @@ class _Body(GraphTracer):
         op, c = self.op, self.c
         off, rd, half = c.rotary_offset, c.rotary_dim, c.rotary_dim // 2
         seg = op.Slice(x, [off], [off + rd], [2]) if (off, rd) != (0, c.head_size) else x
-        chan = np.arange(rd)
-        partner = (chan ^ 1) if c.rotary_interleaved else (chan + half) % rd
-        pairs = self.f32(op.Gather(seg, self.constant(np.stack([chan, partner])), axis=2))  # [T, heads, 2, rd]
+        if c.rotary_interleaved:  # partners are neighbours: an element-wise Gather on the channel axis
+            chan = np.arange(rd)
+            pairs = op.Gather(seg, self.constant(np.stack([chan, chan ^ 1])), axis=2)  # [T, heads, 2, rd]
+        else:  # partners are the other half: Gather whole halves (contiguous copies), [x0 x1] and [x1 x0]
+            halves = op.Reshape(seg, self.ints([0, 0, 2, half]))
+            pairs = op.Gather(halves, self.constant(np.array([[0, 1], [1, 0]])), axis=2)  # [T, heads, 2, 2, half]
+            pairs = op.Reshape(pairs, self.ints([0, 0, 2, rd]))
+        pairs = self.f32(pairs)
         terms = self.round_t(op.Mul(pairs, self.rope_table()))
         y = op.Cast(op.ReduceSum(terms, [2], keepdims=0), to=self.t_dtype)
         parts = []

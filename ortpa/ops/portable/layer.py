@@ -68,7 +68,7 @@ class _Body(GraphTracer):
         self.x = x
         self.plan = plan
         self.t_dtype = ir.DataType(cfg.act_dtype)
-        self._rope_rows: tuple | None = None
+        self._rope_table: ir.Value | None = None
 
     def round_t(self, v):
         """Round a float32 tensor to T and back: one T-arithmetic rounding, as the oracle's RoPE does."""
@@ -150,7 +150,7 @@ class _Body(GraphTracer):
 
         (T arithmetic is emulated by explicit roundings, not run in float16: ONNX Runtime's CPU EP has no float16
         Mul/Add/Sub; the casts it inserts around them are then merged, dropping the roundings the oracle does.)"""
-        if self._rope_rows is None:
+        if self._rope_table is None:
             op, c = self.op, self.c
             cos, sin = self.x["cos_cache"], self.x["sin_cache"]
             # a position past the cos/sin rows is an out-of-bounds read on CUDA (the oracle raises); clamp so
@@ -159,10 +159,10 @@ class _Body(GraphTracer):
             p = op.Min(op.Max(self.plan["pos"], 0), op.Sub(rows, 1))
             if c.rope_table_folded:  # every row's table from the initializers alone: a constant once folded
                 cos, sin = (op.Slice(t, self.ints([0]), rows, self.ints([0])) for t in (cos, sin))
-                self._rope_rows = op.Gather(self.rope_layout(op.Concat(cos, sin, axis=1)), p)
+                self._rope_table = op.Gather(self.rope_layout(op.Concat(cos, sin, axis=1)), p)
             else:
-                self._rope_rows = self.rope_layout(op.Concat(op.Gather(cos, p), op.Gather(sin, p), axis=1))
-        return self._rope_rows
+                self._rope_table = self.rope_layout(op.Concat(op.Gather(cos, p), op.Gather(sin, p), axis=1))
+        return self._rope_table
 
     def rope_layout(self, cs):
         """``[rows, 2 * half]`` (cos | sin, in T) -> float32 ``[rows, 1, 2, rd]`` as :meth:`rotary` multiplies."""

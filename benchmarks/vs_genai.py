@@ -1,20 +1,26 @@
-"""onnxruntime-genai vs ortpa on the same genai builder model, on CPU: tokens/s at 1 and 16 concurrent requests.
+"""onnxruntime-genai vs ortpa on the same genai builder model, on CPU: tokens/s at 1, 4 and 16 concurrent requests.
 
 The model is built at run time (never committed): a Llama config of ~58M parameters (hidden 512, 8 layers,
 8 query / 4 KV heads of 64, vocab 32000, seeded random weights), made by the onnxruntime-genai builder at fp32
 (``-p fp32 -e cpu``: GroupQueryAttention). onnxruntime-genai depends on the ``onnxruntime`` CPU wheel, which
-cannot share an environment with ortpa's ``onnxruntime-gpu``, so everything genai does (build the Hugging Face
-folder, run the builder, generate) runs in a subprocess of the python given by ``--genai-python`` (or the
-``ORTPA_GENAI_PYTHON`` environment variable under ``ortpa bench``): a venv with onnxruntime-genai, onnx-ir,
-torch 2.13.0 CPU and transformers 5.x (see ``scripts/make_fixtures_formats.py``).
+cannot share an environment with ortpa's ``onnxruntime-gpu``, so generation with genai runs in a subprocess of
+the python given by ``--genai-python`` (or the ``ORTPA_GENAI_PYTHON`` environment variable under ``ortpa bench``).
+The builder needs torch and transformers: it runs in genai's python when that has them, else in this python
+(which has them with the ``export`` extra) from genai's installed ``builder.py``.
 
 The same file is converted by ``ortpa convert`` and run by :class:`ortpa.Engine` (CPU, portable
-PagedAttention). Workloads, greedy, the same for both: 1 request, and 16 requests submitted together
-(onnxruntime-genai: one generator over a batch of 16; ortpa: continuous batching), prompts of 64 tokens, 32 new
+PagedAttention). Workloads, greedy, the same for both: 1, 4 and 16 requests submitted together
+(onnxruntime-genai: one generator over the batch; ortpa: continuous batching), prompts of 64 tokens, 32 new
 tokens each (``--quick``: 16 and 8). Both sides run with 2 intra-op threads and 1 inter-op thread (genai: its
-``genai_config.json`` session options); times are wall seconds of the
-generation alone (build, conversion and session creation excluded), best of 3 runs each, the two sides
-alternated; rows record both ONNX Runtime versions. Targets: ortpa / genai >= 1.0 at 1 request, >= 1.2 at 16.
+``genai_config.json`` session options), on the same CPUs (``--cpus``, default all: ``sched_setaffinity`` here,
+``taskset`` for genai); times are wall seconds of the generation alone (build, conversion and session creation
+excluded). The two sides alternate round by round (a burst of outside load hits both alike) and each row is the
+median of ``--rounds`` rounds; the ratio is of the medians. Rows record both ONNX Runtime versions and the load
+average before and after. Targets: ortpa / genai >= 1.0 at 1 request, >= 1.2 at 16.
+
+Each concurrency also gets a ``vs_genai.N.cpu`` row: the ratio of tokens per CPU second of each side's process,
+which the load of other processes disturbs far less than wall time (with ``--threads 1`` it is the work each side
+does per token). ``--work DIR`` keeps the built and converted models in ``DIR`` and reuses them on the next run.
 
 Rows say "not available" (value ``nan``) instead of failing when genai's python is not given or cannot build
 the model, or when ``ortpa convert`` refuses the model (the reason is in the notes).
@@ -26,13 +32,14 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
-from ortpa.bench._timing import engine_tokens_per_s
 from ortpa.bench._timing import row as _row
 
 __all__ = ["run"]
@@ -55,9 +62,9 @@ CONFIG = {
     "pad_token_id": 0,
 }
 THREADS = 2
-CONCURRENCY = (1, 16)
+CONCURRENCY = (1, 4, 16)
 TARGETS = {1: 1.0, 16: 1.2}  # ortpa / genai tokens/s
-ROUNDS = 3
+ROUNDS = 5
 
 # Runs in genai's python: build the seeded Hugging Face folder (weights and tokenizer, as the fixture script
 # does) and call the builder.
@@ -97,26 +104,56 @@ _GENERATE = textwrap.dedent(
 
     import onnxruntime
     once(prompts[:1])  # warm-up
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     tokens = once(prompts)
-    print(json.dumps({{"seconds": time.perf_counter() - t, "tokens": tokens, "genai": og.__version__,
+    print(json.dumps({{"seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c, "tokens": tokens,
+                      "genai": og.__version__,
                       "ort": onnxruntime.__version__}}))
     """
 )
 
 
-def _genai_options(model_dir: Path) -> None:
+def _genai_options(model_dir: Path, threads: int = THREADS) -> None:
     """Give genai the same thread count as ortpa (session options in genai_config.json)."""
     path = model_dir / "genai_config.json"
     cfg = json.loads(path.read_text())
     opts = cfg["model"]["decoder"].setdefault("session_options", {})
-    opts["intra_op_num_threads"] = THREADS
+    opts["intra_op_num_threads"] = threads
     opts["inter_op_num_threads"] = 1
     path.write_text(json.dumps(cfg, indent=2))
 
 
-def _subprocess(python: str, code: str, timeout: float) -> str:
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout)
+# Runs in genai's python: where its builder script is (importing it would import torch).
+_BUILDER_PATH = (
+    "import importlib.util, os; "
+    "print(os.path.join(importlib.util.find_spec('onnxruntime_genai').submodule_search_locations[0], "
+    "'models', 'builder.py'))"
+)
+
+
+def _build(genai_python: str, hf: str, out: str) -> None:
+    """Build the seeded Hugging Face folder and run genai's builder on it: in genai's python if it has torch,
+    else here, from genai's own ``builder.py`` (a script that imports its siblings from its folder)."""
+    code = _BUILD.format(scripts=str(ROOT / "scripts"), cfg=json.dumps(CONFIG), hf=hf, out=out)
+    proc = subprocess.run([genai_python, "-c", code], capture_output=True, text=True, timeout=1800)
+    if proc.returncode == 0:
+        return
+    if "No module named" not in (proc.stderr or ""):
+        raise RuntimeError((proc.stderr or proc.stdout)[-300:])
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_fixtures_formats as mf
+
+    mf.build_hf_dir(CONFIG, Path(hf))
+    builder = subprocess.run([genai_python, "-c", _BUILDER_PATH], capture_output=True, text=True, check=True)
+    cmd = [sys.executable, builder.stdout.strip(), "-i", hf, "-o", out, "-p", "fp32", "-e", "cpu", "-c", out + "_cache"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError("builder failed: " + (proc.stderr or proc.stdout)[-300:])
+
+
+def _subprocess(python: str, code: str, timeout: float, cpus: list[int] | None = None) -> str:
+    pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+    proc = subprocess.run([*pin, python, "-c", code], capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1][:500])
     return proc.stdout.strip().splitlines()[-1]
@@ -126,13 +163,13 @@ def _prompts(n: int, length: int) -> list[list[int]]:
     return [[3 + (17 * i + 31 * j) % (CONFIG["vocab_size"] - 3) for j in range(length)] for i in range(n)]
 
 
-def _ortpa_engine(converted: Path):
+def _ortpa_engine(converted: Path, threads: int = THREADS):
     import onnxruntime as ort
 
     from ortpa.runtime.engine import Engine
 
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = THREADS
+    opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     return Engine(
         converted,
@@ -144,7 +181,26 @@ def _ortpa_engine(converted: Path):
     )
 
 
-def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
+def _ortpa_round(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """Generated tokens per wall second and per CPU second of this process, after a one-prompt warm-up."""
+    from ortpa.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens)
+    engine.generate(prompts[:1], params)  # warm-up: first-run allocations and kernel selection
+    t, c = time.perf_counter(), time.process_time()
+    tokens = sum(len(o) for o in engine.generate(prompts, params))
+    return tokens / (time.perf_counter() - t), tokens / (time.process_time() - c)
+
+
+def run(
+    quick: bool = False,
+    genai_python: str | None = None,
+    *,
+    rounds: int = ROUNDS,
+    work: str | None = None,
+    cpus: list[int] | None = None,
+    threads: int = THREADS,
+) -> list[dict]:
     genai_python = genai_python or os.environ.get("ORTPA_GENAI_PYTHON")
     prompt_len, new_tokens = (16, 8) if quick else (64, 32)
     params = sum(
@@ -159,51 +215,66 @@ def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
         ]
     )
     dims = f"genai builder fp32 Llama ~{params / 1e6:.0f}M params; prompts {prompt_len}, {new_tokens} new"
-    dims += f"; {THREADS} threads"
+    dims += f"; {threads} threads; CPUs {','.join(map(str, cpus)) if cpus else 'all'}"
     if not genai_python:
         return [
             _row("vs_genai", "throughput_ratio", math.nan, "x", "not available: no --genai-python / ORTPA_GENAI_PYTHON")
         ]
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ortpa_vs_genai_") as tmp:
-        hf, out = str(Path(tmp) / "hf"), str(Path(tmp) / "genai")
-        try:
-            code = _BUILD.format(scripts=str(ROOT / "scripts"), cfg=json.dumps(CONFIG), hf=hf, out=out)
-            subprocess.run([genai_python, "-c", code], check=True, capture_output=True, text=True, timeout=1800)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            return [
-                _row("vs_genai", "throughput_ratio", math.nan, "x", f"not available: build failed: {detail[-300:]}")
-            ]
-        _genai_options(Path(out))
-        converted = Path(tmp) / "paged.onnx"
+        base = Path(work) if work else Path(tmp)
+        base.mkdir(parents=True, exist_ok=True)
+        hf, out = str(base / "hf"), str(base / "genai")
+        if not (Path(out) / "model.onnx").exists():
+            try:
+                _build(genai_python, hf, out)
+            except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                return [_row("vs_genai", "throughput_ratio", math.nan, "x", f"not available: {str(exc)[-300:]}")]
+        _genai_options(Path(out), threads)
+        converted = base / "paged" / "model.onnx"
         from ortpa import OrtpaError, convert_file
 
         try:
-            convert_file(Path(out) / "model.onnx", converted)
+            if not converted.exists():
+                convert_file(Path(out) / "model.onnx", converted)
         except OrtpaError as exc:  # the recogniser's (or the verification's) reason, reported instead of a crash
             reason = str(exc).splitlines()[0][:300]
             return [_row("vs_genai", "throughput_ratio", math.nan, "x", f"conversion not available: {reason}")]
         import onnxruntime as ort
 
-        engine = _ortpa_engine(converted)
+        engine = _ortpa_engine(converted, threads)
         for n in CONCURRENCY:
             prompts = _prompts(n, prompt_len)
-            code = _GENERATE.format(prompts=json.dumps(prompts), new_tokens=new_tokens, threads=THREADS, model_dir=out)
-            genai, ours, versions = 0.0, 0.0, ""
-            # alternate the two, best of ROUNDS each: a burst of load from other processes hits both alike
-            for _ in range(ROUNDS):
-                result = json.loads(_subprocess(genai_python, code, timeout=1800))
-                genai = max(genai, result["tokens"] / result["seconds"])
+            code = _GENERATE.format(prompts=json.dumps(prompts), new_tokens=new_tokens, threads=threads, model_dir=out)
+            genai, ours, genai_cpu, ours_cpu, versions = [], [], [], [], ""
+            load = os.getloadavg()[0]
+            # alternate the two round by round: a burst of load from other processes hits both alike
+            for _ in range(rounds):
+                result = json.loads(_subprocess(genai_python, code, timeout=1800, cpus=cpus))
+                genai.append(result["tokens"] / result["seconds"])
+                genai_cpu.append(result["tokens"] / result["cpu_seconds"])
                 versions = f"genai {result['genai']} on ORT {result['ort']}; ortpa on ORT {ort.__version__}"
-                ours = max(ours, engine_tokens_per_s(engine, prompts, new_tokens))
-            notes = f"{dims}; best of {ROUNDS}, alternated; {versions}"
-            rows.append(_row(f"vs_genai.genai.{n}", "throughput", round(genai, 1), "tokens/s", notes))
-            rows.append(_row(f"vs_genai.ortpa.{n}", "throughput", round(ours, 1), "tokens/s", notes))
-            ratio = ours / genai
-            goal = TARGETS[n]
+                wall, cpu = _ortpa_round(engine, prompts, new_tokens)
+                ours.append(wall)
+                ours_cpu.append(cpu)
+            load = f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
+            notes = f"{dims}; median of {rounds}, alternated; {versions}; {load}"
+            g, o = statistics.median(genai), statistics.median(ours)
+            rows.append(_row(f"vs_genai.genai.{n}", "throughput", round(g, 1), "tokens/s", notes))
+            rows.append(_row(f"vs_genai.ortpa.{n}", "throughput", round(o, 1), "tokens/s", notes))
+            # per CPU second of each side's process: what the neighbours' load disturbs least (read it at 1 thread)
+            cpu_ratio = statistics.median(ours_cpu) / statistics.median(genai_cpu)
+            rows.append(_row(f"vs_genai.{n}.cpu", "throughput_ratio", round(cpu_ratio, 2), "x",
+                             f"ortpa / genai tokens per CPU second, medians (genai {statistics.median(genai_cpu):.1f}, "
+                             f"ortpa {statistics.median(ours_cpu):.1f}); {load}"))  # fmt: skip
+            ratio = o / g
+            goal = TARGETS.get(n)
+            verdict = f"; target >= {goal}: {ratio >= goal}" if goal else ""
+            spread = f"; per-round ratios {min(ours) / max(genai):.2f}-{max(ours) / min(genai):.2f}"
             rows.append(_row(f"vs_genai.{n}", "throughput_ratio", round(ratio, 2), "x",
-                             f"ortpa / genai; target >= {goal}: {ratio >= goal}"))  # fmt: skip
+                             f"ortpa / genai, medians{verdict}{spread}; {load}"))  # fmt: skip
     return rows
 
 
@@ -216,8 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per side (alternated; rows are medians)")
+    ap.add_argument("--work", default=None, help="keep the built and converted models here and reuse them")
+    ap.add_argument("--cpus", default=None, help="CPUs both sides run on, e.g. 0,1 (default: all)")
+    ap.add_argument("--threads", type=int, default=THREADS, help="intra-op threads of each side")
     args = ap.parse_args(argv)
-    rows = run(quick=args.quick, genai_python=args.genai_python)
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+    rows = run(
+        quick=args.quick,
+        genai_python=args.genai_python,
+        rounds=args.rounds,
+        work=args.work,
+        cpus=cpus,
+        threads=args.threads,
+    )
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0
 

@@ -105,6 +105,7 @@ def lower_graph(
     graph = proto.graph
     inputs = {vi.name: vi for vi in graph.input}
     outputs = {vi.name: vi for vi in graph.output}
+    constants = {init.name for init in graph.initializer}  # RoPE tables among them fold (portable_config)
     configs: dict[str, dict] = {}
     new_inputs: list[tuple[int, onnx.ValueInfoProto]] = []
     new_outputs: list[tuple[int, onnx.ValueInfoProto]] = []
@@ -112,7 +113,7 @@ def lower_graph(
     def make_call(i: int, node: onnx.NodeProto) -> LayerCall:
         node_name = node.name or f"{OP_TYPE}_{i}"
         try:
-            call = layer_call(node, types, fn_opset)
+            call = layer_call(node, types, fn_opset, constants=constants)
         except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
             raise ConversionError(f"--portable cannot lower node {node_name}: {exc}") from None
         if call.cfg.latent and split_latent:

@@ -411,13 +411,17 @@ class PagedSession:
         for name in fetched:
             io.bind_output(name, "cpu")  # a fresh, unallocated output: its shape changes from step to step
         sess.run_with_iobinding(io)
-        by_name = dict(zip([*self._cache_outputs, *fetched], io.get_outputs(), strict=True))
+        # outputs in binding order: the caches (bound first, once) then the fetched ones. Only the fetched ones
+        # are wrapped (get_outputs would wrap every cache output too: 2 per layer, each step)
+        values = io.get_outputs_as_ortvaluevector()
+        first = len(values) - len(fetched)
         # a numpy view of each fetched output (the view keeps its buffer alive, and the next step binds a fresh
         # output, so nothing overwrites it): no copy of logits rows the caller never samples
-        return {
-            name: ortvalue_to_numpy(ov) if _is_raw_type_str(ov.data_type()) else ov.numpy()
-            for name, ov in ((n, by_name[n]) for n in fetched)
-        }
+        out = {}
+        for i, name in enumerate(fetched):
+            ov = ort.OrtValue(values[first + i])
+            out[name] = ortvalue_to_numpy(ov) if _is_raw_type_str(ov.data_type()) else ov.numpy()
+        return out
 
     def _check_rank(self, name: str, value: Any) -> None:
         dims = self._declared.get(name)

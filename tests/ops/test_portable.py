@@ -415,10 +415,15 @@ def _matmul_elements(model: onnx.ModelProto, inputs: dict) -> int:
         if e.get("cat") == "Node" and args.get("op_name") in ("MatMul", "FusedMatMul"):
             for out in args["output_type_shape"]:
                 total += int(np.prod(next(iter(out.values()))))
+        if e.get("cat") == "Node" and args.get("op_name") == "MultiHeadAttention":
+            # the fused decode path: scores [D, kvh, G, kv] and output [D, G, kvh * vh], as the MatMuls would be
+            q, k = (next(iter(x.values())) for x in args["input_type_shape"][:2])
+            total += q[0] * q[1] * k[1] * k[2] + int(np.prod(next(iter(args["output_type_shape"][0].values()))))
     return total
 
 
-def test_mixed_step_work_follows_the_real_work() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_mixed_step_work_follows_the_real_work(fused: bool) -> None:
     """A prompt chunk next to decodes costs about the chunk alone plus the decodes alone, not batch x chunk.
 
     Counted as MatMul output elements (no timing): padding every decode to the chunk's 64 query rows would
@@ -427,7 +432,7 @@ def test_mixed_step_work_follows_the_real_work() -> None:
     rng = np.random.default_rng(14)
     q_lens, pasts = (64, 1, 1, 1, 1, 1, 1), (36, 90, 92, 94, 96, 98, 99)
     case = make_case(rng, np.float16, q_lens=q_lens, pasts=pasts)
-    model = portable_single_node_model(case.inputs, case.attrs)
+    model = lower_to_portable(paged_attention_model(case.inputs, case.attrs), fused=fused)
     check(case, model=model)  # exact as well as cheap
     width = {"_width": case.attrs["num_heads"] * 32}
 

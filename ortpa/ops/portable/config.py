@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_OPSET", "PLAN_INPUTS", "PLAN_OUTPUTS", "PlanConfig", "PortableConfig"]
+__all__ = ["DEFAULT_OPSET", "ORT_DOMAIN", "PLAN_INPUTS", "PLAN_OUTPUTS", "PlanConfig", "PortableConfig"]
 
 DEFAULT_OPSET = 21  # the default-domain opset of functions built outside a model (one-node models, tools)
+ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MultiHeadAttention), version 1 in every release
 
 # What the plan function computes once per step for every layer that shares its index inputs; the layer
 # function takes them as its trailing inputs. ``p_*``: the prefilling group, ``d_*``: the decoding group.
@@ -21,13 +22,13 @@ PLAN_OUTPUTS = (
     "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
     "write_index",  # [n, 2] (block, offset) of each written row
     "any_prefill",  # bool scalar: the prefill group is not empty
-    "out_row",  # [T] each token's row in Concat(decode output, prefill output)
-    "has_keys",  # [T, 1] bool: the token's sequence attends to at least one key
+    "out_row",  # [T] each token's row in Concat(decode output, prefill output, one zero row)
     "d_query",  # [D] the decoding sequences' tokens
     "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
     "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
     "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
     "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
+    "d_mask",  # [D, kv_d] int32: d_allowed as the key_padding_mask of com.microsoft::MultiHeadAttention
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
     "p_row",  # [P, kvh, kv_p]
     "p_row_ok",  # [P, 1, kv_p, 1]
@@ -72,6 +73,17 @@ class PortableConfig:
     # ``value_cache`` (both [NB, BS, 1, H/2]): the layout of runtimes that allocate a key and a value cache of
     # one head size per layer (onnxruntime-genai), at the LATENT memory of one row per token
     split_latent: bool = False
+    # decodes attend through ONNX Runtime's fused com.microsoft::MultiHeadAttention (see
+    # ``ortpa.ops.portable.layer``); set by the lowering only where that op computes the same thing
+    fused_decode: bool = False
+    # cos_cache / sin_cache are initializers of a size worth folding: the layer builds its float32 table of every
+    # row from them alone, which ONNX Runtime folds into a constant when it opens the session
+    rope_table_folded: bool = False
+
+    @property
+    def opset_imports(self) -> dict[str, int]:
+        """The function's opsets: the model's default-domain version, and ONNX Runtime's for the fused ops."""
+        return {"": self.opset, ORT_DOMAIN: 1} if self.fused_decode else {"": self.opset}
 
     @property
     def group(self) -> int:

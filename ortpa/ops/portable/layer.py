@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-from ortpa.ops.portable.config import PLAN_OUTPUTS, PortableConfig
+from ortpa.ops.portable.config import ORT_DOMAIN, PLAN_OUTPUTS, PortableConfig
 from ortpa.ops.portable.tracer import FUNCTION_DOMAIN, GraphTracer
 
 __all__ = ["build_function"]
@@ -55,7 +55,7 @@ def build_function(cfg: PortableConfig) -> ir.Function:
         return _Body(op, cfg, x, plan).run()
 
     return onnxscript.build_function(
-        trace, inputs, domain=FUNCTION_DOMAIN, name=cfg.function_name(), opset_imports={"": cfg.opset}
+        trace, inputs, domain=FUNCTION_DOMAIN, name=cfg.function_name(), opset_imports=cfg.opset_imports
     )
 
 
@@ -68,7 +68,7 @@ class _Body(GraphTracer):
         self.x = x
         self.plan = plan
         self.t_dtype = ir.DataType(cfg.act_dtype)
-        self._rope_rows: tuple | None = None
+        self._rope_table: ir.Value | None = None
 
     def round_t(self, v):
         """Round a float32 tensor to T and back: one T-arithmetic rounding, as the oracle's RoPE does."""
@@ -76,15 +76,25 @@ class _Body(GraphTracer):
 
     # ------------------------------------------------------------------ run
     def run(self) -> list[ir.Value]:
-        c, x = self.c, self.x
-        q, k, v = self.split_qkv()
-        if c.use_qk_norm:
-            q = self.rms_norm(q, x["q_norm_weight"])
-            k = self.rms_norm(k, x["k_norm_weight"])
-        if c.rotary_dim > 0:
-            # Q and K (both [T, heads, head_size]) rotated as one [T, N + kvh, H] tensor: half the kernels
-            qk = self.rotary(self.op.Concat(q, k, axis=1))
-            q, k = self.op.Split(qk, self.ints([c.num_heads, c.kv_num_heads]), axis=1, _outputs=2)
+        c, x, op = self.c, self.x, self.op
+        n, kvh, h = c.num_heads, c.kv_num_heads, c.head_size
+        if c.packed_qkv and c.query_width == (n + 2 * kvh) * h and not c.use_qk_norm:
+            # packed Q, K, V as heads of one [T, N + 2 kvh, H] view: Q and K are already one tensor for RoPE
+            heads = op.Reshape(x["query"], self.ints([0, n + 2 * kvh, h]))
+            if c.rotary_dim > 0:
+                qk, v = op.Split(heads, self.ints([n + kvh, kvh]), axis=1, _outputs=2)
+                q, k = op.Split(self.rotary(qk), self.ints([n, kvh]), axis=1, _outputs=2)
+            else:
+                q, k, v = op.Split(heads, self.ints([n, kvh, kvh]), axis=1, _outputs=3)
+        else:
+            q, k, v = self.split_qkv()
+            if c.use_qk_norm:
+                q = self.rms_norm(q, x["q_norm_weight"])
+                k = self.rms_norm(k, x["k_norm_weight"])
+            if c.rotary_dim > 0:
+                # Q and K (both [T, heads, head_size]) rotated as one [T, N + kvh, H] tensor: half the kernels
+                qk = self.rotary(op.Concat(q, k, axis=1))
+                q, k = op.Split(qk, self.ints([n, kvh]), axis=1, _outputs=2)
         if c.split_latent:
             return self.split_latent_tail(q, k)
         k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
@@ -134,50 +144,62 @@ class _Body(GraphTracer):
         inv = op.Reciprocal(op.Sqrt(op.Add(ms, self.c.qk_norm_epsilon)))
         return op.Cast(op.Mul(op.Mul(xf, inv), self.f32(weight)), to=self.t_dtype)
 
-    def rope_rows(self):
-        """cos and sin at every token's position, float32 ``[T, 1, half]``: gathered once per layer.
+    def rope_table(self):
+        """Each token's cos and sin, float32 ``[T, 1, 2, rd]``, gathered once per layer: row 0 the cosine of every
+        rotated channel, row 1 the sine with the sign of the channel's partner term (see :meth:`rotary`).
 
         (T arithmetic is emulated by explicit roundings, not run in float16: ONNX Runtime's CPU EP has no float16
         Mul/Add/Sub; the casts it inserts around them are then merged, dropping the roundings the oracle does.)"""
-        if self._rope_rows is None:
-            op = self.op
+        if self._rope_table is None:
+            op, c = self.op, self.c
             cos, sin = self.x["cos_cache"], self.x["sin_cache"]
             # a position past the cos/sin rows is an out-of-bounds read on CUDA (the oracle raises); clamp so
             # that Gather stays in bounds; only invalid sequences (zero output, no writes) reach it with sane inputs
             rows = op.Min(self.dim(cos, 0), self.dim(sin, 0))
             p = op.Min(op.Max(self.plan["pos"], 0), op.Sub(rows, 1))
-            self._rope_rows = (
-                op.Unsqueeze(self.f32(op.Gather(cos, p)), [1]),
-                op.Unsqueeze(self.f32(op.Gather(sin, p)), [1]),
-            )
-        return self._rope_rows
+            if c.rope_table_folded:  # every row's table from the initializers alone: a constant once folded
+                cos, sin = (op.Slice(t, self.ints([0]), rows, self.ints([0])) for t in (cos, sin))
+                self._rope_table = op.Gather(self.rope_layout(op.Concat(cos, sin, axis=1)), p)
+            else:
+                self._rope_table = self.rope_layout(op.Concat(op.Gather(cos, p), op.Gather(sin, p), axis=1))
+        return self._rope_table
+
+    def rope_layout(self, cs):
+        """``[rows, 2 * half]`` (cos | sin, in T) -> float32 ``[rows, 1, 2, rd]`` as :meth:`rotary` multiplies."""
+        op, c = self.op, self.c
+        half = c.rotary_dim // 2
+        chan = np.arange(c.rotary_dim)
+        angle = chan // 2 if c.rotary_interleaved else chan % half  # the angle each channel turns by
+        first = chan % 2 == 0 if c.rotary_interleaved else chan < half  # the channel is its pair's first
+        cs = op.Gather(self.f32(cs), self.constant(np.concatenate([angle, half + angle])), axis=1)
+        sign = np.concatenate([np.ones(c.rotary_dim), np.where(first, -1.0, 1.0)]).astype(np.float32)
+        return op.Reshape(op.Mul(cs, self.constant(sign)), self.ints([-1, 1, 2, c.rotary_dim]))
 
     def rotary(self, x):
         """RoPE on channels [offset, offset + rotary_dim) at position past + i; products and sums rounded to T.
 
-        ``x`` is ``[T, heads, head_size]``; Q and K go through together (one set of kernels per layer)."""
+        ``x`` is ``[T, heads, head_size]``; Q and K go through together (one set of kernels per layer). Each
+        rotated channel is ``x * cos + partner * (+-sin)`` (``partner``: the other channel of its pair), so one
+        Gather lays out ``[x, partner]`` as ``[T, heads, 2, rd]``, one Mul forms both products, and a sum over
+        the pair axis adds them: the oracle's ``r(r(a cos) - r(b sin))`` and ``r(r(b cos) + r(a sin))`` (a sign
+        flip is exact, and rounding is symmetric), in 7 kernels instead of 20."""
         op, c = self.op, self.c
         off, rd, half = c.rotary_offset, c.rotary_dim, c.rotary_dim // 2
-        cs, sn = self.rope_rows()
-        seg = self.f32(op.Slice(x, [off], [off + rd], [2]) if (off, rd) != (0, c.head_size) else x)
-        if c.rotary_interleaved:
-            pairs = op.Reshape(seg, self.ints([0, 0, half, 2]))
-            a, b = op.Split(pairs, axis=3, num_outputs=2, _outputs=2)
-            a = op.Squeeze(a, [3])
-            b = op.Squeeze(b, [3])
-        else:
-            a, b = op.Split(seg, axis=2, num_outputs=2, _outputs=2)
-        r = self.round_t
-        ya = r(op.Sub(r(op.Mul(a, cs)), r(op.Mul(b, sn))))
-        yb = r(op.Add(r(op.Mul(b, cs)), r(op.Mul(a, sn))))
-        if c.rotary_interleaved:
-            y = op.Reshape(op.Concat(op.Unsqueeze(ya, [3]), op.Unsqueeze(yb, [3]), axis=3), self.ints([0, 0, rd]))
-        else:
-            y = op.Concat(ya, yb, axis=2)
+        seg = op.Slice(x, [off], [off + rd], [2]) if (off, rd) != (0, c.head_size) else x
+        if c.rotary_interleaved:  # partners are neighbours: an element-wise Gather on the channel axis
+            chan = np.arange(rd)
+            pairs = op.Gather(seg, self.constant(np.stack([chan, chan ^ 1])), axis=2)  # [T, heads, 2, rd]
+        else:  # partners are the other half: Gather whole halves (contiguous copies), [x0 x1] and [x1 x0]
+            halves = op.Reshape(seg, self.ints([0, 0, 2, half]))
+            pairs = op.Gather(halves, self.constant(np.array([[0, 1], [1, 0]])), axis=2)  # [T, heads, 2, 2, half]
+            pairs = op.Reshape(pairs, self.ints([0, 0, 2, rd]))
+        pairs = self.f32(pairs)
+        terms = self.round_t(op.Mul(pairs, self.rope_table()))
+        y = op.Cast(op.ReduceSum(terms, [2], keepdims=0), to=self.t_dtype)
         parts = []
         if off > 0:
             parts.append(op.Slice(x, [0], [off], [2]))
-        parts.append(op.Cast(y, to=self.t_dtype))
+        parts.append(y)
         if off + rd < c.head_size:
             parts.append(op.Slice(x, [off + rd], [c.head_size], [2]))
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=2)
@@ -229,8 +251,8 @@ class _Body(GraphTracer):
             lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)],
             lambda: [self.constant(empty)],
         )  # [P * max_q, N * vh]
-        out = op.Gather(op.Concat(o_dec, o_pre, axis=0), pl["out_row"])
-        return op.Cast(op.Where(pl["has_keys"], out, 0.0), to=self.t_dtype)
+        zero = self.constant(np.zeros((1, self.c.num_heads * self.c.v_head_size), np.float32))
+        return op.Cast(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), to=self.t_dtype)
 
     def attend_group(self, q, k_cache, v_cache, g_: str, *, one_query: bool):
         """Attention of one group over the plan's ``{g_}*`` indices (``d_``: decodes, ``p_``: prefills).
@@ -242,6 +264,8 @@ class _Body(GraphTracer):
         op, c, pl = self.op, self.c, self.plan
         n, kvh, g, h, vh = c.num_heads, c.kv_num_heads, c.group, c.head_size, c.v_head_size
         row = pl[g_ + "row"]
+        if one_query and c.fused_decode:
+            return self.attend_decodes_fused(q, k_cache, v_cache)
 
         # dynamic shapes: allowzero because S / max_q / max_kv may be 0, and no -1 next to a possible 0
         kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
@@ -295,6 +319,56 @@ class _Body(GraphTracer):
             return op.Reshape(o, self.ints([0, n * vh]))  # [S, kvh, G, vh] -> [S, N*vh]
         o = op.Reshape(o, op.Concat(S, self.ints([kvh, g]), maxq, self.ints([vh]), axis=0), allowzero=1)
         return op.Reshape(op.Transpose(o, perm=[0, 3, 1, 2, 4]), self.ints([-1, n * vh]))  # [S*max_q, N*vh]
+
+    def attend_decodes_fused(self, q, k_cache, v_cache):
+        """The decode group through ``com.microsoft::MultiHeadAttention`` over the gathered pages: ~10 kernels
+        instead of ~22 (the scores, mask and softmax are one kernel).
+
+        MultiHeadAttention has one head count for Q and K; a decode has one query, so the G query heads that
+        share a KV head are laid out as G query *positions* of that head (``[D, G, kvh * H]``), none causal
+        among themselves: the same scores as GQA, with K and V read in place as gathered (``[D, kvh, kv, H]``,
+        BNSH). Keys are masked by the plan's ``d_mask`` (padding, unmapped pages, the window); a decode with no
+        key left reads the zero row (the plan's ``out_row``) (the op returns NaN there). Float32 throughout, as the
+        unfused path. Only where the op has no softcap or sink to express (the lowering decides per node).
+        """
+        op, c, pl = self.op, self.c, self.plan
+        kvh, g, h, vh = c.kv_num_heads, c.group, c.head_size, c.v_head_size
+        row = pl["d_row"]
+        qd = self.f32(op.Gather(q, pl["d_query"]))  # [D, N, H], head n = k * G + j
+        if g > 1:
+            qd = op.Transpose(op.Reshape(qd, self.ints([0, kvh, g, h])), perm=[0, 2, 1, 3])  # [D, G, kvh, H]
+        qd = op.Reshape(qd, self.ints([0, g, kvh * h]))
+        kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
+        vf = self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h)
+        mask = pl["d_mask"]
+
+        def mha(k, v):
+            return [
+                self.op.MultiHeadAttention(
+                    qd,
+                    k,
+                    v,
+                    None,
+                    mask,
+                    _domain=ORT_DOMAIN,
+                    num_heads=kvh,
+                    scale=c.scale,
+                    mask_filter_value=float("-inf"),
+                )
+            ]  # [D, G, kvh * vh]
+
+        # rows of unmapped pages may hold NaN from another block: zeroed as in weighted_sum, keys too (the op
+        # masks by adding -inf to the score, and NaN - inf is NaN)
+        ok = pl["d_row_ok"]
+        (o,) = self.branch(
+            pl["d_rows_ok"],
+            "d_mha",
+            lambda: mha(kf, vf),
+            lambda: mha(self.op.Where(ok, kf, 0.0), self.op.Where(ok, vf, 0.0)),
+        )
+        if g > 1:
+            o = op.Transpose(op.Reshape(o, self.ints([0, g, kvh, vh])), perm=[0, 2, 1, 3])  # [D, kvh, G, vh]
+        return op.Reshape(o, self.ints([0, c.num_heads * vh]))
 
     def read(self, cache, row, quant: str, scale, width: int):
         """Gather ``row`` ([S, kvh, max_kv]) of the cache viewed as [slots * kvh, width]; dequantize to float32."""

@@ -45,7 +45,7 @@ from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS
 from ortpa.ops.params import PagedAttentionParams
-from ortpa.ops.portable.config import DEFAULT_OPSET, PLAN_OUTPUTS, PlanConfig, PortableConfig
+from ortpa.ops.portable.config import DEFAULT_OPSET, ORT_DOMAIN, PLAN_OUTPUTS, PlanConfig, PortableConfig
 from ortpa.ops.portable.layer import build_function
 from ortpa.ops.portable.plan import build_plan_function
 from ortpa.ops.portable.tracer import FUNCTION_DOMAIN
@@ -57,6 +57,7 @@ __all__ = [
     "BACKEND",
     "PORTABLE_FEATURES",
     "LayerCall",
+    "fused_decode_reason",
     "layer_call",
     "lower_nodes",
     "lower_to_portable",
@@ -108,9 +109,18 @@ def _tensor_info(tp: onnx.TypeProto | None) -> TensorInfo:
 
 
 def portable_config(
-    node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int = DEFAULT_OPSET
+    node: onnx.NodeProto,
+    types: Mapping[str, onnx.TypeProto],
+    opset: int = DEFAULT_OPSET,
+    *,
+    fused: bool = True,
+    constants: Collection[str] = (),
 ) -> PortableConfig:
-    """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration."""
+    """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration.
+
+    ``fused``: let decodes attend through ONNX Runtime's ``com.microsoft::MultiHeadAttention`` where it computes
+    the op's semantics (:func:`fused_decode_reason`); ``False`` keeps every kernel a standard ONNX op.
+    ``constants``: the model's initializer names; RoPE tables among them are folded (see :func:`_foldable_rope`)."""
     where = node.name or None
     names = list(node.input) + [""] * (len(PAGED_ATTENTION.inputs) - len(node.input))
     inputs = {f.name: _tensor_info(types.get(names[f.index])) for f in PAGED_ATTENTION.inputs if names[f.index] != ""}
@@ -159,6 +169,7 @@ def portable_config(
     present = tuple(f.name for f in PAGED_ATTENTION.inputs if f.name in inputs and f.name in needed)
     outs = list(node.output) + [""] * (3 - len(node.output))
     present_outputs = tuple(o.name for o in PAGED_ATTENTION.outputs if outs[o.index] != "")
+    unfused = fused_decode_reason(p, has_sink="head_sink" in present)
     return PortableConfig(
         present_inputs=present,
         present_outputs=present_outputs,
@@ -183,7 +194,22 @@ def portable_config(
         k_quant=p.k_quant_type,
         v_quant="NONE" if p.is_latent else p.v_quant_type,
         opset=opset,
+        fused_decode=fused and unfused is None,
+        rope_table_folded=rotary and _foldable_rope(node, types, constants, p.rotary_dim),
     )
+
+
+def fused_decode_reason(p: PagedAttentionParams, *, has_sink: bool) -> str | None:
+    """Why decodes of a node with parameters ``p`` cannot attend through ``com.microsoft::MultiHeadAttention``,
+    or ``None`` when they can. The op has one softmax over masked scores: no softcap (applied before the mask) and
+    no sink (an extra term in the denominator). LATENT reads V as a prefix of K, which the op has no form for."""
+    if p.is_latent:
+        return "LATENT layout: V is a prefix of the cached row"
+    if p.softcap > 0:
+        return f"softcap={p.softcap}: MultiHeadAttention has no softcap"
+    if has_sink:
+        return "head_sink: MultiHeadAttention has no attention sink"
+    return None
 
 
 def _dim(shape: tuple | None, i: int) -> int | None:
@@ -203,9 +229,17 @@ class LayerCall:
     outputs: list[str]
 
 
-def layer_call(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int = DEFAULT_OPSET) -> LayerCall:
-    """``node`` as a call of its layer function: its present inputs in schema order, its present outputs."""
-    cfg = portable_config(node, types, opset)
+def layer_call(
+    node: onnx.NodeProto,
+    types: Mapping[str, onnx.TypeProto],
+    opset: int = DEFAULT_OPSET,
+    *,
+    fused: bool = True,
+    constants: Collection[str] = (),
+) -> LayerCall:
+    """``node`` as a call of its layer function: its present inputs in schema order, its present outputs
+    (``fused``, ``constants``: see :func:`portable_config`)."""
+    cfg = portable_config(node, types, opset, fused=fused, constants=constants)
     inputs = [node.input[_INDEX[name]] for name in cfg.present_inputs]
     return LayerCall(node, cfg, inputs, [o for o in node.output if o])
 
@@ -244,8 +278,11 @@ def lower_nodes(
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     model.functions.extend(functions.values())
-    if functions and FUNCTION_DOMAIN not in {o.domain for o in model.opset_import}:
+    domains = {o.domain for o in model.opset_import}
+    if functions and FUNCTION_DOMAIN not in domains:
         model.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
+    if any(isinstance(c, PortableConfig) and c.fused_decode for c in functions) and ORT_DOMAIN not in domains:
+        model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
     return calls
 
 
@@ -254,13 +291,16 @@ def lower_to_portable(
     node_names: Collection[str] | None = None,
     *,
     types: Mapping[str, onnx.TypeProto] | None = None,
+    fused: bool = True,
 ) -> onnx.ModelProto:
     """A copy of ``model`` whose (selected) PagedAttention nodes call portable local functions.
 
     ``node_names`` selects nodes by name (``None``: all). Raises :class:`~ortpa.errors.InvalidArgument` for a
     node ONNX Runtime would reject and :class:`~ortpa.errors.NotImplementedByBackend` for an unsupported mode;
     ``model`` is never mutated. ``types`` (:func:`value_types` of the model after shape inference) spares a
-    second shape inference when the caller ran one.
+    second shape inference when the caller ran one. ``fused`` (default): decodes attend through ONNX Runtime's
+    ``com.microsoft::MultiHeadAttention`` where it computes the op's semantics (see :func:`portable_config`);
+    ``False`` emits standard ONNX ops only.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -276,9 +316,12 @@ def lower_to_portable(
     fn_opset = main_opset
     types = _value_infos(out) if types is None else types
     wanted = None if node_names is None else set(node_names)
+    constants = {i.name for i in out.graph.initializer}
 
     def make_call(_: int, node: onnx.NodeProto) -> LayerCall | None:
-        return None if wanted is not None and node.name not in wanted else layer_call(node, types, fn_opset)
+        if wanted is not None and node.name not in wanted:
+            return None
+        return layer_call(node, types, fn_opset, fused=fused, constants=constants)
 
     lower_nodes(out, make_call, types)
     if wanted is not None:
@@ -286,6 +329,24 @@ def lower_to_portable(
         if missing:
             raise ValueError(f"node_names: expected PagedAttention node names, found unknown {sorted(missing)}")
     return out
+
+
+# The largest float32 RoPE table (every position's cos and signed sin per rotated channel, 4x the bytes of float16
+# cos + sin) a layer may fold into a constant; past it the rows are gathered per step (two kernels more per layer)
+_MAX_FOLDED_ROPE_BYTES = 32 << 20
+
+
+def _foldable_rope(
+    node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], constants: Collection[str], rd: int
+) -> bool:
+    """Whether ``node``'s cos/sin caches are initializers whose folded float32 table stays small (see
+    :data:`_MAX_FOLDED_ROPE_BYTES`)."""
+    idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
+    names = [node.input[idx[n]] if idx[n] < len(node.input) else "" for n in ("cos_cache", "sin_cache")]
+    if not all(n in constants for n in names):
+        return False
+    rows = _dim(_tensor_info(types.get(names[0])).shape, 0)
+    return rows is not None and rows * 2 * rd * 4 <= _MAX_FOLDED_ROPE_BYTES
 
 
 def plan_call(

@@ -87,20 +87,27 @@ class _Plan(GraphTracer):
         first = op.Where(is_dec, op.Sub(rank_dec, 1), first_pre)
         out_row = op.Add(op.Gather(first, self.seq), self.s_in)  # every token's own row, back in token order
         # nothing to attend (invalid or empty sequence) is a zero row; when no sequence of a group has a key,
-        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory
-        has_keys = op.Unsqueeze(op.Greater(op.Gather(self.kvlen, self.seq), 0), [1])
+        # its max_kv == 0 and ONNX Runtime's CPU MatMul with an empty inner dimension returns uninitialised memory.
+        # A decode whose every key is masked (its own page unmapped) is a zero row too: the fused decode path
+        # (MultiHeadAttention, whose fully masked rows are NaN) relies on it; the other paths give 0 there anyway.
+        # Such tokens read the zero row the layers append after both groups (a Gather, no Where per layer).
+        d_any = op.ReduceSum(dec["mask"], [1], keepdims=0)  # [D] attended keys (0 when max_kv == 0)
+        seq_ok = op.ScatterElements(op.Cast(op.Not(is_dec), to=ir.DataType.INT32), dec["sel"], d_any)
+        has_keys = op.And(op.Greater(op.Gather(self.kvlen, self.seq), 0), op.Greater(op.Gather(seq_ok, self.seq), 0))
+        zero_row = op.Add(op.Mul(pre["count"], pre["max_q"]), dec["count"])  # [1]
+        out_row = op.Where(has_keys, out_row, zero_row)
         return [
             self.pos,
             rows,
             index,
             any_pre,
             out_row,
-            has_keys,
             dec["query"],
             dec["row"],
             dec["row_ok"],
             dec["allowed"],
             dec["rows_ok"],
+            dec["mask"],
             pre["query"],
             pre["row"],
             pre["row_ok"],
@@ -233,8 +240,18 @@ class _Plan(GraphTracer):
             if p.local_window_size > 0:
                 near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
                 allowed = op.And(live, near)
+            mask = op.Cast(allowed, to=ir.DataType.INT32)
             allowed = op.Unsqueeze(allowed, [1, 2])
-            return {"query": c_lo, "row": row, "row_ok": row_ok, "allowed": allowed, "rows_ok": rows_ok, "count": count}
+            return {
+                "query": c_lo,
+                "row": row,
+                "row_ok": row_ok,
+                "allowed": allowed,
+                "rows_ok": rows_ok,
+                "count": count,
+                "mask": mask,
+                "sel": sel,
+            }
         maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
         i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
         tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))

@@ -34,6 +34,7 @@ packed int4 (uint8) caches, and head sizes or rotary widths that are not static 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from typing import Any
 
 import onnx
@@ -220,18 +221,30 @@ def lower_to_portable(
     idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
     plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
     nodes: list[onnx.NodeProto] = []
+    folded = _trailing_writes(out.graph)
     for node in out.graph.node:
+        if any(node is sc for sc in folded.values()):
+            continue  # folded into its node's own cache write
         if node.op_type != OP_TYPE or node.domain != DOMAIN or (wanted is not None and node.name not in wanted):
             nodes.append(node)
             continue
         cfg = portable_config(node, types, fn_opset)
+        outputs = [o for o in node.output if o]
+        extra: list[str] = []
+        scatter = folded.get(id(node))
+        if scatter is not None and cfg.latent and not cfg.split_latent:
+            cfg = replace(cfg, extra_write=True)
+            extra = [scatter.input[1], scatter.input[2]]
+            outputs = [scatter.output[0] if o == node.output[1] else o for o in outputs]
+        elif scatter is not None:
+            nodes.append(scatter)  # kept as it is (not reached for the configurations the rewriter writes)
         plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
         if plan_node is not None:
             nodes.append(plan_node)
         call = helper.make_node(
             cfg.function_name(),
-            [node.input[idx[name]] for name in cfg.present_inputs] + plan_outputs,
-            [o for o in node.output if o],
+            [node.input[idx[name]] for name in cfg.present_inputs] + plan_outputs + extra,
+            outputs,
             name=node.name,
             domain=FUNCTION_DOMAIN,
         )
@@ -246,6 +259,36 @@ def lower_to_portable(
     if functions and FUNCTION_DOMAIN not in opsets:
         out.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
     return out
+
+
+def _trailing_writes(graph: onnx.GraphProto) -> dict[int, onnx.NodeProto]:
+    """PagedAttention nodes (by id) whose ``key_cache_out`` is read only by a ``ScatterND`` (its data input, no
+    reduction) that produces a graph output: that write is folded into the node's own, so that the cache graph
+    input is still written once, by the ScatterND reading it (in place when IO-bound)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    found = {}
+    for node in graph.node:
+        if node.op_type != OP_TYPE or node.domain != DOMAIN or len(node.output) < 2 or not node.output[1]:
+            continue
+        users = readers.get(node.output[1], [])
+        if len(users) != 1 or node.output[1] in outputs:
+            continue
+        sc = users[0]
+        reduction = next((a.s for a in sc.attribute if a.name == "reduction"), b"none")
+        if (
+            sc.op_type == "ScatterND"
+            and sc.domain in ("", "ai.onnx")
+            and list(sc.input).index(node.output[1]) == 0
+            and list(sc.input).count(node.output[1]) == 1
+            and reduction in (b"none", "none")
+            and sc.output[0] in outputs
+        ):
+            found[id(node)] = sc
+    return found
 
 
 def plan_call(

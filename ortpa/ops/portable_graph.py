@@ -78,6 +78,11 @@ class PortableConfig:
     # ``value_cache`` (both [NB, BS, 1, H/2]): the layout of runtimes that allocate a key and a value cache of
     # one head size per layer (onnxruntime-genai), at the LATENT memory of one row per token
     split_latent: bool = False
+    # the key cache's write also stores rows the graph computed itself (two trailing inputs ``extra.index``
+    # [n, 2] and ``extra.rows`` [n, kv_heads, head_size] in the cache type): a ScatterND that followed the node on
+    # its key_cache_out, folded into the node's own write so that the cache is still written once, in place
+    # (the expanded MLA prefill's fresh rows, :mod:`ortpa.rewriter.mla_expanded`)
+    extra_write: bool = False
 
     @property
     def group(self) -> int:
@@ -90,11 +95,15 @@ class PortableConfig:
 
 def build_function(cfg: PortableConfig) -> ir.Function:
     """One layer's attention: inputs are the node's present inputs then :data:`PLAN_OUTPUTS` (``plan.``-prefixed)."""
+    extra = ("extra.index", "extra.rows") if cfg.extra_write else ()
     inputs = [ir.val(name) for name in cfg.present_inputs] + [ir.val(f"plan.{n}") for n in PLAN_OUTPUTS]
+    inputs += [ir.val(name) for name in extra]
 
     def trace(op, *vals):
         x = dict(zip(cfg.present_inputs, vals, strict=False))
-        plan = dict(zip(PLAN_OUTPUTS, vals[len(cfg.present_inputs) :], strict=True))
+        n = len(cfg.present_inputs)
+        plan = dict(zip(PLAN_OUTPUTS, vals[n : n + len(PLAN_OUTPUTS)], strict=True))
+        x.update(zip(extra, vals[n + len(PLAN_OUTPUTS) :], strict=True))
         return _Body(op, cfg, x, plan).run()
 
     return onnxscript.build_function(
@@ -130,7 +139,7 @@ class _Body(GraphTracer):
             q, k = self.op.Split(qk, self.ints([c.num_heads, c.kv_num_heads]), axis=1, _outputs=2)
         if c.split_latent:
             return self.split_latent_tail(q, k)
-        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
+        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"), extra=c.extra_write)
         v_cache = None
         if not c.latent:
             v_cache = self.write(x["value_cache"], v, c.v_quant, x.get("v_scale"))
@@ -226,12 +235,18 @@ class _Body(GraphTracer):
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=2)
 
     # ------------------------------------------------------------------ §3.4(c) cache write
-    def write(self, cache, new, quant: str, scale):
-        """ScatterND(cache input, the plan's write index, encoded rows): the only reader of the cache input."""
+    def write(self, cache, new, quant: str, scale, *, extra: bool = False):
+        """ScatterND(cache input, the plan's write index, encoded rows): the only reader of the cache input.
+        ``extra``: the graph's own rows (``PortableConfig.extra_write``) are stored by the same ScatterND, after
+        the node's (their slots are another sequence's: the two sets do not overlap)."""
         op = self.op
         upd = op.Gather(new, self.plan["write_rows"])  # [n, kvh, H] in T
         upd = self.encode(upd, quant, scale)
-        return op.ScatterND(cache, self.plan["write_index"], upd)
+        index = self.plan["write_index"]
+        if extra:
+            index = op.Concat(index, self.x["extra.index"], axis=0)
+            upd = op.Concat(upd, self.x["extra.rows"], axis=0)
+        return op.ScatterND(cache, index, upd)
 
     def encode(self, x, quant: str, scale):
         """T -> cache element type; int8: ``rint(clamp(x / s, -128, 127))``, zero where ``s == 0``."""

@@ -22,6 +22,8 @@ from ortpa.errors import ConversionError
 from ortpa.model.ref import resolve_any
 from ortpa.rewriter import kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter._fold import fold_shape_values
+from ortpa.rewriter.mla_expanded import PrefillForm
+from ortpa.rewriter.mla_prefill import expanded_reasons, prefill_split, register_composites
 from ortpa.rewriter.attention import AttentionLayer, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
@@ -193,6 +195,7 @@ def convert(
     logits: paged_io.LogitsMode = "last",
     kv_cache_dtype: str | None = None,
     absorb: AbsorbMode = "auto",
+    mla_prefill: PrefillForm = "expanded",
     attention_metadata: bool = True,
     position_ids: paged_io.PositionMode = "derive",
     max_positions: int | None = None,
@@ -213,6 +216,11 @@ def convert(
     * ``logits``: ``"last"`` = one row per sequence (its last new token), ``"all"`` = one row per packed token.
     * ``absorb``: ``"auto"`` folds W_UK / W_UV into q_proj / o_proj when that is exact and not larger,
       ``"fold"`` always folds where exact, ``"matmul"`` never folds (per-head MatMuls, as vLLM does).
+    * ``mla_prefill``: ``"expanded"`` (default) attends the rows of fresh prompts (no cached prefix) in the
+      expanded form (``kv_b_proj`` up-projects their own latent rows, 192 / 128 per head) and everything else
+      with the absorbed LATENT node; ``"absorbed"`` keeps every row absorbed. Where the expanded form cannot
+      apply (int8 caches, ``rope_in_op``) the conversion stays absorbed and says why in the model's metadata
+      (``ortpa.mla_prefill``); see :mod:`ortpa.rewriter.mla_expanded`.
     * ``kv_cache_dtype="int8"``: int8 caches with static scales (``kv_scale`` per-channel or per-tensor, times
       ``kv_scale_margin``) calibrated by running the dense model on ``calibration_prompts`` (token-id lists;
       default: seeded random prompts); see :mod:`ortpa.rewriter.kv_quant`. float8e4m3fn is rejected.
@@ -244,7 +252,7 @@ def convert(
 
 
 _OPTIONS = (
-    "dtype rope_in_op logits kv_cache_dtype absorb attention_metadata position_ids max_positions progress "
+    "dtype rope_in_op logits kv_cache_dtype absorb mla_prefill attention_metadata position_ids max_positions progress "
     "providers kv_scale kv_scale_margin calibration_prompts"
 ).split()
 
@@ -263,6 +271,7 @@ def _convert(
     logits: paged_io.LogitsMode,
     kv_cache_dtype: str | None,
     absorb: AbsorbMode,
+    mla_prefill: PrefillForm,
     attention_metadata: bool,
     position_ids: paged_io.PositionMode,
     max_positions: int | None,
@@ -337,14 +346,25 @@ def _convert(
         io.cos_cache = _const(graph, "rope.cos_cache", cos, op_dtype)
         io.sin_cache = _const(graph, "rope.sin_cache", sin, op_dtype)
     cache_dtype = op_dtype
+    reasons = expanded_reasons(layers, rope_in_op=rope_in_op, int8_cache=kv_plan is not None)
+    if mla_prefill not in ("expanded", "absorbed"):
+        raise ValueError(f"mla_prefill: expected 'expanded' or 'absorbed', found {mla_prefill!r}")
+    split = None
     for m in layers:
         _progress(progress, f"absorbing layer {m.layer}")
         cache = paged_io.add_key_cache(graph, m.layer, m.head_size, cache_dtype)
+        if mla_prefill == "expanded" and not reasons and split is None:
+            split = prefill_split(graph, io, cache)
         out = rewrite_mla_layer(
-            graph, m, cache, io.op_inputs(), rope_in_op=rope_in_op, absorb=absorb, op_dtype=op_dtype
+            graph, m, cache, io.op_inputs(), rope_in_op=rope_in_op, absorb=absorb, op_dtype=op_dtype, split=split
         )
         paged_io.set_present(graph, m.layer, out, cache)
         model_store.after_layer(irm, sink)
+    if split is not None:
+        register_composites(io, split)
+    irm.metadata_props["ortpa.mla_prefill"] = (
+        "expanded" if split is not None else "absorbed" + (f": {'; '.join(reasons)}" if reasons and mla_prefill == "expanded" else "")
+    )
     _finish(
         irm,
         io,

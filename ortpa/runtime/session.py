@@ -100,6 +100,7 @@ def find_cache_aliases(model: onnx.ModelProto) -> list[CacheAlias]:
             if len(node.input) <= in_idx or node.input[in_idx] not in graph_inputs:
                 continue
             out = node.output[out_idx] if len(node.output) > out_idx and node.output[out_idx] else None
+            out = _through_trailing_write(model, out, graph_outputs)
             aliases.append(CacheAlias(node.input[in_idx], out if out in graph_outputs else None, node.name))
     # a file lowered to portable function calls (`ortpa convert --portable`): the same caches, found by name
     for port in lowered_cache_ports(model):
@@ -107,6 +108,17 @@ def find_cache_aliases(model: onnx.ModelProto) -> list[CacheAlias]:
             out = port.output_name if port.output_name in graph_outputs else None
             aliases.append(CacheAlias(port.input_name, out, port.node))
     return aliases
+
+
+def _through_trailing_write(model: onnx.ModelProto, name: str | None, graph_outputs: set[str]) -> str | None:
+    """A cache output that one ``ScatterND`` (rows the graph writes itself: the expanded MLA prefill's) extends
+    before it becomes the graph output: that output shares the cache's buffer."""
+    if name is None or name in graph_outputs:
+        return name
+    users = [n for n in model.graph.node if name in n.input]
+    if len(users) == 1 and users[0].op_type == "ScatterND" and users[0].input[0] == name:
+        return users[0].output[0]
+    return name
 
 
 def _plan_nodes(loaded: LoadedModel, providers: list[str]) -> tuple[list[str], list[str]]:

@@ -223,7 +223,7 @@ def lower_to_portable(
     nodes: list[onnx.NodeProto] = []
     folded = _trailing_writes(out.graph)
     for node in out.graph.node:
-        if any(node is sc for sc in folded.values()):
+        if node.op_type == "ScatterND" and node.input and node.input[0] in folded:
             continue  # folded into its node's own cache write
         if node.op_type != OP_TYPE or node.domain != DOMAIN or (wanted is not None and node.name not in wanted):
             nodes.append(node)
@@ -231,7 +231,7 @@ def lower_to_portable(
         cfg = portable_config(node, types, fn_opset)
         outputs = [o for o in node.output if o]
         extra: list[str] = []
-        scatter = folded.get(id(node))
+        scatter = folded.get(node.output[1]) if len(node.output) > 1 else None
         if scatter is not None and cfg.latent and not cfg.split_latent:
             cfg = replace(cfg, extra_write=True)
             extra = [scatter.input[1], scatter.input[2]]
@@ -261,8 +261,8 @@ def lower_to_portable(
     return out
 
 
-def _trailing_writes(graph: onnx.GraphProto) -> dict[int, onnx.NodeProto]:
-    """PagedAttention nodes (by id) whose ``key_cache_out`` is read only by a ``ScatterND`` (its data input, no
+def _trailing_writes(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """PagedAttention nodes (by the name of their key_cache_out) whose ``key_cache_out`` is read only by a ``ScatterND`` (its data input, no
     reduction) that produces a graph output: that write is folded into the node's own, so that the cache graph
     input is still written once, by the ScatterND reading it (in place when IO-bound)."""
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -287,7 +287,7 @@ def _trailing_writes(graph: onnx.GraphProto) -> dict[int, onnx.NodeProto]:
             and reduction in (b"none", "none")
             and sc.output[0] in outputs
         ):
-            found[id(node)] = sc
+            found[node.output[1]] = sc
     return found
 
 

@@ -262,6 +262,9 @@ def _merge_expanded(
         m.notes.append("W_UV folded into o_proj")
     else:
         o = b.op("Transpose", [b.op("Reshape", [out, b.ints([-1, H, L])])], {"perm": [1, 0, 2]})
+        # a Reshape between them: ONNX Runtime fuses Transpose + MatMul into FusedMatMul, which divides by zero
+        # (SIGFPE) when the absorbed rows are empty (a step of fresh prompts only)
+        o = b.op("Reshape", [o, b.ints([H, -1, L])])
         o = b.op("MatMul", [o, b.initializer(w_uv.astype(np_dtype), "W_UV")])  # [H, T_a, V]
         absorbed = b.op("Reshape", [b.op("Transpose", [o], {"perm": [1, 0, 2]}), b.ints([-1, H * V])])
         m.notes.append("W_UV as per-head MatMul")

@@ -262,9 +262,10 @@ def lower_to_portable(
 
 
 def _trailing_writes(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
-    """PagedAttention nodes (by the name of their key_cache_out) whose ``key_cache_out`` is read only by a ``ScatterND`` (its data input, no
-    reduction) that produces a graph output: that write is folded into the node's own, so that the cache graph
-    input is still written once, by the ScatterND reading it (in place when IO-bound)."""
+    """PagedAttention nodes (by the name of their ``key_cache_out``) whose ``key_cache_out`` is read only by a
+    ``ScatterND`` (its data input, no reduction) that produces a graph output: that write is folded into the
+    node's own, so that the cache graph input is still written once, by the ScatterND reading it (in place when
+    IO-bound)."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:

@@ -116,12 +116,16 @@ def rewrite_mla_layer(
     attended in the expanded form and written to the cache by the graph; the node gets the other rows only.
     """
     nodes: set[ir.Node] = set()
-    b = Builder(graph, f"/mla/layers.{m.layer}") if split is None else TrackingBuilder(graph, f"/mla/layers.{m.layer}", nodes)
+    b = (
+        Builder(graph, f"/mla/layers.{m.layer}")
+        if split is None
+        else TrackingBuilder(graph, f"/mla/layers.{m.layer}", nodes)
+    )
 
     def kept(value: ir.Value, axis: int) -> ir.Value:  # the absorbed node's rows only
         return value if split is None else b.op("Gather", [value, split.abs_rows], {"axis": axis})
 
-    H, P, R, V, L = m.num_heads, m.qk_nope, m.qk_rope, m.v_head, m.kv_lora_rank
+    H, P, R, L = m.num_heads, m.qk_nope, m.qk_rope, m.kv_lora_rank
     w_uk, w_uv = absorbed_weights(m)
     model_dtype = m.q_nope.dtype or ir.DataType.FLOAT
     np_dtype = model_dtype.numpy()

@@ -142,9 +142,7 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
     return [unknown_op(node, f"{node.domain or 'ai.onnx'}::{op} has no per-token rule here")] * n_out
 
 
-def _attention_rule(
-    node: ir.Node, ins: list[Kind], flow: Flow, declared: tuple[int, int] | None = None
-) -> list[Kind]:
+def _attention_rule(node: ir.Node, ins: list[Kind], flow: Flow, declared: tuple[int, int] | None = None) -> list[Kind]:
     """An attention op reading the sequence boundaries itself: each output row is its token's own (step-wide
     inputs were handled before); regrouped input rows are not followed. ``declared``: (rank, token axis) of a
     composite's output; a PagedAttention output is ``[tokens, width]``."""

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 logits=args.logits,
                 kv_cache_dtype=args.kv_cache_dtype,
                 absorb=args.absorb,
+                mla_prefill=args.mla_prefill,
                 attention_metadata=not args.no_attention_metadata,
                 position_ids=args.position_ids,
                 max_positions=args.max_positions,
@@ -146,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         "copied": copied,
         "verification": verified[0].summary() if verified else None,
     }
+    form = {p.key: p.value for p in proto.metadata_props}.get("ortpa.mla_prefill")
+    if form is not None:  # MLA: which prefill form the model carries, and why not the expanded one
+        result["mla_prefill"], _, reason = form.partition(": ")
+        result["mla_prefill_reason"] = reason or None
     written = json.loads(deployment.genai_config.read_text(encoding="utf-8"))
     if "eos_token_id" not in written["model"] and not args.quiet:
         # genai then ends every request at its default id 0: say so rather than let a deployment stop early
@@ -224,6 +229,14 @@ def register(sub) -> None:
         choices=["last", "all"],
         default="last",
         help="logits for each sequence's last new token (default) or for every packed token",
+    )
+    p.add_argument(
+        "--mla-prefill",
+        choices=["expanded", "absorbed"],
+        default="expanded",
+        help="MLA: attend fresh prompts (no cached prefix) in the expanded form, 192/128 per head, and decodes "
+        "and prefix-cached chunks absorbed (expanded, default; --json says why where it cannot apply), or keep "
+        "every row absorbed",
     )
     p.add_argument(
         "--absorb",

@@ -29,7 +29,7 @@ import onnx
 from onnx import helper
 
 from ortpa.errors import ConversionError
-from ortpa.ops.portable import plan_call, portable_config, value_types
+from ortpa.ops.portable import plan_call, portable_config, trailing_writes, value_types
 from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
@@ -110,7 +110,10 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
     nodes = 0
     new_inputs: list[tuple[int, onnx.ValueInfoProto]] = []
     new_outputs: list[tuple[int, onnx.ValueInfoProto]] = []
+    folded = trailing_writes(graph)  # the expanded MLA prefill's fresh rows: written by the layer call itself
     for i, node in enumerate(graph.node):
+        if node.op_type == "ScatterND" and node.input and node.input[0] in folded:
+            continue
         if node.op_type != OP_TYPE or node.domain != DOMAIN:
             lowered.append(node)
             continue
@@ -121,6 +124,11 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
             raise ConversionError(f"--portable cannot lower node {where}: {exc}") from None
         call_inputs = [node.input[schema_index[name]] for name in cfg.present_inputs]
         call_outputs = [o for o in node.output if o]
+        scatter = folded.get(node.output[1]) if len(node.output) > 1 else None
+        extra = [scatter.input[1], scatter.input[2]] if scatter is not None else []
+        if scatter is not None:
+            cfg = dataclasses.replace(cfg, extra_write=True)
+            call_outputs = [scatter.output[0] if o == node.output[1] else o for o in call_outputs]
         if cfg.latent and split_latent:
             if cfg.head_size % 2 or cfg.k_quant != "NONE":
                 raise ConversionError(
@@ -128,7 +136,7 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
                     f"a float cache, found width {cfg.head_size} and k_quant {cfg.k_quant}"
                 )
             key_in = node.input[schema_index["key_cache"]]
-            key_out = node.output[1] if len(node.output) > 1 else ""
+            key_out = call_outputs[1] if len(call_outputs) > 1 else ""
             if key_in not in inputs or key_out not in outputs:
                 raise ConversionError(
                     f"--portable cannot split the latent cache of node {where}: expected its key cache to be a "
@@ -160,7 +168,7 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
         plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
         if plan_node is not None:
             lowered.append(plan_node)
-        call_inputs += plan_outputs
+        call_inputs += plan_outputs + extra
         lowered.append(
             helper.make_node(cfg.function_name(), call_inputs, call_outputs, name=node.name, domain=FUNCTION_DOMAIN)
         )

@@ -59,6 +59,7 @@ __all__ = [
     "paged_attention_model",
     "portable_config",
     "portable_single_node_model",
+    "trailing_writes",
     "value_types",
 ]
 
@@ -221,7 +222,7 @@ def lower_to_portable(
     idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
     plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
     nodes: list[onnx.NodeProto] = []
-    folded = _trailing_writes(out.graph)
+    folded = trailing_writes(out.graph)
     for node in out.graph.node:
         if node.op_type == "ScatterND" and node.input and node.input[0] in folded:
             continue  # folded into its node's own cache write
@@ -261,7 +262,7 @@ def lower_to_portable(
     return out
 
 
-def _trailing_writes(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+def trailing_writes(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     """PagedAttention nodes (by the name of their ``key_cache_out``) whose ``key_cache_out`` is read only by a
     ``ScatterND`` (its data input, no reduction) that produces a graph output: that write is folded into the
     node's own, so that the cache graph input is still written once, by the ScatterND reading it (in place when

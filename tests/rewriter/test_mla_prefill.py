@@ -193,3 +193,20 @@ def test_attention_flops_per_token():
     assert (tiny["absorbed"], tiny["expanded"]) == (68, 52)
     dims = dict(num_heads=16, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128)
     assert 3.1 < attention_flops_per_token(8192, **dims)["ratio"] < (576 + 512) / (192 + 128)
+
+
+def test_portable_file_with_split_latent_matches(dense_path, models, tmp_path):
+    """``convert --portable``: the fresh rows' write folded into each layer call, split over the key and value
+    halves of the row as genai allocates them; same logits as the native file through the session."""
+    import ortpa
+
+    out = tmp_path / "model.onnx"
+    ortpa.convert_file(dense_path, out, portable=True, verify=False)
+    lowered = onnx.load(str(out))
+    assert not [n for n in lowered.graph.node if n.op_type in ("PagedAttention", "ScatterND")]
+    tokens = _tokens(4)
+    runners = {"native": _Runner(models["expanded"]), "lowered": _Runner(lowered)}
+    for chunks in _schedule(tokens):
+        got = {k: r.step(chunks) for k, r in runners.items()}
+        for name in chunks:
+            assert_close(got["lowered"][name], got["native"][name], np.float16, what=name)

@@ -122,9 +122,11 @@ def expanded_attention(
     q = b.op("Squeeze", [q, b.ints([0])])  # [H, T, P + R]
     q = b.op("Transpose", [b.op("Gather", [q, tok], {"axis": 1})], {"perm": [1, 0, 2, 3]})
     q = b.op("Mul", [q, b.initializer(np.array(scale, np.float32), "scale")])
-    # k_nope / v from the new latent rows: [S, M, L] @ [L, H * (P + V)] -> [S, H, M, P + V]
-    lat = b.op("Cast", [b.op("Reshape", [latent, b.ints([-1, L])])], {"to": f32})
-    kv = b.op("MatMul", [b.op("Gather", [lat, tok]), b.initializer(w_kv_b.astype(np.float32), "w_kv_b")])
+    # k_nope / v from the new latent rows: [S, M, L] @ [L, H * (P + V)] -> [S, H, M, P + V]; the weight in the
+    # model's own type (it replaces the dense kv_b_proj, which is no longer read: the file does not grow)
+    lat = b.op("Reshape", [latent, b.ints([-1, L])])
+    w = b.initializer(w_kv_b.astype((latent.dtype or q_nope.dtype or f32).numpy()), "w_kv_b")
+    kv = b.op("Cast", [b.op("MatMul", [b.op("Gather", [lat, tok]), w])], {"to": f32})
     kv = b.op("Transpose", [b.op("Reshape", [kv, b.ints([0, 0, H, P + V])])], {"perm": [0, 2, 1, 3]})
     k_nope, v = b.op("Split", [kv, b.ints([P, V])], {"axis": -1}, num_outputs=2)
     # the one rope key of each token, broadcast to every head

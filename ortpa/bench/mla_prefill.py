@@ -58,6 +58,8 @@ def _options() -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = THREADS
+    # no arena: three sessions each keeping a long prompt's peak (GiBs of scores) would hold it all at once
+    so.enable_cpu_mem_arena = False
     return so
 
 

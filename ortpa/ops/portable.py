@@ -60,6 +60,7 @@ __all__ = [
     "portable_config",
     "portable_single_node_model",
     "trailing_writes",
+    "write_before_native",
     "value_types",
 ]
 
@@ -291,6 +292,45 @@ def trailing_writes(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
         ):
             found[node.output[1]] = sc
     return found
+
+
+def write_before_native(model: onnx.ModelProto, node_names: Collection[str]) -> onnx.ModelProto:
+    """A copy of ``model`` where each named (natively run) PagedAttention node with a trailing write
+    (:func:`trailing_writes`) comes after it instead: the ``ScatterND`` reads the cache graph input and writes
+    the graph output (in place when both are bound to one buffer: CUDA's ScatterND skips its copy then), and the
+    node reads that output as its ``key_cache`` with no ``key_cache_out`` (a native kernel updates the cache
+    through its input). The CUDA kernel refuses a ``key_cache_out`` that is not its input's buffer, which an
+    intermediate value would be. The two writes touch different sequences' slots, and the node reads none of
+    the fresh ones: the order does not change what is stored or attended."""
+    folded = trailing_writes(model.graph)
+    wanted = set(node_names)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    by_output = {n.output[1]: n for n in out.graph.node if n.op_type == OP_TYPE and len(n.output) > 1}
+    moved: dict[str, onnx.NodeProto] = {}  # PagedAttention key_cache_out -> its ScatterND, to move before it
+    for cache_out, _ in folded.items():
+        node = by_output.get(cache_out)
+        if node is not None and node.name in wanted:
+            moved[cache_out] = node
+    if not moved:
+        return out
+    nodes: list[onnx.NodeProto] = []
+    scatters = {n.input[0]: n for n in out.graph.node if n.op_type == "ScatterND" and n.input and n.input[0] in moved}
+    moved_outputs = {sc.output[0] for sc in scatters.values()}
+    for node in out.graph.node:
+        if node.op_type == "ScatterND" and node.output[0] in moved_outputs:
+            continue
+        if node.op_type == OP_TYPE and len(node.output) > 1 and node.output[1] in moved:
+            sc = onnx.NodeProto()
+            sc.CopyFrom(scatters[node.output[1]])
+            sc.input[0] = node.input[3]
+            node.input[3] = sc.output[0]
+            del node.output[1:]
+            nodes.append(sc)
+        nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
 
 
 def plan_call(

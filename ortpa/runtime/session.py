@@ -212,6 +212,13 @@ class InferenceSession:
             from ortpa.ops.portable import lower_to_portable, value_types
 
             graph_only = lower_to_portable(graph_only, self.portable_nodes, types=value_types(inferred))
+        reordered = False
+        if self.native_nodes and any(n.op_type == "ScatterND" for n in graph_only.graph.node):
+            from ortpa.ops.portable import write_before_native
+
+            before = graph_only
+            graph_only = write_before_native(graph_only, self.native_nodes)  # the expanded MLA prefill's rows
+            reordered = graph_only.graph != before.graph
         self.model = graph_only
         self._native_aliases = [a for a in self.aliases if a.node in self.native_nodes and a.output_name]
         self._device = _ORT_DEVICE.get(names[0], "cpu")
@@ -220,7 +227,7 @@ class InferenceSession:
                 loaded,
                 graph_only,
                 external,
-                unchanged=not renamed and not self.portable_nodes,
+                unchanged=not renamed and not self.portable_nodes and not reordered,
                 sess_options=sess_options,
                 providers=self._providers_requested,
                 provider_options=provider_options,

@@ -210,3 +210,40 @@ def test_portable_file_with_split_latent_matches(dense_path, models, tmp_path):
         got = {k: r.step(chunks) for k, r in runners.items()}
         for name in chunks:
             assert_close(got["lowered"][name], got["native"][name], np.float16, what=name)
+
+
+def test_native_order_writes_fresh_rows_first(models):
+    """For a natively run node (CUDA: key_cache_out must be its input's buffer) the fresh rows' ScatterND moves
+    before the node: it reads the cache input and writes the graph output, which the node then reads as its
+    key_cache with no key_cache_out; the reordered graph is still valid for the CUDA kernel's rules."""
+    from ortpa.ops.portable import write_before_native
+    from ortpa.ops.validate import validate_model
+
+    model = models["expanded"]
+    names = [n.name for n in model.graph.node if n.op_type == "PagedAttention"]
+    native = write_before_native(model, names)
+    order = [n.op_type for n in native.graph.node]
+    for i in range(2):
+        (sc,) = [n for n in native.graph.node if n.op_type == "ScatterND" and n.output[0] == f"present.{i}.key"]
+        (pa,) = [n for n in native.graph.node if n.op_type == "PagedAttention" and n.input[3] == f"present.{i}.key"]
+        assert sc.input[0] == f"past_key_values.{i}.key" and len(pa.output) == 1
+        assert list(native.graph.node).index(sc) < list(native.graph.node).index(pa)
+    assert order.count("ScatterND") == order.count("PagedAttention") == 2
+    assert validate_model(native, backend="cuda").ok
+    assert write_before_native(model, []) == model  # portable nodes keep the fold-friendly order
+
+
+@pytest.mark.cuda
+def test_expanded_native_cuda_matches_absorbed(models):
+    """On CUDA: the expanded model (native LATENT node, fresh rows written first) against the absorbed one."""
+    runners = {}
+    for form, model in models.items():
+        r = _Runner.__new__(_Runner)
+        r.sess = PagedSession(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, providers=["CUDAExecutionProvider"])
+        r.kv, r.done = PagedKVCache(NUM_BLOCKS, BLOCK_SIZE), {}
+        r.wanted = {i.name for i in r.sess.session.get_inputs()}
+        runners[form] = r
+    for chunks in _schedule(_tokens(5)):
+        got = {form: r.step(chunks) for form, r in runners.items()}
+        for name in chunks:
+            assert_close(got["expanded"][name], got["absorbed"][name], np.float16, what=f"cuda, {name}")

@@ -60,8 +60,8 @@ __all__ = [
     "portable_config",
     "portable_single_node_model",
     "trailing_writes",
-    "write_before_native",
     "value_types",
+    "write_before_native",
 ]
 
 BACKEND = "portable"

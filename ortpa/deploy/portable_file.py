@@ -29,10 +29,11 @@ import onnx
 from onnx import helper
 
 from ortpa.errors import ConversionError
-from ortpa.ops.portable import plan_call, portable_config, trailing_writes, value_types
+from ortpa.ops.portable import plan_call, portable_config, value_types
 from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
+from ortpa.ops.trailing_write import trailing_writes
 
 __all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "portable_info"]
 

@@ -214,7 +214,7 @@ class InferenceSession:
             graph_only = lower_to_portable(graph_only, self.portable_nodes, types=value_types(inferred))
         reordered = False
         if self.native_nodes and any(n.op_type == "ScatterND" for n in graph_only.graph.node):
-            from ortpa.ops.portable import write_before_native
+            from ortpa.ops.trailing_write import write_before_native
 
             before = graph_only
             graph_only = write_before_native(graph_only, self.native_nodes)  # the expanded MLA prefill's rows

@@ -216,7 +216,7 @@ def test_native_order_writes_fresh_rows_first(models):
     """For a natively run node (CUDA: key_cache_out must be its input's buffer) the fresh rows' ScatterND moves
     before the node: it reads the cache input and writes the graph output, which the node then reads as its
     key_cache with no key_cache_out; the reordered graph is still valid for the CUDA kernel's rules."""
-    from ortpa.ops.portable import write_before_native
+    from ortpa.ops.trailing_write import write_before_native
     from ortpa.ops.validate import validate_model
 
     model = models["expanded"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from tolerances import ACT_INT8_EXTRA_ATOL, FP16_WEIGHTS_EXTRA_ATOL, assert_close
+from support.tolerances import ACT_INT8_EXTRA_ATOL, FP16_WEIGHTS_EXTRA_ATOL, assert_close
 
 from ortpa.errors import InvalidModel
 from ortpa.formats.detect import SourceFormat, dense_interface, detect_format, length_thresholds

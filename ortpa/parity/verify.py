@@ -33,6 +33,7 @@ import onnx
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.parity.check import ParityResult, compare_runs
 from ortpa.parity.greedy import dense_greedy, paged_greedy
+from ortpa.providers import CPU
 from ortpa.tolerances import FAMILY_EXTRA_ATOL, logit_tolerance
 
 __all__ = ["DEFAULT_STEPS", "Verification", "verification_prompts", "verify_conversion"]
@@ -113,7 +114,7 @@ def _open_original(original: str | os.PathLike):
     options = _lean_options()
     options.enable_mem_reuse = False
     try:
-        session = ort.InferenceSession(os.fspath(original), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
     except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
         if not type(exc).__module__.startswith("onnxruntime"):
             raise
@@ -162,7 +163,7 @@ def verify_conversion(
             converted,
             num_blocks=blocks,
             block_size=_BLOCK_SIZE,
-            providers=["CPUExecutionProvider"],
+            providers=[CPU],
             sess_options=_lean_options(),
         )
     except InvalidModel as exc:
@@ -297,7 +298,7 @@ def first_diverging_layer(
         probe,
         num_blocks=blocks,
         block_size=_BLOCK_SIZE,
-        providers=["CPUExecutionProvider"],
+        providers=[CPU],
         sess_options=_lean_options(),
     )
     kv = PagedKVCache(paged.num_blocks, paged.block_size)
@@ -317,7 +318,7 @@ def first_diverging_layer(
     )
     options = _lean_options()
     options.enable_mem_reuse = False
-    session = InferenceSession(dense_probe, options, providers=["CPUExecutionProvider"])
+    session = InferenceSession(dense_probe, options, providers=[CPU])
     io = dense_interface(dense_file.proto)
     want = dict(zip(names, session.run(names, io.feed(list(prompt), 0, io.empty_past())), strict=True))
     del session

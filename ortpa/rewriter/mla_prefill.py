@@ -13,8 +13,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter import packed
+from ortpa.rewriter.layer import MlaLayer
 from ortpa.rewriter.mla_expanded import PrefillSplit, TrackingBuilder
-from ortpa.rewriter.mla_match import MlaLayer
 
 __all__ = ["expanded_reasons", "prefill_split", "register_composites"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from parity import FIXTURES, run_parity
-from tolerances import FAMILY_EXTRA_ATOL, assert_close
+from support.parity import FIXTURES, run_parity
+from support.tolerances import FAMILY_EXTRA_ATOL, assert_close
 
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import PagedSession

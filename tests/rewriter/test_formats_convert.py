@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from parity import paged_nodes, run_parity
-from tolerances import ACT_INT8_EXTRA_ATOL, FAMILY_EXTRA_ATOL
+from support.parity import paged_nodes, run_parity
+from support.tolerances import ACT_INT8_EXTRA_ATOL, FAMILY_EXTRA_ATOL
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate

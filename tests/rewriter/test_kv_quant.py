@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from parity import FIXTURES, DenseModel, attrs, paged_nodes, run_parity
-from tolerances import KV_INT8_EXTRA_ATOL
+from support.parity import FIXTURES, DenseModel, attrs, paged_nodes, run_parity
+from support.tolerances import KV_INT8_EXTRA_ATOL
 
 from ortpa.cli import main
 from ortpa.errors import ConversionError

@@ -16,7 +16,7 @@ from parity import DenseModel
 from tolerances import assert_close
 
 from ortpa.rewriter.mla_expanded import Composite, attention_flops_per_token
-from ortpa.rewriter.per_sequence_flow import Kind, analyse
+from ortpa.rewriter.per_sequence.flow import Kind, analyse
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession

@@ -9,8 +9,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from parity import FIXTURES, paged_nodes, run_parity
-from tolerances import ACT_INT8_EXTRA_ATOL
+from support.parity import FIXTURES, paged_nodes, run_parity
+from support.tolerances import ACT_INT8_EXTRA_ATOL
 
 from ortpa.rewriter.pipeline import convert
 

@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from parity import DenseModel
-from tolerances import assert_close
+from support.parity import DenseModel
+from support.tolerances import assert_close
 
 from ortpa.rewriter.mla_expanded import Composite, attention_flops_per_token
 from ortpa.rewriter.per_sequence.flow import Kind, analyse

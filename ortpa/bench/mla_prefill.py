@@ -14,6 +14,7 @@ both through ``PagedSession`` (portable op, aliased caches) on ONNX Runtime CPU.
 * ``attention_gflop_per_token/{absorbed,expanded}/N`` and ``attention_flop_ratio/N``: exact, from the shapes
   (:func:`ortpa.rewriter.mla_expanded.attention_flops_per_token`), so they hold on any machine.
 
+``ORTPA_BENCH_PROVIDER=cuda`` runs all three on CUDA (wall time then; ``scripts/gpu_check.sh``).
 Lengths: 256 and 1024 with ``quick``; 256, 1024, 2048, 4096 otherwise; ``ORTPA_BENCH_MLA_LENGTHS`` (comma list)
 overrides (8192 needs ~3 x 4 GiB of float32 scores per layer in each model: run it on a machine with the room).
 """
@@ -97,6 +98,13 @@ class _Paged:
         self.sess.run(feed, ["logits"])
 
 
+def _provider() -> tuple[list[str], object, str]:
+    """(providers, clock, what the clock measures) from ``ORTPA_BENCH_PROVIDER`` (``cpu`` or ``cuda``)."""
+    if os.environ.get("ORTPA_BENCH_PROVIDER", "cpu") == "cuda":
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"], time.perf_counter, "CUDA, wall time"
+    return ["CPUExecutionProvider"], time.process_time, f"{THREADS} ORT threads, CPU time"
+
+
 def _lengths(quick: bool) -> tuple[int, ...]:
     env = os.environ.get("ORTPA_BENCH_MLA_LENGTHS")
     if env:
@@ -110,7 +118,8 @@ def run(quick: bool = False) -> list[dict]:
     repeats = 3 if quick else 5
     lengths = _lengths(quick)
     dense_model = build_dense_mla(c, dense_mla_weights(c))
-    dense = ort.InferenceSession(dense_model.SerializeToString(), _options(), providers=["CPUExecutionProvider"])
+    providers, clock, clock_note = _provider()
+    dense = ort.InferenceSession(dense_model.SerializeToString(), _options(), providers=providers)
     num_blocks = -(-(max(lengths) + 1) // BS) + 4
     paged = {}
     for form in ("expanded", "absorbed"):
@@ -118,7 +127,7 @@ def run(quick: bool = False) -> list[dict]:
             convert(dense_model, mla_prefill=form, providers=()),
             num_blocks=num_blocks,
             block_size=BS,
-            providers=["CPUExecutionProvider"],
+            providers=providers,
             sess_options=_options(),
         )
         for name in sess.cache_names:  # random cache contents: decode attends over real-looking rows
@@ -128,14 +137,14 @@ def run(quick: bool = False) -> list[dict]:
     del dense_model
 
     dims = f"{c.heads} heads, L {c.kv_lora_rank}, nope {c.qk_nope}, rope {c.qk_rope}, v {c.v_head}, {c.layers} layers"
-    env = f"{THREADS} ORT threads, CPU time, median of {repeats} interleaved"
+    env = f"{clock_note}, median of {repeats} interleaved"
     flops = {k: getattr(c, k) for k in ("kv_lora_rank", "qk_nope", "qk_rope", "v_head")}
     rows: list[dict] = []
     for n in lengths:
         feed = _dense_feed(n, 0, rng)
         fns = {"dense": lambda feed=feed: dense.run(["logits"], feed)}
         fns.update({form: _Paged(sess, n, 0, rng) for form, sess in paged.items()})
-        ms = interleaved_ms(fns, repeats, clock=time.process_time)
+        ms = interleaved_ms(fns, repeats, clock=clock)
         for k, v in ms.items():
             rows.append(row(f"prefill_ms/{k}/{n}", "prefill_time", v, "ms", f"{dims}; fresh {n}-token prompt; {env}"))
         for form in paged:
@@ -151,7 +160,7 @@ def run(quick: bool = False) -> list[dict]:
         feed = _dense_feed(1, n, rng)
         fns = {"dense": lambda feed=feed: dense.run(["logits"], feed)}
         fns.update({form: _Paged(sess, 1, n, rng) for form, sess in paged.items()})
-        ms = interleaved_ms(fns, repeats, clock=time.process_time)
+        ms = interleaved_ms(fns, repeats, clock=clock)
         for k, v in ms.items():
             rows.append(row(f"decode_ms/{k}/ctx{n}", "step_time", v, "ms", f"{dims}; one token after {n}; {env}"))
         for form in paged:

@@ -14,7 +14,8 @@ both through ``PagedSession`` (portable op, aliased caches) on ONNX Runtime CPU.
 * ``attention_gflop_per_token/{absorbed,expanded}/N`` and ``attention_flop_ratio/N``: exact, from the shapes
   (:func:`ortpa.rewriter.mla_expanded.attention_flops_per_token`), so they hold on any machine.
 
-``ORTPA_BENCH_PROVIDER=cuda`` runs all three on CUDA (wall time then; ``scripts/gpu_check.sh``).
+``ORTPA_BENCH_MLA_FORMS=expanded`` converts one form only; ``ORTPA_BENCH_REPEATS`` sets the repeats (a busy
+machine at long lengths). ``ORTPA_BENCH_PROVIDER=cuda`` runs all three on CUDA (wall time then; ``scripts/gpu_check.sh``).
 Lengths: 256 and 1024 with ``quick``; 256, 1024, 2048, 4096 otherwise; ``ORTPA_BENCH_MLA_LENGTHS`` (comma list)
 overrides (8192 needs ~3 x 4 GiB of float32 scores per layer in each model: run it on a machine with the room).
 """
@@ -115,14 +116,15 @@ def _lengths(quick: bool) -> tuple[int, ...]:
 def run(quick: bool = False) -> list[dict]:
     c = CONFIG
     rng = np.random.default_rng(0)
-    repeats = 3 if quick else 5
+    repeats = int(os.environ.get("ORTPA_BENCH_REPEATS", 3 if quick else 5))
+    forms = os.environ.get("ORTPA_BENCH_MLA_FORMS", "expanded,absorbed").split(",")
     lengths = _lengths(quick)
     dense_model = build_dense_mla(c, dense_mla_weights(c))
     providers, clock, clock_note = _provider()
     dense = ort.InferenceSession(dense_model.SerializeToString(), _options(), providers=providers)
     num_blocks = -(-(max(lengths) + 1) // BS) + 4
     paged = {}
-    for form in ("expanded", "absorbed"):
+    for form in forms:
         sess = PagedSession(
             convert(dense_model, mla_prefill=form, providers=()),
             num_blocks=num_blocks,

@@ -15,7 +15,8 @@ both through ``PagedSession`` (portable op, aliased caches) on ONNX Runtime CPU.
   (:func:`ortpa.rewriter.mla_expanded.attention_flops_per_token`), so they hold on any machine.
 
 ``ORTPA_BENCH_MLA_FORMS=expanded`` converts one form only; ``ORTPA_BENCH_REPEATS`` sets the repeats (a busy
-machine at long lengths). ``ORTPA_BENCH_PROVIDER=cuda`` runs all three on CUDA (wall time then; ``scripts/gpu_check.sh``).
+machine at long lengths). ``ORTPA_BENCH_PROVIDER=cuda`` runs all three on CUDA (wall time then;
+``scripts/gpu_check.sh``).
 Lengths: 256 and 1024 with ``quick``; 256, 1024, 2048, 4096 otherwise; ``ORTPA_BENCH_MLA_LENGTHS`` (comma list)
 overrides (8192 needs ~3 x 4 GiB of float32 scores per layer in each model: run it on a machine with the room).
 """

@@ -19,6 +19,13 @@ timeout 60 python -m ortpa.bench.portable --quick 2>&1 | tail -15 || true
 # (`python benchmarks/decode_dsv3_cuda.py --dry-run` checks the same code on CPU at a tiny size.)
 echo "== decode at DeepSeek-V3 dims (128 heads, 576/512 LATENT vs SEPARATE, block 64)"
 timeout 300 python benchmarks/decode_dsv3_cuda.py 2>&1 | tail -70 || echo "decode_dsv3_cuda: failed or timed out"
+# MLA prefill expanded vs absorbed vs dense natively on CUDA (the expanded path's parity is in the cuda tests:
+# tests/gpu/test_cuda_fixtures.py converts with the default expanded prefill, and
+# tests/rewriter/test_mla_prefill.py::test_expanded_native_cuda_matches_absorbed)
+echo "== MLA prefill / decode at V2-Lite dims on CUDA (expanded vs absorbed vs dense)"
+timeout 90 python -m pytest -q -s -m cuda -p no:cacheprovider tests/rewriter/test_mla_prefill.py 2>&1 | tail -3
+ORTPA_BENCH_PROVIDER=cuda ORTPA_BENCH_MLA_LENGTHS=4096 timeout 150 python -m ortpa.bench.mla_prefill 2>&1 \
+  | grep -E "ratio|speedup" || echo "mla_prefill bench: failed or timed out"
 echo "== summary"
 tail -1 "$log"
 if grep -q "skipped" "$log" && ! grep -q "passed" "$log"; then

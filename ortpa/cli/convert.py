@@ -47,6 +47,7 @@ def options_from_args(args: argparse.Namespace):
         logits=args.logits,
         kv_cache_dtype=args.kv_cache_dtype,
         absorb=args.absorb,
+        mla_prefill=args.mla_prefill,
         attention_metadata=not args.no_attention_metadata,
         position_ids=args.position_ids,
         max_positions=args.max_positions,
@@ -84,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
                     "genai_config": str(result.genai_config),
                     "copied": list(result.copied),
                     "verification": result.verification.summary() if result.verification else None,
+                    **(
+                        {"mla_prefill": result.mla_prefill, "mla_prefill_reason": result.mla_prefill_reason}
+                        if result.mla_prefill is not None
+                        else {}
+                    ),
                 }
             )
         )
@@ -165,6 +171,14 @@ def register(sub) -> None:
         choices=["last", "all"],
         default="last",
         help="logits for each sequence's last new token (default) or for every packed token",
+    )
+    p.add_argument(
+        "--mla-prefill",
+        choices=["expanded", "absorbed"],
+        default="expanded",
+        help="MLA: attend fresh prompts (no cached prefix) in the expanded form, 192/128 per head, and decodes "
+        "and prefix-cached chunks absorbed (expanded, default; --json says why where it cannot apply), or keep "
+        "every row absorbed",
     )
     p.add_argument(
         "--absorb",

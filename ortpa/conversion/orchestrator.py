@@ -59,6 +59,9 @@ class Conversion:
     verification: Verification | None  # None: verify=False
     copied: tuple[str, ...]  # tokenizer and config files copied beside the model
     eos_token_id: bool  # whether genai_config.json names one (genai otherwise stops at token id 0)
+    # MLA: the prefill form the model carries ("expanded" / "absorbed"), and why not the expanded one; None: not MLA
+    mla_prefill: str | None = None
+    mla_prefill_reason: str | None = None
 
 
 def convert_file(
@@ -216,6 +219,8 @@ def _deploy(
     """The staged model's graph finished in memory and written once (verification figures, ``portable``
     lowering), then ``genai_config.json`` and the companion files beside it, all in the staging folder."""
     nodes = sum(1 for n in header.graph.node if n.op_type == "PagedAttention")
+    form = {p.key: p.value for p in header.metadata_props}.get("ortpa.mla_prefill")
+    prefill, _, prefill_reason = form.partition(": ") if form is not None else (None, "", "")
     changed = False
     if verification is not None:
         _stamp(header, verification.metadata())
@@ -243,6 +248,8 @@ def _deploy(
         verification=verification,
         copied=copied,
         eos_token_id="eos_token_id" in config.get("model", {}),
+        mla_prefill=prefill,
+        mla_prefill_reason=prefill_reason or None,
     )
 
 

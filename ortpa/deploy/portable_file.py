@@ -34,6 +34,7 @@ from ortpa.model.kind import PORTABLE_METADATA_KEY
 from ortpa.ops.portable import LayerCall, layer_call, lower_nodes, node_attributes, value_types
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import OP_TYPE, PAGED_ATTENTION
+from ortpa.ops.trailing_write import trailing_writes
 from ortpa.providers import CPU
 
 __all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "lower_graph", "portable_info"]
@@ -110,10 +111,12 @@ def lower_graph(
     new_inputs: list[tuple[int, onnx.ValueInfoProto]] = []
     new_outputs: list[tuple[int, onnx.ValueInfoProto]] = []
 
+    folded = trailing_writes(graph)  # the expanded MLA prefill's fresh rows: written by the layer call itself
+
     def make_call(i: int, node: onnx.NodeProto) -> LayerCall:
         node_name = node.name or f"{OP_TYPE}_{i}"
         try:
-            call = layer_call(node, types, fn_opset, constants=constants)
+            call = layer_call(node, types, fn_opset, folded, constants=constants)
         except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
             raise ConversionError(f"--portable cannot lower node {node_name}: {exc}") from None
         if call.cfg.latent and split_latent:
@@ -161,7 +164,7 @@ def _split_latent(
             f"a float cache, found width {cfg.head_size} and k_quant {cfg.k_quant}"
         )
     key_in = node.input[PAGED_ATTENTION.input_index("key_cache")]
-    key_out = node.output[1] if len(node.output) > 1 else ""
+    key_out = call.outputs[1] if len(call.outputs) > 1 else ""  # a folded trailing write's output
     if key_in not in inputs or key_out not in outputs:
         raise ConversionError(
             f"--portable cannot split the latent cache of node {where}: expected its key cache to be a "

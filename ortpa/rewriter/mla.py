@@ -35,6 +35,7 @@ import onnx_ir as ir
 
 from ortpa.rewriter._graph import Builder, const_array
 from ortpa.rewriter.layer import MlaLayer, PagedAttentionInputs
+from ortpa.rewriter.mla_expanded import Composite, PrefillSplit, TrackingBuilder, expanded_attention
 
 __all__ = ["AbsorbMode", "absorbed_weights", "rewrite_mla_layer"]
 
@@ -83,15 +84,26 @@ def rewrite_mla_layer(
     rope_in_op: bool = False,
     absorb: AbsorbMode = "auto",
     op_dtype: ir.DataType = ir.DataType.FLOAT16,
+    split: PrefillSplit | None = None,
 ) -> ir.Value:
-    """Replace the attention of ``m`` by PagedAttention LATENT; return the node's ``key_cache_out``.
+    """Replace the attention of ``m`` by PagedAttention LATENT; return the layer's ``key_cache_out``.
 
     ``op_dtype`` is the op's activation type T (float16/bfloat16); when the model computes in another type the
     query/key are cast to it and the output cast back. The dense nodes become dead and are removed by the
-    caller's dead-code pass.
+    caller's dead-code pass. With ``split`` (:mod:`ortpa.rewriter.mla_expanded`) the fresh sequences' rows are
+    attended in the expanded form and written to the cache by the graph; the node gets the other rows only.
     """
-    b = Builder(graph, f"/mla/layers.{m.layer}")
-    H, P, R, V, L = m.num_heads, m.qk_nope, m.qk_rope, m.v_head, m.kv_lora_rank
+    nodes: set[ir.Node] = set()
+    b = (
+        Builder(graph, f"/mla/layers.{m.layer}")
+        if split is None
+        else TrackingBuilder(graph, f"/mla/layers.{m.layer}", nodes)
+    )
+
+    def kept(value: ir.Value, axis: int) -> ir.Value:  # the absorbed node's rows only
+        return value if split is None else b.op("Gather", [value, split.abs_rows], {"axis": axis})
+
+    H, P, R, L = m.num_heads, m.qk_nope, m.qk_rope, m.kv_lora_rank
     w_uk, w_uv = absorbed_weights(m)
     model_dtype = m.q_nope.dtype or ir.DataType.FLOAT
     np_dtype = model_dtype.numpy()
@@ -103,15 +115,15 @@ def rewrite_mla_layer(
         wq_nope = wq.reshape(wq.shape[0], H, P + R)[:, :, :P]
         w_fold = np.einsum("ihp,hpl->ihl", wq_nope.astype(np.float64), w_uk.astype(np.float64))
         w_fold = w_fold.reshape(wq.shape[0], H * L).astype(np_dtype)
-        q_lat = b.op("MatMul", [m.q_proj.inputs[0], b.initializer(w_fold, "q_absorbed_weight")])
+        q_lat = b.op("MatMul", [kept(m.q_proj.inputs[0], 1), b.initializer(w_fold, "q_absorbed_weight")])
         q_lat = b.op("Reshape", [q_lat, b.ints([0, 0, H, L])])
         q_lat = b.op("Transpose", [q_lat], {"perm": [0, 2, 1, 3]})
         m.notes.append("W_UK folded into q projection")
     else:
-        q_lat = b.op("MatMul", [m.q_nope, b.initializer(w_uk.astype(np_dtype), "W_UK")])
+        q_lat = b.op("MatMul", [kept(m.q_nope, 2), b.initializer(w_uk.astype(np_dtype), "W_UK")])
         m.notes.append("W_UK as per-head MatMul")
     q_pe = m.q_pe_raw if rope_in_op else m.q_pe
-    query = b.op("Concat", [q_lat, q_pe], {"axis": -1})
+    query = b.op("Concat", [q_lat, kept(q_pe, 2)], {"axis": -1})
     query = b.op("Transpose", [query], {"perm": [0, 2, 1, 3]})
     query = b.op("Reshape", [query, b.ints([-1, H * (L + R)])], hint="query")
 
@@ -127,6 +139,9 @@ def rewrite_mla_layer(
     if model_dtype != op_dtype:
         query = b.op("Cast", [query], {"to": op_dtype})
         key = b.op("Cast", [key], {"to": op_dtype})
+    all_keys = key
+    if split is not None:
+        key = kept(key, 0)
     # Static widths on the op's inputs: validators and the portable lowering read head sizes from them.
     query.shape, query.type = ir.Shape(["num_tokens", H * (L + R)]), ir.TensorType(op_dtype)
     key.shape, key.type = ir.Shape(["num_tokens", L + R]), ir.TensorType(op_dtype)
@@ -148,25 +163,25 @@ def rewrite_mla_layer(
         None,
         key_cache,
         None,
-        paged.cumulative_sequence_length,
+        paged.cumulative_sequence_length if split is None else split.cu_abs,
         paged.past_seqlens,
         paged.block_table,
         cos,
         sin,
     ]
-    if paged.attention_metadata is not None:
-        inputs += [None] * 6 + [paged.attention_metadata]
+    metadata = paged.attention_metadata if split is None else split.metadata
+    if metadata is not None:
+        inputs += [None] * 6 + [metadata]
     out, cache_out = b.op("PagedAttention", inputs, attrs, domain="com.microsoft", num_outputs=2, hint="PagedAttention")
     out.shape, out.type = ir.Shape(["num_tokens", H * L]), ir.TensorType(op_dtype)
     if model_dtype != op_dtype:
         out = b.op("Cast", [out], {"to": model_dtype})
 
+    if split is not None:
+        return _merge_expanded(b, m, split, out, cache_out, all_keys, absorb=absorb, nodes=nodes)
     if _fold_o(m, absorb):
         assert m.o_proj is not None
-        wo = const_array(m.o_proj.inputs[1])  # [H*V, D]
-        w_fold = np.einsum("hlv,hvd->hld", w_uv.astype(np.float64), wo.reshape(H, V, -1).astype(np.float64))
-        w_fold = w_fold.reshape(H * L, -1).astype(np_dtype)
-        proj = b.op("MatMul", [out, b.initializer(w_fold, "o_absorbed_weight")])
+        proj = b.op("MatMul", [out, b.initializer(_w_uv_o(m, w_uv), "o_absorbed_weight")])
         proj = b.op("Unsqueeze", [proj, b.ints([0])], hint="o_proj")
         m.o_proj.outputs[0].replace_all_uses_with(proj)
         m.notes.append("W_UV folded into o_proj")
@@ -178,3 +193,78 @@ def rewrite_mla_layer(
         m.attn_out.replace_all_uses_with(o)
         m.notes.append("W_UV as per-head MatMul")
     return cache_out
+
+
+def _w_uv_o(m: MlaLayer, w_uv: np.ndarray) -> np.ndarray:
+    """W_UV folded into o_proj: ``[H * L, D]`` in the model's dtype."""
+    assert m.o_proj is not None
+    H, V = m.num_heads, m.v_head
+    wo = const_array(m.o_proj.inputs[1])  # [H*V, D]
+    w_fold = np.einsum("hlv,hvd->hld", w_uv.astype(np.float64), wo.reshape(H, V, -1).astype(np.float64))
+    return w_fold.reshape(H * m.kv_lora_rank, -1).astype(wo.dtype)
+
+
+def _merge_expanded(
+    b: Builder,
+    m: MlaLayer,
+    split: PrefillSplit,
+    out: ir.Value,
+    cache_out: ir.Value,
+    key: ir.Value,
+    *,
+    absorb: AbsorbMode,
+    nodes: set[ir.Node],
+) -> ir.Value:
+    """The fresh rows in the expanded form, merged with the absorbed node's rows ``out``; the cache with the fresh
+    rows written. Merged where both forms meet: at o_proj's output when W_UV is folded into it, else before it."""
+    H, V, L = m.num_heads, m.v_head, m.kv_lora_rank
+    model_dtype = m.q_nope.dtype or ir.DataType.FLOAT
+    np_dtype = model_dtype.numpy()
+    _, w_uv = absorbed_weights(m)
+    grid = expanded_attention(
+        b,
+        split,
+        q_nope=m.q_nope,
+        q_pe=m.q_pe,
+        latent=m.latent,
+        k_pe=m.k_pe,
+        w_kv_b=m.w_kv_b,
+        num_heads=H,
+        qk_nope=m.qk_nope,
+        v_head=V,
+        scale=m.scale,
+    )  # float32 [S * M, H * V]
+    if model_dtype != ir.DataType.FLOAT:
+        grid = b.op("Cast", [grid], {"to": model_dtype})
+    fold = _fold_o(m, absorb)
+    if fold:
+        assert m.o_proj is not None
+        absorbed = b.op("MatMul", [out, b.initializer(_w_uv_o(m, w_uv), "o_absorbed_weight")])
+        grid = b.op("MatMul", [grid, m.o_proj.inputs[1]])
+        m.notes.append("W_UV folded into o_proj")
+    else:
+        o = b.op("Transpose", [b.op("Reshape", [out, b.ints([-1, H, L])])], {"perm": [1, 0, 2]})
+        # a Reshape between them: ONNX Runtime fuses Transpose + MatMul into FusedMatMul, which divides by zero
+        # (SIGFPE) when the absorbed rows are empty (a step of fresh prompts only)
+        o = b.op("Reshape", [o, b.ints([H, -1, L])])
+        o = b.op("MatMul", [o, b.initializer(w_uv.astype(np_dtype), "W_UV")])  # [H, T_a, V]
+        absorbed = b.op("Reshape", [b.op("Transpose", [o], {"perm": [1, 0, 2]}), b.ints([-1, H * V])])
+        m.notes.append("W_UV as per-head MatMul")
+    merged = b.op("Gather", [b.op("Concat", [absorbed, grid], {"axis": 0}), split.merge], hint="merged")
+    if fold:
+        assert m.o_proj is not None
+        result = b.op("Unsqueeze", [merged, b.ints([0])], hint="o_proj")
+        m.o_proj.outputs[0].replace_all_uses_with(result)
+        rank, axis, inputs = 3, 1, (m.q_proj.inputs[0] if _fold_q(m, absorb) and m.q_proj is not None else m.q_nope,)
+    else:
+        o = b.op("Transpose", [b.op("Reshape", [merged, b.ints([-1, H, V])])], {"perm": [1, 0, 2]})
+        result = b.op("Unsqueeze", [o, b.ints([0])], hint="attn_out")
+        m.attn_out.replace_all_uses_with(result)
+        rank, axis, inputs = 4, 2, (m.q_nope,)
+    m.notes.append("fresh prefill in the expanded form")
+    # the fresh rows' latent + k_pe, at the slots the absorbed node would write them
+    rows = b.op("Unsqueeze", [b.op("Gather", [key, split.write_rows]), b.ints([1])])
+    cache = b.op("ScatterND", [cache_out, split.write_index, rows], hint="fresh_cache_write")
+    data = (*inputs, m.q_nope, m.q_pe, m.latent, m.k_pe, key)
+    split.composites.append(Composite(result, rank, axis, tuple(dict.fromkeys(data)), frozenset(nodes | split.nodes)))
+    return cache

@@ -14,6 +14,7 @@ from typing import Literal
 from ortpa.errors import ConversionError
 from ortpa.rewriter.kv_quant import DEFAULT_MARGIN, KVScaleMode
 from ortpa.rewriter.mla import AbsorbMode
+from ortpa.rewriter.mla_expanded import PrefillForm
 from ortpa.rewriter.paged_io import LogitsMode, PositionMode
 
 __all__ = ["DType", "RewriteOptions"]
@@ -25,6 +26,7 @@ _CHOICES = {
     "logits": ("last", "all"),
     "kv_cache_dtype": (None, "float16", "bfloat16", "int8", "float8e4m3fn"),
     "absorb": ("auto", "fold", "matmul"),
+    "mla_prefill": ("expanded", "absorbed"),
     "position_ids": ("derive", "input"),
     "kv_scale": ("per-channel", "per-tensor"),
 }
@@ -42,6 +44,11 @@ class RewriteOptions:
       (default: seeded random prompts), see :mod:`ortpa.rewriter.kv_quant`.
     * ``absorb`` (MLA): ``"auto"`` folds W_UK / W_UV into q_proj / o_proj where exact and not larger, ``"fold"``
       wherever exact, ``"matmul"`` never (per-head MatMuls).
+    * ``mla_prefill`` (MLA): ``"expanded"`` (default) attends the rows of fresh prompts (no cached prefix) in the
+      expanded form (``kv_b_proj`` up-projects their own latent rows, 192 / 128 per head) and everything else with
+      the absorbed LATENT node; ``"absorbed"`` keeps every row absorbed. Where the expanded form cannot apply
+      (int8 caches, ``rope_in_op``) the conversion stays absorbed and says why in the model's metadata
+      (``ortpa.mla_prefill``); see :mod:`ortpa.rewriter.mla_expanded`.
     * ``attention_metadata``: add the host-side ``attention_metadata`` input; ``position_ids``: ``"derive"``
       positions in the graph from the sequence lengths, or take an ``"input"``.
     """
@@ -51,6 +58,7 @@ class RewriteOptions:
     logits: LogitsMode = "last"
     kv_cache_dtype: str | None = None
     absorb: AbsorbMode = "auto"
+    mla_prefill: PrefillForm = "expanded"
     attention_metadata: bool = True
     position_ids: PositionMode = "derive"
     max_positions: int | None = None

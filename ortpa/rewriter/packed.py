@@ -64,6 +64,8 @@ class PagedIO:
     total_len: ir.Value | None = None  # [T] int64: past + new tokens of each token's own sequence
     rope_tables: dict = field(default_factory=dict)  # per-token cos/sin, built once per table choice and dtype
     dense_nodes: frozenset = frozenset()  # the dense graph's own nodes (before any rewrite), for the dataflow
+    # groups of the rewriter's nodes acting as one attention op (mla_expanded.Composite), for the dataflow
+    composites: list = field(default_factory=list)
 
     def op_inputs(self) -> PagedAttentionInputs:
         return PagedAttentionInputs(

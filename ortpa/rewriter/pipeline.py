@@ -29,6 +29,7 @@ from ortpa.rewriter.attention import rewrite_attention_layer, rope_in_op_problem
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.layer import AttentionLayer, LayerFailure, MlaLayer
 from ortpa.rewriter.mla import rewrite_mla_layer
+from ortpa.rewriter.mla_prefill import expanded_reasons, prefill_split, register_composites
 from ortpa.rewriter.options import DType, RewriteOptions
 from ortpa.rewriter.ort_check import DEFAULT_PROVIDERS
 from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
@@ -276,15 +277,26 @@ def rewrite(
         io.cos_cache = _const(graph, "rope.cos_cache", cos, op_dtype)
         io.sin_cache = _const(graph, "rope.sin_cache", sin, op_dtype)
     cache_dtype = op_dtype
+    reasons = expanded_reasons(layers, rope_in_op=o.rope_in_op, int8_cache=kv_plan is not None)
+    split = None
     for index, m in enumerate(layers):
         _layer(progress, index, len(layers), m.layer, f"absorbing layer {m.layer}")
         cache = paged_io.add_key_cache(graph, m.layer, m.head_size, cache_dtype)
+        if o.mla_prefill == "expanded" and not reasons and split is None:
+            split = prefill_split(graph, io, cache)
         out = rewrite_mla_layer(
-            graph, m, cache, io.op_inputs(), rope_in_op=o.rope_in_op, absorb=o.absorb, op_dtype=op_dtype
+            graph, m, cache, io.op_inputs(), rope_in_op=o.rope_in_op, absorb=o.absorb, op_dtype=op_dtype, split=split
         )
         paged_io.set_present(graph, m.layer, out, cache)
         if spill is not None:
             spill(irm)
+    if split is not None:
+        register_composites(io, split)
+    irm.metadata_props["ortpa.mla_prefill"] = (
+        "expanded"
+        if split is not None
+        else "absorbed" + (f": {'; '.join(reasons)}" if reasons and o.mla_prefill == "expanded" else "")
+    )
     _finish(irm, io, "paged-attention-latent", o, kv_plan, progress)
     return irm
 

@@ -99,6 +99,7 @@ def find_cache_aliases(model: onnx.ModelProto) -> list[CacheAlias]:
             if len(node.input) <= in_idx or node.input[in_idx] not in graph_inputs:
                 continue
             out = node.output[out_idx] if len(node.output) > out_idx and node.output[out_idx] else None
+            out = _through_trailing_write(model, out, graph_outputs)
             aliases.append(CacheAlias(node.input[in_idx], out if out in graph_outputs else None, node.name))
     # a file lowered to portable function calls (`ortpa convert --portable`): the same caches, found by name
     for port in lowered_cache_ports(model):
@@ -106,6 +107,17 @@ def find_cache_aliases(model: onnx.ModelProto) -> list[CacheAlias]:
             out = port.output_name if port.output_name in graph_outputs else None
             aliases.append(CacheAlias(port.input_name, out, port.node))
     return aliases
+
+
+def _through_trailing_write(model: onnx.ModelProto, name: str | None, graph_outputs: set[str]) -> str | None:
+    """A cache output that one ``ScatterND`` (rows the graph writes itself: the expanded MLA prefill's) extends
+    before it becomes the graph output: that output shares the cache's buffer."""
+    if name is None or name in graph_outputs:
+        return name
+    users = [n for n in model.graph.node if name in n.input]
+    if len(users) == 1 and users[0].op_type == "ScatterND" and users[0].input[0] == name:
+        return users[0].output[0]
+    return name
 
 
 def _plan_nodes(loaded: LoadedModel, providers: list[str]) -> tuple[list[str], list[str]]:
@@ -199,6 +211,13 @@ class InferenceSession:
             from ortpa.ops.portable import lower_to_portable, value_types
 
             graph_only = lower_to_portable(graph_only, self.portable_nodes, types=value_types(inferred))
+        reordered = False
+        if self.native_nodes and any(n.op_type == "ScatterND" for n in graph_only.graph.node):
+            from ortpa.ops.trailing_write import write_before_native
+
+            before = graph_only
+            graph_only = write_before_native(graph_only, self.native_nodes)  # the expanded MLA prefill's rows
+            reordered = graph_only.graph != before.graph
         self.model = graph_only
         self._native_aliases = [a for a in self.aliases if a.node in self.native_nodes and a.output_name]
         self._device = DEVICE_OF.get(names[0], "cpu")
@@ -207,7 +226,7 @@ class InferenceSession:
                 loaded,
                 graph_only,
                 external,
-                unchanged=not renamed and not self.portable_nodes,
+                unchanged=not renamed and not self.portable_nodes and not reordered,
                 sess_options=sess_options,
                 providers=self._providers_requested,
                 provider_options=provider_options,

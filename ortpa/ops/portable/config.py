@@ -73,6 +73,11 @@ class PortableConfig:
     # ``value_cache`` (both [NB, BS, 1, H/2]): the layout of runtimes that allocate a key and a value cache of
     # one head size per layer (onnxruntime-genai), at the LATENT memory of one row per token
     split_latent: bool = False
+    # the key cache's write also stores rows the graph computed itself (two trailing inputs ``extra.index``
+    # [n, 2] and ``extra.rows`` [n, kv_heads, head_size] in the cache type): a ScatterND that followed the node on
+    # its key_cache_out, folded into the node's own write so that the cache is still written once, in place
+    # (the expanded MLA prefill's fresh rows: :mod:`ortpa.ops.trailing_write`)
+    extra_write: bool = False
     # decodes attend through ONNX Runtime's fused com.microsoft::MultiHeadAttention (see
     # ``ortpa.ops.portable.layer``); set by the lowering only where that op computes the same thing
     fused_decode: bool = False

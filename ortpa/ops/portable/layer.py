@@ -47,11 +47,15 @@ _I64 = ir.DataType.INT64
 
 def build_function(cfg: PortableConfig) -> ir.Function:
     """One layer's attention: inputs are the node's present inputs then :data:`PLAN_OUTPUTS` (``plan.``-prefixed)."""
+    extra = ("extra.index", "extra.rows") if cfg.extra_write else ()
     inputs = [ir.val(name) for name in cfg.present_inputs] + [ir.val(f"plan.{n}") for n in PLAN_OUTPUTS]
+    inputs += [ir.val(name) for name in extra]
 
     def trace(op, *vals):
         x = dict(zip(cfg.present_inputs, vals, strict=False))
-        plan = dict(zip(PLAN_OUTPUTS, vals[len(cfg.present_inputs) :], strict=True))
+        n = len(cfg.present_inputs)
+        plan = dict(zip(PLAN_OUTPUTS, vals[n : n + len(PLAN_OUTPUTS)], strict=True))
+        x.update(zip(extra, vals[n + len(PLAN_OUTPUTS) :], strict=True))
         return _Body(op, cfg, x, plan).run()
 
     return onnxscript.build_function(
@@ -95,9 +99,10 @@ class _Body(GraphTracer):
                 # Q and K (both [T, heads, head_size]) rotated as one [T, N + kvh, H] tensor: half the kernels
                 qk = self.rotary(op.Concat(q, k, axis=1))
                 q, k = op.Split(qk, self.ints([n, kvh]), axis=1, _outputs=2)
+        extra = (x["extra.index"], x["extra.rows"]) if c.extra_write else None
         if c.split_latent:
-            return self.split_latent_tail(q, k)
-        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"))
+            return self.split_latent_tail(q, k, extra)
+        k_cache = self.write(x["key_cache"], k, c.k_quant, x.get("k_scale"), extra=extra)
         v_cache = None
         if not c.latent:
             v_cache = self.write(x["value_cache"], v, c.v_quant, x.get("v_scale"))
@@ -109,13 +114,18 @@ class _Body(GraphTracer):
             outputs.append(v_cache)
         return outputs
 
-    def split_latent_tail(self, q, k) -> list[ir.Value]:
+    def split_latent_tail(self, q, k, extra) -> list[ir.Value]:
         """LATENT with the row split over the two caches (``PortableConfig.split_latent``): each half written by
         its own ScatterND on the same slots; attention reads both halves of a gathered row (see :meth:`read`)."""
         c, x = self.c, self.x
-        ka, kb = self.op.Split(k, [c.head_size // 2] * 2, axis=2, _outputs=2)
-        k_cache = self.write(x["key_cache"], ka, c.k_quant, x.get("k_scale"))
-        v_cache = self.write(x["value_cache"], kb, c.k_quant, x.get("k_scale"))
+        halves = [c.head_size // 2] * 2
+        ka, kb = self.op.Split(k, halves, axis=2, _outputs=2)
+        ea = eb = None
+        if extra is not None:
+            ra, rb = self.op.Split(extra[1], halves, axis=2, _outputs=2)
+            ea, eb = (extra[0], ra), (extra[0], rb)
+        k_cache = self.write(x["key_cache"], ka, c.k_quant, x.get("k_scale"), extra=ea)
+        v_cache = self.write(x["value_cache"], kb, c.k_quant, x.get("k_scale"), extra=eb)
         return [self.attend(q, (k_cache, v_cache), None), k_cache, v_cache]
 
     # ------------------------------------------------------------------ §3.4(b) prologue
@@ -205,12 +215,18 @@ class _Body(GraphTracer):
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=2)
 
     # ------------------------------------------------------------------ §3.4(c) cache write
-    def write(self, cache, new, quant: str, scale):
-        """ScatterND(cache input, the plan's write index, encoded rows): the only reader of the cache input."""
+    def write(self, cache, new, quant: str, scale, *, extra=None):
+        """ScatterND(cache input, the plan's write index, encoded rows): the only reader of the cache input.
+        ``extra`` (index, rows in the cache type): the graph's own rows (``PortableConfig.extra_write``), stored by
+        the same ScatterND after the node's (their slots are other sequences': the two sets do not overlap)."""
         op = self.op
         upd = op.Gather(new, self.plan["write_rows"])  # [n, kvh, H] in T
         upd = self.encode(upd, quant, scale)
-        return op.ScatterND(cache, self.plan["write_index"], upd)
+        index = self.plan["write_index"]
+        if extra is not None:
+            index = op.Concat(index, extra[0], axis=0)
+            upd = op.Concat(upd, extra[1], axis=0)
+        return op.ScatterND(cache, index, upd)
 
     def encode(self, x, quant: str, scale):
         """T -> cache element type; int8: ``rint(clamp(x / s, -128, 127))``, zero where ``s == 0``."""

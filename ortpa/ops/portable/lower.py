@@ -34,7 +34,7 @@ packed int4 (uint8) caches, and head sizes or rotary widths that are not static 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import onnx
@@ -51,6 +51,7 @@ from ortpa.ops.portable.plan import build_plan_function
 from ortpa.ops.portable.tracer import FUNCTION_DOMAIN
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
+from ortpa.ops.trailing_write import trailing_writes
 from ortpa.ops.validate import TensorInfo, check_inputs, dtype_name
 
 __all__ = [
@@ -227,21 +228,31 @@ class LayerCall:
     cfg: PortableConfig
     inputs: list[str]
     outputs: list[str]
+    extra: list[str] = field(default_factory=list)  # a folded trailing write's (index, rows), after the plan's
 
 
 def layer_call(
     node: onnx.NodeProto,
     types: Mapping[str, onnx.TypeProto],
     opset: int = DEFAULT_OPSET,
+    folded: Mapping[str, onnx.NodeProto] | None = None,
     *,
     fused: bool = True,
     constants: Collection[str] = (),
 ) -> LayerCall:
     """``node`` as a call of its layer function: its present inputs in schema order, its present outputs
-    (``fused``, ``constants``: see :func:`portable_config`)."""
+    (``fused``, ``constants``: see :func:`portable_config`). ``folded``
+    (:func:`ortpa.ops.trailing_write.trailing_writes`): a LATENT node whose ``key_cache_out`` gets more rows by a
+    ``ScatterND`` writes them itself, and its call outputs that ``ScatterND``'s output."""
     cfg = portable_config(node, types, opset, fused=fused, constants=constants)
     inputs = [node.input[_INDEX[name]] for name in cfg.present_inputs]
-    return LayerCall(node, cfg, inputs, [o for o in node.output if o])
+    call = LayerCall(node, cfg, inputs, [o for o in node.output if o])
+    scatter = (folded or {}).get(node.output[1]) if len(node.output) > 1 else None
+    if scatter is not None and cfg.latent:
+        call.cfg = replace(cfg, extra_write=True)
+        call.extra = [scatter.input[1], scatter.input[2]]
+        call.outputs = [scatter.output[0] if o == node.output[1] else o for o in call.outputs]
+    return call
 
 
 def lower_nodes(
@@ -257,18 +268,23 @@ def lower_nodes(
     plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
     calls: list[LayerCall] = []
     nodes: list[onnx.NodeProto] = []
+    written: set[str] = set()  # key_cache_out values whose trailing ScatterND a call took over
     for i, node in enumerate(model.graph.node):
+        if node.op_type == "ScatterND" and node.input and node.input[0] in written:
+            continue
         call = make_call(i, node) if node.op_type == OP_TYPE and node.domain == DOMAIN else None
         if call is None:
             nodes.append(node)
             continue
+        if call.extra:
+            written.add(node.output[1])
         plan_node, plan_outputs = plan_call(node, call.cfg, types, plans, functions)
         if plan_node is not None:
             nodes.append(plan_node)
         nodes.append(
             helper.make_node(
                 call.cfg.function_name(),
-                [*call.inputs, *plan_outputs],
+                [*call.inputs, *plan_outputs, *call.extra],
                 call.outputs,
                 name=node.name,
                 domain=FUNCTION_DOMAIN,
@@ -318,10 +334,12 @@ def lower_to_portable(
     wanted = None if node_names is None else set(node_names)
     constants = {i.name for i in out.graph.initializer}
 
+    folded = trailing_writes(out.graph)
+
     def make_call(_: int, node: onnx.NodeProto) -> LayerCall | None:
         if wanted is not None and node.name not in wanted:
             return None
-        return layer_call(node, types, fn_opset, fused=fused, constants=constants)
+        return layer_call(node, types, fn_opset, folded, fused=fused, constants=constants)
 
     lower_nodes(out, make_call, types)
     if wanted is not None:

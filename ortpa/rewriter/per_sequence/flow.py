@@ -30,6 +30,7 @@ rows of the token axis (``[1, T, 4 * 32] -> [1, T * 4, 32]``) and back. Kinds an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import onnx_ir as ir
@@ -78,13 +79,24 @@ def analyse(
     trusted: set[ir.Node],
     batch: frozenset[str] = frozenset(),
     dense: frozenset = frozenset(),
+    composites: Sequence = (),
 ) -> Flow:
     """Kinds of every value computed by ``order`` (topological). ``trusted`` nodes (the rewriter's own index
     arithmetic behind the seeds) are not analysed; ``batch``: the dense batch dim's symbols; ``dense``: the
-    dense graph's own nodes."""
+    dense graph's own nodes. ``composites`` (:class:`ortpa.rewriter.mla_expanded.Composite`): groups of the
+    rewriter's nodes that act as one attention op; each has PagedAttention's rule, from its data inputs to its
+    output (the group's inner row split and merge are the op's own, as the sequence boundaries are the op's)."""
     flow = Flow(dict(seeds), batch, dense)
+    outputs = {c.output.producer(): c for c in composites}
+    inner = set().union(*(c.nodes for c in composites)) - set(outputs)
     for node in order:
-        if node in trusted:
+        if node in outputs:
+            c = outputs[node]
+            ins = [flow.of(x) for x in c.inputs]
+            steps = sorted((k for k in ins if k.tag == "step"), key=lambda k: not k.definite)
+            flow.kinds[c.output] = steps[0] if steps else _attention_rule(node, ins, flow, (c.rank, c.axis))[0]
+            continue
+        if node in trusted or node in inner:
             continue
         outs = _transfer(node, flow)
         for value, kind in zip(node.outputs, outs, strict=False):
@@ -103,14 +115,7 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
     if steps:  # the first definite cause is what a refusal names
         return [steps[0]] * n_out
     if node.domain == "com.microsoft" and op == "PagedAttention":
-        q = ins[0]
-        if q.tag == "route":  # other tokens' rows (or the sort's positions / counts) in a token's place
-            return [_step(node, f"its query's rows are regrouped{_by(q)} and not put back in token order")] * n_out
-        if q.tag == "enum":
-            return [Kind("enum", flow.rank(node.outputs[0]) or 2, 0, q.sources)] + [CONST] * (n_out - 1)
-        return [Kind("token", flow.rank(node.outputs[0]) or 2, q.axis if q.tag == "token" else 0)] + [CONST] * (
-            n_out - 1
-        )
+        return _attention_rule(node, ins[:1], flow) + [CONST] * (n_out - 1)
     data_tags = {k.tag for k in ins} - {"const", "count"}
     if op == "Range" and not data_tags and ins[1].tag == "count":
         return _range(node, ins, flow)
@@ -141,6 +146,23 @@ def _token_transfer(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     if op in _REDUCTIONS:
         return [_reduction(node, ins, flow)] * n_out
     return [unknown_op(node, f"{node.domain or 'ai.onnx'}::{op} has no per-token rule here")] * n_out
+
+
+def _attention_rule(node: ir.Node, ins: list[Kind], flow: Flow, declared: tuple[int, int] | None = None) -> list[Kind]:
+    """An attention op reading the sequence boundaries itself: each output row is its token's own (step-wide
+    inputs were handled before); regrouped input rows are not followed. ``declared``: (rank, token axis) of a
+    composite's output; a PagedAttention output is ``[tokens, width]``."""
+    routed = [k for k in ins if k.tag == "route"]
+    if routed:  # other tokens' rows (or the sort's positions / counts) in a token's place
+        return [_step(node, f"its query's rows are regrouped{_by(routed[0])} and not put back in token order")]
+    rank, axis = declared if declared is not None else (flow.rank(node.outputs[0]) or 2, None)
+    q = ins[0] if ins else CONST
+    if axis is None:
+        axis = q.axis if q.tag == "token" else 0
+    enum = [k for k in ins if k.tag == "enum"]
+    if enum:
+        return [Kind("enum", rank, axis, frozenset().union(*(k.sources for k in enum)))]
+    return [Kind("token", rank, axis)]
 
 
 def _table_rows(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:

@@ -44,12 +44,15 @@ def run_flow(graph: ir.Graph, io: packed.PagedIO) -> tuple[Live, Flow]:
     ids = io.dense_inputs.get("input_ids")
     batch = ids.shape[0] if ids is not None and ids.shape is not None and len(ids.shape) == 2 else None
     symbols = frozenset({batch.value}) if isinstance(batch, ir.SymbolicDim) and batch.value else frozenset()
-    return live, analyse(live.order, seeds, _trusted(live, list(seeds), io.dense_nodes), symbols, io.dense_nodes)
+    trusted = _trusted(live, list(seeds), io.dense_nodes)
+    return live, analyse(live.order, seeds, trusted, symbols, io.dense_nodes, io.composites)
 
 
 def _sinks(live: Live, io: packed.PagedIO) -> list[ir.Value]:
     """Values whose kind matters: the logits, and every input of the PagedAttention nodes (the caches)."""
     out = [io.dense_outputs["logits"]] if "logits" in io.dense_outputs else []
+    for composite in io.composites:  # an attention op built of several nodes: its data inputs, as the op's
+        out += [x for x in composite.inputs if x.producer() is None or x.producer() in live.nodes]
     for node in live.order:
         if node.op_type == "PagedAttention" and node.domain == "com.microsoft":
             out += [x for x in node.inputs if x is not None]

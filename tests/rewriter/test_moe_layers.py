@@ -22,7 +22,7 @@ from support.parity import FIXTURES, paged_nodes, run_parity
 from support.tolerances import assert_close
 from test_per_sequence import NEW_TOKENS, _prompts
 
-from ortpa.parity.convert_file import convert_file
+from ortpa.conversion import convert_file
 from ortpa.parity.greedy import dense_greedy, open_dense, paged_greedy
 from ortpa.runtime.session import PagedSession
 
@@ -50,8 +50,8 @@ def test_moe_in_every_layer_past_the_first_converts_verified_batched_equals_alon
     assert sorts >= 2 * (2 if info["experts_implementation"] == "grouped_mm" else 1), sorts
     seen = record_sink_kinds(monkeypatch)
     out = tmp_path / "paged.onnx"
-    verified = []
-    convert_file(FIXTURES / f"{name}.onnx", out, on_verified=verified.append)  # verification on (the default)
+    result = convert_file(FIXTURES / f"{name}.onnx", out)  # verification on (the default)
+    verified = [result.verification] if result.verification is not None else []
     assert seen and seen[-1] <= {"token", "const"}, seen  # every sink per token: no regrouped row left
     assert verified and verified[0].ok and verified[0].steps > 0
     paged = onnx.load(str(out))

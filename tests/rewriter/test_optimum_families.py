@@ -18,7 +18,7 @@ import pytest
 from support.parity import paged_nodes, run_parity
 from test_moe_layers import _assert_batched_equals_alone_and_original
 
-from ortpa.parity.convert_file import convert_file
+from ortpa.conversion import convert_file
 from ortpa.rewriter.pipeline import convert
 
 FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
@@ -50,9 +50,9 @@ def test_optimum_family_converts_verified_with_parity(name, tmp_path):
     info = json.loads((FORMATS / f"{name}.json").read_text())
     assert info["tool"] == "optimum", info["tool"]
     out = tmp_path / "paged.onnx"
-    verified = []
     verify = name not in PAST_TODAYS_BOUND
-    convert_file(FORMATS / f"{name}.onnx", out, verify=verify, on_verified=verified.append)
+    result = convert_file(FORMATS / f"{name}.onnx", out, verify=verify)
+    verified = [result.verification] if result.verification is not None else []
     assert not verify or (verified and verified[0].ok)
     paged = onnx.load(str(out))
     nodes = paged_nodes(paged)

@@ -15,6 +15,7 @@ import pytest
 from support.parity import DenseModel
 from support.tolerances import assert_close
 
+from ortpa.errors import ConversionError
 from ortpa.rewriter.mla_expanded import Composite, attention_flops_per_token
 from ortpa.rewriter.per_sequence.flow import Kind, analyse
 from ortpa.rewriter.pipeline import convert
@@ -168,7 +169,7 @@ def test_expanded_not_applied_says_why(dense_path):
     model = convert(str(dense_path), rope_in_op=True)
     reason = {p.key: p.value for p in model.metadata_props}["ortpa.mla_prefill"]
     assert reason.startswith("absorbed: ") and "rope_in_op" in reason
-    with pytest.raises(ValueError, match="mla_prefill"):
+    with pytest.raises(ConversionError, match="mla_prefill"):
         convert(str(dense_path), mla_prefill="latent")
 
 

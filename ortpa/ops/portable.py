@@ -33,7 +33,7 @@ packed int4 (uint8) caches, and head sizes or rotary widths that are not static 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import onnx
@@ -194,13 +194,16 @@ def lower_to_portable(
     node_names: Collection[str] | None = None,
     *,
     types: Mapping[str, onnx.TypeProto] | None = None,
+    configure: Callable[[PortableConfig], PortableConfig] | None = None,
 ) -> onnx.ModelProto:
     """A copy of ``model`` whose (selected) PagedAttention nodes call portable local functions.
 
     ``node_names`` selects nodes by name (``None``: all). Raises :class:`~ortpa.errors.InvalidArgument` for a
     node ONNX Runtime would reject and :class:`~ortpa.errors.NotImplementedByBackend` for an unsupported mode;
     ``model`` is never mutated. ``types`` (:func:`value_types` of the model after shape inference) spares a
-    second shape inference when the caller ran one.
+    second shape inference when the caller ran one. ``configure`` maps each node's validated configuration to
+    the one its function is built with (verification's float32 twin, :mod:`ortpa.parity.twin`: T and caches in
+    float32, which the op's own type rules do not allow and the portable graph computes anyway).
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -225,6 +228,8 @@ def lower_to_portable(
             nodes.append(node)
             continue
         cfg = portable_config(node, types, fn_opset)
+        if configure is not None:
+            cfg = configure(cfg)
         plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
         if plan_node is not None:
             nodes.append(plan_node)

@@ -13,7 +13,6 @@ from pathlib import Path
 from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
 from ortpa.cli.export import add_export_options, export_from_args
 from ortpa.errors import ConversionError, OrtpaError
-from ortpa.tolerances import FAMILY_EXTRA_ATOL
 
 __all__ = ["register", "run"]
 
@@ -126,7 +125,6 @@ def run(args: argparse.Namespace) -> int:
                 kv_scale=args.kv_scale,
                 providers=args.providers,
                 verify=not args.no_verify,
-                family=args.family,
                 on_verified=verified.append,
             )
         finally:
@@ -161,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
         also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
         kind = "lowered to standard ONNX ops (--portable)" if portable else "PagedAttention node(s)"
         check = (
-            f"; verified against the original: max |dlogit| {verified[0].parity.max_abs_logit_error:.2e}"
+            f"; verified against the original (float32 twin: max |d| / scale "
+            f"{verified[0].verdict.structure.max_relative_error:.1e}; {verified[0].verdict.precision.dtype}: KL max "
+            f"{verified[0].verdict.precision.kl_max:.1e}, max |dlogit| {verified[0].max_abs_logit_error:.2e})"
             if verified
             else "; NOT verified (--no-verify)"
         )
@@ -253,13 +253,6 @@ def register(sub) -> None:
         help="write the model without running it against the original first. By default the converted model "
         "and the original run a few seeded prompts for a few greedy steps (one model in memory at a time) and "
         "nothing is written on a mismatch; skip it only for a model too large for this machine's memory to run",
-    )
-    p.add_argument(
-        "--family",
-        choices=sorted(FAMILY_EXTRA_ATOL),
-        default=None,
-        help="verification: a model family measured with larger logit error (default: from the input folder's "
-        "config.json)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON (with the verification's figures)")
     p.add_argument(

@@ -21,9 +21,8 @@ import onnx_ir as ir
 
 from ortpa.errors import ConversionError
 from ortpa.model.ref import ModelRef, companion_files, copy_companion_files, locate_model
-from ortpa.parity.verify import DEFAULT_STEPS, Verification, family_of, verify_conversion
+from ortpa.parity.verify import DEFAULT_STEPS, Verification, verify_conversion
 from ortpa.rewriter import pipeline
-from ortpa.tolerances import FP16_WEIGHTS_EXTRA_ATOL
 
 __all__ = ["convert", "convert_file"]
 
@@ -35,7 +34,6 @@ def convert_file(
     *,
     verify: bool = True,
     verify_steps: int = DEFAULT_STEPS,
-    family: str | None = None,
     on_verified: Callable[[Verification], None] | None = None,
     **options: Any,
 ) -> onnx.ModelProto:
@@ -46,9 +44,9 @@ def convert_file(
     Verification (``verify=True``, the default; :mod:`ortpa.parity.verify`) runs the original alone and the
     converted model batched on a few seeded prompts for ``verify_steps`` greedy steps; on a mismatch nothing is
     written and the :class:`~ortpa.errors.ConversionError` names the first diverging layer. Its figures go into the
-    model's metadata (``ortpa.verify.*``) and to ``on_verified``. ``family`` adds that family's measured tolerance
-    (:data:`ortpa.tolerances.FAMILY_EXTRA_ATOL`); default: the original folder's ``config.json`` says. With
-    ``dtype="float16"`` the bound adds :data:`ortpa.tolerances.FP16_WEIGHTS_EXTRA_ATOL`. A model ONNX Runtime's
+    model's metadata (``ortpa.verify.*``) and to ``on_verified``. One rule for every model (:mod:`ortpa.parity.rule`):
+    structure on a float32 twin of the conversion, precision by statistics bounded by the deployed dtype; no
+    family or size enters it. A model ONNX Runtime's
     CPU kernels cannot run (``dtype="bfloat16"``) cannot be verified here and is refused unless ``verify=False``.
     ``verify=False`` skips it: for a model too large for the machine's memory to run (once the converted model,
     once the original: one after the other, never both at once).
@@ -67,14 +65,9 @@ def convert_file(
     progress = options.get("progress")
     before_move = None
     if verify:
-        chosen = family if family is not None else family_of(ref.path)
-        # float16 weights add their rounding to the float16 attention's (measured: ortpa.tolerances)
-        extra = FP16_WEIGHTS_EXTRA_ATOL if options.get("dtype") == "float16" else 0.0
 
         def before_move(tmp_model: Path) -> dict[str, str]:
-            result = verify_conversion(
-                ref.path, tmp_model, steps=verify_steps, family=chosen, extra_atol=extra, progress=progress
-            )
+            result = verify_conversion(ref.path, tmp_model, steps=verify_steps, progress=progress)
             if on_verified is not None:
                 on_verified(result)
             return result.metadata()

@@ -5,18 +5,23 @@
 
 *Structure* is judged on the conversion's float32 twin (:mod:`ortpa.parity.twin`: the same rewrite with its
 attention and caches in float32) against the original, logits row by row:
-``|twin - original| <= structure_tolerance(arithmetic) * max(1, max |original row|)``, with
-``structure_tolerance(a) = sqrt(u_a)``, ``u_a`` the unit roundoff of the coarsest arithmetic the two share
-(:data:`UNIT_ROUNDOFF`; float32: 2^-24, so 2.4e-4 of the row's scale). Why: a float32 dot product of length
-``n`` reordered moves by about ``sqrt(n) * u`` of its scale (2^-24 * 128 = 7.6e-6 for a 16k-wide row), and a
-model of ``L`` such layers, each at most a few times that through the residual stream, stays below
-``sqrt(u)`` = 2^-12 for any ``L * sqrt(n)`` up to 2^12 (60 layers of width 4k: 3.8e3): half of float32's
-digits, whatever the size. A structural mistake (a scale off by 10 %, a RoPE base, a window off by one, a
-softcap, two heads swapped, a sink, a norm epsilon, a shifted cache position) changes attention by a relative
-1e-3 or more, i.e. the logits by orders of magnitude past it (:mod:`tests.test_defects` measures each). Where
-the original itself computes coarser (float16 weights and activations; int8 activations of MatMulNBits
-``accuracy_level=4``) or the converted model computes in T throughout (``dtype=``), that arithmetic's ``u``
-replaces float32's: the bound is ``sqrt(u)`` of the coarsest arithmetic either model performs.
+``|twin - original| <= structure_tolerance(a, n, L) * max(1, max |original row|)`` with
+``structure_tolerance(a, n, L) = STRUCTURE_HEADROOM * u_a * sqrt(n * L)``: ``u_a`` the unit roundoff of the
+coarsest arithmetic the two share (:data:`UNIT_ROUNDOFF`; float32: 2^-24), ``n`` the model's longest dot
+product (its widest MatMul's contracted dimension), ``L`` its attention layers. Why: a sum of ``n`` products
+each rounded by a relative ``u`` moves by about ``u * sqrt(n)`` of its scale when its order changes (independent
+roundings add in quadrature); every layer adds such errors to the residual stream, ``L`` layers
+``sqrt(L)`` times one; a layer holds a handful of sums (projections, MLP, scores, weighted values) and norms that
+may amplify them a few times, which :data:`STRUCTURE_HEADROOM` (16, four bits) covers. A 2-layer fixture of
+width 64 gets 1.1e-5 of its logits' scale (its twin measures 7.6e-7), a 60-layer model with a 14k-wide MLP
+5.6e-4. The bound follows the model's arithmetic, not its family, and scales with its sums as the rounding does.
+A structural mistake (a scale off by 10 %, a RoPE base, a window off by one, a softcap, two heads swapped, a
+sink, a shifted cache position) moves the logits by 1e-2 to 1 of their scale, orders of magnitude past it; the
+smallest defects, a norm epsilon x100 (5e-5 of a unit-RMS activation) or a scale off by 0.1 %, are caught on
+small models and fall under float32's own noise on deep ones (tests/test_defects.py, docs/verification.md
+measure the margin). Where the original itself computes coarser (float16 weights and activations; int8
+activations of MatMulNBits ``accuracy_level=4``) or the converted model computes in T throughout (``dtype=``),
+that arithmetic's ``u`` replaces float32's; the structure bound then says little and precision decides.
 
 *Precision*, the deployed model's T (float16, bfloat16) or int8 cache, is measured against the original with
 statistics that mean the same on any model: greedy agreement under the tie rule, top-k overlap and the KL
@@ -50,6 +55,7 @@ from ortpa.dtypes import dtype_name
 __all__ = [
     "EXPORT_ATOL",
     "PRECISION_TOP_K",
+    "STRUCTURE_HEADROOM",
     "TIE_FLIPS_PER",
     "TIE_MARGIN_FACTOR",
     "TOL",
@@ -85,6 +91,9 @@ UNIT_ROUNDOFF: dict[str, float] = {
     "float8e4m3fn": 2.0**-4,
     "int8": 1.0 / 254.0,
 }
+# Rounding errors of the few sums in a layer (q/k/v/o projections, the MLP, scores, weighted values: ~8, so
+# sqrt(8) ~ 3) carried through its norms (a few times): 16 = 4 bits of headroom over u * sqrt(n * L).
+STRUCTURE_HEADROOM = 16.0
 # top-k overlap of the next-token distributions: reported with the precision statistics
 PRECISION_TOP_K = 5
 
@@ -141,17 +150,19 @@ def unit_roundoff(dtype) -> float:
     return UNIT_ROUNDOFF[name]
 
 
-def structure_tolerance(arithmetic="float32") -> float:
-    """The structure bound relative to a row's scale: ``sqrt(u)`` of the coarsest shared ``arithmetic``."""
-    return float(np.sqrt(unit_roundoff(arithmetic)))
+def structure_tolerance(arithmetic="float32", accumulation: int = 1, layers: int = 1) -> float:
+    """The structure bound relative to a row's scale: ``STRUCTURE_HEADROOM * u * sqrt(accumulation * layers)``
+    for the coarsest shared ``arithmetic``, the model's longest dot product ``accumulation`` and its number of
+    attention ``layers``."""
+    return STRUCTURE_HEADROOM * unit_roundoff(arithmetic) * float(np.sqrt(max(1, accumulation) * max(1, layers)))
 
 
-def structure_bound(reference: np.ndarray, arithmetic="float32") -> np.ndarray:
+def structure_bound(reference: np.ndarray, arithmetic="float32", accumulation: int = 1, layers: int = 1):
     """Per row of ``reference`` (``[..., width]``): the largest allowed ``|twin - reference|``, i.e.
     :func:`structure_tolerance` times the row's scale ``max(1, max |row|)`` (shape ``[..., 1]``)."""
     ref = np.asarray(reference, np.float32)
     scale = np.maximum(1.0, np.abs(ref).max(axis=-1, keepdims=True))
-    return structure_tolerance(arithmetic) * scale
+    return structure_tolerance(arithmetic, accumulation, layers) * scale
 
 
 def precision_logit_bound(dtype) -> float:

@@ -120,10 +120,18 @@ def _pairs(original: GreedyRun, other: GreedyRun):
 
 
 def judge_structure(
-    original: GreedyRun, twin: GreedyRun, arithmetic: str = "float32", *, separate: bool = True, reason: str = ""
+    original: GreedyRun,
+    twin: GreedyRun,
+    arithmetic: str = "float32",
+    *,
+    accumulation: int = 1,
+    layers: int = 1,
+    separate: bool = True,
+    reason: str = "",
 ) -> StructureResult:
-    """``twin``'s logits against ``original``'s within :func:`ortpa.tolerances.structure_bound`."""
-    tol = structure_tolerance(arithmetic)
+    """``twin``'s logits against ``original``'s within :func:`ortpa.tolerances.structure_bound` for a model whose
+    longest dot product is ``accumulation`` long, over ``layers`` attention layers."""
+    tol = structure_tolerance(arithmetic, accumulation, layers)
     worst_abs = worst_rel = 0.0
     first = None
     for p, step, ref, got, _ in _pairs(original, twin):
@@ -194,11 +202,19 @@ def judge(
     *,
     twin: GreedyRun | None = None,
     arithmetic: str = "float32",
+    accumulation: int = 1,
+    layers: int = 1,
     reason: str = "",
 ) -> Verdict:
     """Both verdicts: structure on ``twin`` (or on ``deployed`` at ``arithmetic``'s bound where there is no
     separate twin), precision on ``deployed``."""
     structure = judge_structure(
-        original, twin if twin is not None else deployed, arithmetic, separate=twin is not None, reason=reason
+        original,
+        twin if twin is not None else deployed,
+        arithmetic,
+        accumulation=accumulation,
+        layers=layers,
+        separate=twin is not None,
+        reason=reason,
     )
     return Verdict(structure, judge_precision(original, deployed, dtype))

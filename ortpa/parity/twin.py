@@ -27,7 +27,7 @@ import onnx
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
 
-__all__ = ["Twin", "float32_twin", "source_arithmetic"]
+__all__ = ["Twin", "accumulation_length", "float32_twin", "source_arithmetic"]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # the op's inputs a cast to T may feed (schema indices): query, key, value, cos, sin, head_sink, q/k-norm weights
@@ -43,6 +43,8 @@ class Twin:
     model: LoadedModel | None
     arithmetic: str
     reason: str = ""
+    accumulation: int = 1  # the longest sum of products in the model (ortpa.tolerances.structure_tolerance)
+    layers: int = 1  # attention layers: the residual stream adds one rounding per layer
 
 
 def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
@@ -59,6 +61,7 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     nodes = [n for n in graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
     if not nodes:
         return Twin(None, "float32", "no PagedAttention node")
+    sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
     producers = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, int] = {}
     for n in graph.node:
@@ -78,9 +81,11 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
             if cast is None or cast.op_type != "Cast" or to not in _HALF:
                 what = "a graph input or constant" if cast is None else f"{cast.op_type} '{cast.name}'"
                 arithmetic = t_dtype or _declared_t(loaded, node.input[0])
-                return Twin(None, arithmetic, f"'{node.name}' input {slot} comes from {what}, not a cast to T")
+                reason = f"'{node.name}' input {slot} comes from {what}, not a cast to T"
+                return Twin(None, arithmetic, reason, **sizes)
             if consumers.get(name, 0) != 1:
-                return Twin(None, dtype_name(to), f"the cast to T of '{node.name}' input {slot} has other readers")
+                reason = f"the cast to T of '{node.name}' input {slot} has other readers"
+                return Twin(None, dtype_name(to), reason, **sizes)
             casts.add(cast.output[0])
             t_dtype = t_dtype or dtype_name(to)
         for slot in _CACHE_SLOTS:
@@ -112,7 +117,23 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     del graph.value_info[:]
     graph.value_info.extend(kept)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
-    return Twin(twin, "float32")
+    return Twin(twin, "float32", **sizes)
+
+
+def accumulation_length(proto: onnx.ModelProto) -> int:
+    """The longest dot product of ``proto``: the largest contracted dimension of a MatMul / Gemm weight (the
+    MLP's intermediate size in a transformer), read from the initializers' declared dims; 1 when none is found."""
+    dims = {i.name: list(i.dims) for i in proto.graph.initializer}
+    longest = 1
+    for node in proto.graph.node:
+        if node.op_type == "MatMul" and len(node.input) > 1 and len(dims.get(node.input[1], [])) == 2:
+            longest = max(longest, dims[node.input[1]][0])
+        elif node.op_type == "Gemm" and len(node.input) > 1 and len(dims.get(node.input[1], [])) == 2:
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            longest = max(longest, dims[node.input[1]][1 if trans_b else 0])
+        elif node.op_type == "MatMulNBits":
+            longest = max(longest, next((a.i for a in node.attribute if a.name == "K"), 1))
+    return longest
 
 
 def _float32(cfg):

@@ -223,7 +223,16 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         del twin_session
         gc.collect()
     arithmetic = coarsest(source, twin.arithmetic if twin.model is None else "float32")
-    verdict = judge(want, got, cache_dtype, twin=twin_run, arithmetic=arithmetic, reason=twin.reason)
+    verdict = judge(
+        want,
+        got,
+        cache_dtype,
+        twin=twin_run,
+        arithmetic=arithmetic,
+        accumulation=twin.accumulation,
+        layers=twin.layers,
+        reason=twin.reason,
+    )
     return verdict, twin.model
 
 
@@ -314,7 +323,7 @@ def first_diverging_layer(
     tolerance: float | None = None,
 ) -> str:
     """``"layer i (value): max |d| x"`` for the first layer whose attention block output (its o_proj) differs
-    past ``tolerance`` (default: float32's :func:`ortpa.tolerances.structure_tolerance`) of each token row's
+    past ``tolerance`` (default: :func:`ortpa.tolerances.structure_tolerance` of float32) of each token row's
     scale on ``prompt``'s prefill; a sentence saying why when none is found. ``converted``: a converted model's
     path, or a model already read (the float32 twin)."""
     from ortpa.formats.detect import dense_interface
@@ -322,7 +331,7 @@ def first_diverging_layer(
     from ortpa.runtime.kv import PagedKVCache
     from ortpa.runtime.session import InferenceSession, PagedSession
 
-    tol = structure_tolerance("float32") if tolerance is None else tolerance
+    tol = structure_tolerance("float32") if tolerance is None else tolerance  # an error when no sizes are known
     paged_file = converted if isinstance(converted, LoadedModel) else read_model(converted, load_external_data=False)
     dense_file = read_model(original, load_external_data=False)
     dense_names = {v for n in dense_file.proto.graph.node for v in n.output}

@@ -62,6 +62,9 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     if not nodes:
         return Twin(None, "float32", "no PagedAttention node")
     sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
+    own = source_arithmetic(proto)
+    if own != "float32":  # a dtype= conversion: its weights and activations are T, attention in float32 adds nothing
+        return Twin(None, own, f"the converted model computes in {own} throughout", **sizes)
     producers = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, int] = {}
     for n in graph.node:

@@ -170,7 +170,7 @@ def verify_conversion(
     verdict, twin_model = run_rule(original, converted, prompts, want, blocks)
     verification = Verification(verdict, time.perf_counter() - start, steps, [len(p) for p in prompts])
     if not verdict.ok:
-        raise _refusal(original, converted, twin_model, prompts, verdict)
+        raise _refusal(original, converted, twin_model, prompts, want, verdict)
     return verification
 
 
@@ -237,7 +237,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
 
 
 # ------------------------------------------------------------------------------------------ the first layer
-def _refusal(original, converted, twin_model, prompts, verdict: Verdict) -> ConversionError:
+def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -> ConversionError:
     """The error for a refused verification: the figures, and the first diverging layer where the structure
     differs."""
     st, pr = verdict.structure, verdict.precision
@@ -245,9 +245,11 @@ def _refusal(original, converted, twin_model, prompts, verdict: Verdict) -> Conv
     if not st.ok:
         prompt, step = st.first_failure or (0, 0)
         details.insert(0, ("first differing step", f"{step} (prompt {prompt}, {len(prompts[prompt])} tokens)"))
+        # the prompt and the original's tokens up to the step: one prefill reaches what the decode steps did
+        tokens = list(prompts[prompt]) + list(want.tokens[prompt][:step])
         try:
             where = first_diverging_layer(
-                original, twin_model if twin_model is not None else converted, prompts[prompt], st.tolerance
+                original, twin_model if twin_model is not None else converted, tokens, st.tolerance
             )
         except Exception as exc:  # the diagnosis must never hide the verdict
             where = f"not located ({type(exc).__name__}: {str(exc)[:200]})"
@@ -382,4 +384,4 @@ def first_diverging_layer(
         scale = np.maximum(1.0, np.abs(b).max(axis=-1, keepdims=True))
         if not bool((np.abs(a - b) <= tol * scale).all()):
             return f"layer {layer} ({name}): max |d| {err:.3e} after its attention (bound {tol:.1e} of its scale)"
-    return f"none of {len(layers)} layers' attention outputs differs past the bound on the prefill; later steps do"
+    return f"none of {len(layers)} layers' attention outputs differs past the bound on a prefill of these tokens"

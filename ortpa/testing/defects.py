@@ -81,13 +81,10 @@ def scale(model: onnx.ModelProto, amount: float = 1.1) -> onnx.ModelProto:
     """One layer's softmax scale times ``amount``."""
     out = _copy(model)
     node = _middle(_attention(out))
-    heads = _attr(node, "num_heads")
     default = None
-    if _attr(node, "scale", 0.0) == 0.0:
-        head = _width(out, node.input[0]) // heads if node.input[1] else None
-        if head is None:
-            raise DefectNotApplicable("packed QKV without a scale attribute")
-        default = 1.0 / math.sqrt(head)
+    if _attr(node, "scale", 0.0) == 0.0:  # the op's default 1/sqrt(head_size); packed QKV holds q, k and v heads
+        n = _attr(node, "num_heads") + (0 if node.input[1] else 2 * _attr(node, "kv_num_heads"))
+        default = 1.0 / math.sqrt(_width(out, node.input[0]) // n)
     _set_attr(node, "scale", float((_attr(node, "scale", 0.0) or default) * amount))
     return out
 

@@ -29,7 +29,15 @@ from ortpa.tolerances import (
     structure_tolerance,
 )
 
-__all__ = ["PrecisionResult", "StructureResult", "Verdict", "judge", "judge_precision", "judge_structure"]
+__all__ = [
+    "PrecisionResult",
+    "StructureResult",
+    "Verdict",
+    "judge",
+    "judge_precision",
+    "judge_structure",
+    "kl_divergence",
+]
 
 
 @dataclass(frozen=True)
@@ -144,9 +152,16 @@ def judge_structure(
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
+    x = np.asarray(x, np.float64)
     m = x.max()
     return x - m - np.log(np.exp(x - m).sum())
+
+
+def kl_divergence(reference: np.ndarray, other: np.ndarray) -> float:
+    """KL(softmax(reference) || softmax(other)) of two logits rows, in nats (inf where not finite)."""
+    lp, lq = _log_softmax(reference), _log_softmax(other)
+    kl = float(np.sum(np.exp(lp) * (lp - lq)))
+    return kl if np.isfinite(kl) else float("inf")
 
 
 def judge_precision(original: GreedyRun, deployed: GreedyRun, dtype: str) -> PrecisionResult:
@@ -165,9 +180,7 @@ def judge_precision(original: GreedyRun, deployed: GreedyRun, dtype: str) -> Pre
         agree += verdict == "exact"
         ties += verdict == "tie"
         mismatches += verdict == "mismatch"
-        lp, lq = _log_softmax(ref), _log_softmax(got)
-        kl = float(np.sum(np.exp(lp) * (lp - lq)))
-        kls.append(kl if np.isfinite(kl) else float("inf"))
+        kls.append(kl_divergence(ref, got))
         kk = min(k, ref.size)
         top_ref, top_got = set(np.argsort(-ref)[:kk].tolist()), set(np.argsort(-got)[:kk].tolist())
         overlaps.append(len(top_ref & top_got) / kk)

@@ -13,7 +13,6 @@ import numpy as np
 import onnx
 import pytest
 from parity import FIXTURES, DenseModel, attrs, paged_nodes, run_parity
-from tolerances import KV_INT8_EXTRA_ATOL
 
 from ortpa.cli import main
 from ortpa.errors import ConversionError
@@ -136,10 +135,8 @@ def test_scales_are_calibrated_cache_maxima(fixture: str) -> None:
 
 @pytest.mark.parametrize("fixture", [MLA, GQA])
 def test_int8_parity(fixture: str) -> None:
-    """Continuous batching vs the dense export within KV_INT8_EXTRA_ATOL; MLA keeps every greedy token."""
-    result = run_parity(
-        _int8(fixture), FIXTURES / f"{fixture}.onnx", extra_atol=KV_INT8_EXTRA_ATOL, allow_ties=fixture != MLA
-    )
+    """Continuous batching vs the dense export within the int8 precision rule; MLA keeps every greedy token."""
+    result = run_parity(_int8(fixture), FIXTURES / f"{fixture}.onnx", dtype="int8", allow_ties=fixture != MLA)
     assert result.tokens_checked == 24
     assert result.max_abs_error > 1e-3  # really quantized: a float cache is ~30x closer
 
@@ -154,7 +151,7 @@ def test_scales_matter(factor: float) -> None:
         if init.name.startswith("kv_quant."):
             init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * factor, init.name))
     with pytest.raises(AssertionError):
-        run_parity(model, FIXTURES / f"{GQA}.onnx", extra_atol=KV_INT8_EXTRA_ATOL)
+        run_parity(model, FIXTURES / f"{GQA}.onnx", dtype="int8")
 
 
 @pytest.mark.parametrize("fixture", [MLA, GQA])

@@ -98,8 +98,17 @@ def test_qk_norm_and_rope_move_into_the_op():
     assert (a["do_rotary"], a["rotary_interleaved"]) == (1, 0)
     assert a["qk_norm_epsilon"] == pytest.approx(1e-6)
     inits = {i.name: i for i in converted.graph.initializer}
-    assert list(inits[node.input[8]].dims) == [64, 16]  # cos cache [max_positions, head/2]
-    assert list(inits[node.input[12]].dims) == [32] and list(inits[node.input[13]].dims) == [32]
+    casts = {n.output[0]: n for n in converted.graph.node if n.op_type == "Cast"}
+
+    def stored(name: str) -> onnx.TensorProto:
+        """The op's constant inputs are stored in float32 and cast to T in the graph (the twin reads them)."""
+        cast = casts[name]
+        assert attrs(cast)["to"] == onnx.TensorProto.FLOAT16
+        return inits[cast.input[0]]
+
+    assert list(stored(node.input[8]).dims) == [64, 16]  # cos cache [max_positions, head/2]
+    assert list(stored(node.input[12]).dims) == [32] and list(stored(node.input[13]).dims) == [32]
+    assert stored(node.input[12]).data_type == onnx.TensorProto.FLOAT
     assert not any(n.op_type in ("Cos", "Sin", "ReduceMean") and "self_attn" in n.name for n in converted.graph.node)
     assert "position_ids" not in {i.name for i in converted.graph.input}
 

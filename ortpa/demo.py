@@ -38,7 +38,8 @@ from ortpa.ops.validate import validate_model
 from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.parity.rule import judge_precision
-from ortpa.runtime.device import best_providers, providers_for
+from ortpa.providers import CPU, providers_for
+from ortpa.runtime.device import best_providers
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig, build_dense_mla
@@ -250,7 +251,7 @@ def run_demo(
     prompts = [[int(t) for t in rng.integers(0, c.vocab, n)] for n in DEMO_PROMPT_LENGTHS]
     say(f"generating {DEMO_NEW_TOKENS} tokens for {len(prompts)} prompts on {chosen} (Engine, continuous batching)")
     blocks = len(prompts) * -(-(max(DEMO_PROMPT_LENGTHS) + DEMO_NEW_TOKENS) // BLOCK_SIZE)
-    providers = list(dict.fromkeys([chosen, "CPUExecutionProvider"]))
+    providers = providers_for(chosen)
     engine = Engine(paged, num_blocks=blocks, block_size=BLOCK_SIZE, providers=providers)
     lap("session")
     start = time.perf_counter()
@@ -262,7 +263,7 @@ def run_demo(
     run = paged_greedy(session, prompts, DEMO_NEW_TOKENS)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    dense_sess = ort.InferenceSession(str(dense_path), opts, providers=["CPUExecutionProvider"])
+    dense_sess = ort.InferenceSession(str(dense_path), opts, providers=[CPU])
     ref = dense_greedy(dense_sess, prompts, DEMO_NEW_TOKENS, follow=run.tokens)
     lap("parity")
 

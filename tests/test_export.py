@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from parity import run_parity
-from torch_reference import TorchModel, export_matches_torch
+from support.parity import run_parity
+from support.torch_reference import TorchModel, export_matches_torch
 
 from ortpa.export.hf import build_model, export_hf
 from ortpa.rewriter.pipeline import convert
@@ -91,7 +91,7 @@ def test_convert_hf_folder_then_generate_text(tmp_path, capsys):
     bfloat16: ONNX Runtime's CPU lacks bfloat16 kernels) then converts (parity, within float16 tolerance, with the
     checkpoint's weights run by PyTorch in float32); `ortpa generate OUT --prompt` finds the copied tokenizer,
     prints text and stops at generation_config's EOS."""
-    from tokenizer_fixture import write_tokenizer
+    from support.tokenizer_fixture import write_tokenizer
 
     from ortpa.cli import main
 

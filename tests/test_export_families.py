@@ -8,8 +8,8 @@ import json
 
 import onnx
 import pytest
-from parity import FIXTURES, run_parity
-from torch_reference import export_matches_torch
+from support.parity import FIXTURES, run_parity
+from support.torch_reference import export_matches_torch
 
 from ortpa.export.hf import build_model
 from ortpa.rewriter.pipeline import convert
@@ -62,7 +62,7 @@ def test_moe_layer_is_in_the_graph(name):
 def test_family_from_hf_folder(name, tmp_path):
     """Each family as a saved Hugging Face folder (safetensors, two shards): `ortpa convert HF_DIR OUT` exports it
     with its weights and converts it; the paged model matches the checkpoint run by PyTorch."""
-    from torch_reference import TorchModel
+    from support.torch_reference import TorchModel
 
     from ortpa.cli import main
 

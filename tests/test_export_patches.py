@@ -137,7 +137,7 @@ def test_eos_ids(tmp_path):
 
 
 def test_generate_prompt_without_tokenizer_is_one_line(tmp_path, capsys):
-    from parity import FIXTURES
+    from support.parity import FIXTURES
 
     from ortpa.cli import main
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from tolerances import assert_close, precision_logit_bound
+from support.tolerances import assert_close, precision_logit_bound
 
 from ortpa.errors import InvalidModel
 from ortpa.formats.detect import SourceFormat, dense_interface, detect_format, length_thresholds

@@ -1,13 +1,15 @@
 """The package's import picture: no import cycle between ortpa's modules, and no layer importing one above it.
 
 Imports are read from the source (``ast``), function-level ones included: a lazy import still ties two modules
-together (imports under ``if TYPE_CHECKING:`` never run and do not count). The layers, top to bottom, are the
-ones docs/architecture.md draws.
+together. Imports under ``if TYPE_CHECKING:`` never run, so they do not count for the layers' direction, but they
+do count for cycles: two modules that need each other's types are one idea split in two (put the type in a leaf
+both import). The layers, top to bottom, are the ones docs/architecture.md draws.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ortpa"
@@ -21,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ortpa.runtime", "ortpa.formats"),
     ("ortpa.ops",),
     ("ortpa.model",),
-    ("ortpa.errors", "ortpa.dtypes", "ortpa.tolerances"),
+    ("ortpa.errors", "ortpa.dtypes", "ortpa.tolerances", "ortpa.providers"),
 )
 OUTSIDE = ("ortpa.testing",)  # test models: nothing the product runs imports them
 
@@ -36,11 +38,11 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+def _imports(name: str, path: Path, known: set[str], *, typing: bool) -> set[str]:
+    """The ortpa modules ``name`` imports: those that run (``typing=False``) or those under TYPE_CHECKING only."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
-    # imports for type checkers only never run: not an edge
     typing_only = {
         id(n)
         for block in ast.walk(tree)
@@ -49,7 +51,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         for n in ast.walk(stmt)
     }
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if (id(node) in typing_only) != typing:
             continue
         targets: list[str] = []
         if isinstance(node, ast.Import):
@@ -69,10 +71,15 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache  # one parse of the package per test session (read-only results)
+def _graph(*, typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules it imports when it runs; with ``typing``, those its TYPE_CHECKING imports add."""
     mods = _modules()
     known = set(mods)
-    graph = {n: _imports(n, p, known) for n, p in mods.items()}
+    graph = {n: _imports(n, p, known, typing=False) for n, p in mods.items()}
+    if typing:
+        for n, p in mods.items():
+            graph[n] |= _imports(n, p, known, typing=True)
     # a package's __init__ re-exporting its modules is not an edge back from them
     return {
         n: {t for t in deps if not (n.startswith(t + ".") and t in mods and mods[t].name == "__init__.py")}
@@ -87,8 +94,8 @@ def _layer(module: str) -> int | None:
     return None
 
 
-def test_no_import_cycles():
-    graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
     index, low, stack, on, sccs, counter = {}, {}, [], set(), [], [0]
 
     def visit(v: str) -> None:
@@ -116,7 +123,35 @@ def test_no_import_cycles():
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not sccs, f"import cycles: {sccs}"
+    return sccs
+
+
+def test_no_import_cycles():
+    assert not (found := _cycles(_graph())), f"import cycles: {found}"
+
+
+def test_no_type_only_cycles():
+    """A knot tied by ``if TYPE_CHECKING:`` imports is still a knot."""
+    assert not (found := _cycles(_graph(typing=True))), f"import cycles through TYPE_CHECKING imports: {found}"
+
+
+def test_the_checks_can_fail(tmp_path):
+    """The readers see what they must: a cycle, a type-only import apart from a running one, the layer order."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    source = tmp_path / "a.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from ortpa.errors import OrtpaError\n"
+        "if TYPE_CHECKING:\n"
+        "    from ortpa.ops.spec import OpSpec\n"
+        "def f():\n"
+        "    from ortpa.dtypes import onnx_elem_type\n"
+    )
+    known = {"ortpa.a", "ortpa.errors", "ortpa.ops.spec", "ortpa.dtypes", "ortpa"}
+    assert _imports("ortpa.a", source, known, typing=False) == {"ortpa.errors", "ortpa.dtypes"}
+    assert _imports("ortpa.a", source, known, typing=True) == {"ortpa.ops.spec"}
+    assert _layer("ortpa.rewriter.layer") < _layer("ortpa.runtime.session") < _layer("ortpa.ops.spec")
+    assert _layer("ortpa.ops.spec") < _layer("ortpa.providers")
 
 
 def test_layers_import_downward_only():

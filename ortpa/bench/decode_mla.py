@@ -31,6 +31,7 @@ import onnxruntime as ort
 from ortpa import convert
 from ortpa.bench._timing import row
 from ortpa.bench.runner import format_table
+from ortpa.providers import CPU
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig, build_dense_mla, dense_mla_weights
@@ -109,10 +110,10 @@ def run(quick: bool = False) -> list[dict]:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     dense_model = build_dense_mla(c, dense_mla_weights(c))
-    dense = ort.InferenceSession(dense_model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    dense = ort.InferenceSession(dense_model.SerializeToString(), so, providers=[CPU])
     paged_model = convert(dense_model)
     num_blocks = -(-(max(contexts) + 1) // BS) + 4
-    paged = PagedSession(paged_model, num_blocks=num_blocks, block_size=BS, providers=["CPUExecutionProvider"])
+    paged = PagedSession(paged_model, num_blocks=num_blocks, block_size=BS, providers=[CPU])
     for name in paged.cache_names:  # random cache contents: the step attends over real-looking rows
         shape, dtype = paged.cache(name).shape, paged.cache(name).dtype
         paged.write_cache(name, (rng.standard_normal(shape) * 0.5).astype(dtype))

@@ -31,6 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortpa.bench import format_table
+from ortpa.providers import CPU as CPU_PROVIDER
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
 
@@ -40,7 +41,7 @@ CONFIG = ToyLMConfig(vocab=512, hidden=256, num_heads=4, kv_heads=2, num_layers=
 BLOCK, NUM_BLOCKS = 16, 1024
 BUDGET = 256  # tokens per step: the Engine's default max_num_batched_tokens
 ARRIVAL_MS = 15.0  # CPU time between two arrivals in the ``arrivals`` workload
-CPU = ["CPUExecutionProvider"]
+CPU = [CPU_PROVIDER]
 
 
 def _mixed(n: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:

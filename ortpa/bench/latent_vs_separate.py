@@ -32,6 +32,7 @@ import onnxruntime as ort
 from ortpa.bench._timing import aliased_step, interleaved_ms, row
 from ortpa.bench.runner import format_table
 from ortpa.ops.portable import portable_single_node_model
+from ortpa.providers import CPU
 
 __all__ = ["run"]
 
@@ -92,7 +93,7 @@ def _session(x: dict, attrs: dict, threads: int) -> ort.InferenceSession:
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     model = portable_single_node_model(x, attrs)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=[CPU])
 
 
 def run(quick: bool = False) -> list[dict]:

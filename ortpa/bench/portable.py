@@ -34,6 +34,7 @@ from ortpa.bench import format_table
 from ortpa.bench._timing import aliased_step, interleaved_ms, median_ms
 from ortpa.bench._timing import row as _row
 from ortpa.ops.portable import portable_single_node_model
+from ortpa.providers import CPU
 
 __all__ = ["run"]
 
@@ -46,7 +47,7 @@ def _session(model, threads: int = 0) -> ort.InferenceSession:
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=[CPU])
 
 
 def _paged_inputs(batch: int, ctx: int, num_blocks: int, rng) -> dict:

@@ -13,7 +13,7 @@ __all__ = ["register", "run"]
 
 def run(args: argparse.Namespace) -> int:
     from ortpa.model.ref import resolve_any
-    from ortpa.runtime.device import providers_for
+    from ortpa.providers import providers_for
     from ortpa.runtime.engine import Engine
     from ortpa.runtime.sampling import SamplingParams
 

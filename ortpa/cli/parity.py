@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     from ortpa.parity.check import default_prompts
     from ortpa.parity.greedy import dense_greedy, open_dense
     from ortpa.parity.verify import run_rule
-    from ortpa.runtime.device import providers_for
+    from ortpa.providers import providers_for
     from ortpa.runtime.session import PagedSession
 
     if args.revision is not None and not (is_repo_id(args.original) or is_repo_id(args.converted)):

@@ -29,10 +29,10 @@ import onnx
 from onnx import helper
 
 from ortpa.errors import ConversionError
-from ortpa.ops.portable import plan_call, portable_config, value_types
-from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig
+from ortpa.ops.portable import LayerCall, layer_call, lower_nodes, node_attributes, value_types
 from ortpa.ops.shape_inference import infer_shapes
-from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
+from ortpa.ops.spec import OP_TYPE, PAGED_ATTENTION
+from ortpa.providers import CPU
 
 __all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "portable_info"]
 
@@ -69,14 +69,6 @@ def portable_info(model: onnx.ModelProto) -> PortableInfo | None:
     return PortableInfo(**d)
 
 
-def _attrs(node: onnx.NodeProto) -> dict:
-    out = {}
-    for a in node.attribute:
-        v = helper.get_attribute_value(a)
-        out[a.name] = v.decode() if isinstance(v, bytes) else v
-    return out
-
-
 def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
     from ortpa.rewriter.ort_check import weightless  # rewriter: the conversion's own weight-free view
 
@@ -100,83 +92,30 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
     graph = proto.graph
     inputs = {vi.name: vi for vi in graph.input}
     outputs = {vi.name: vi for vi in graph.output}
-    schema_index = {f.name: f.index for f in PAGED_ATTENTION.inputs}
-    functions: dict = {}  # layer and plan configurations -> their FunctionProto
-    plans: dict[tuple, list[str]] = {}  # the per-step plan calls layers share (ortpa.ops.portable.plan_call)
-    lowered: list[onnx.NodeProto] = []
     configs: dict[str, dict] = {}
-    first: PortableConfig | None = None
-    split = False
-    nodes = 0
     new_inputs: list[tuple[int, onnx.ValueInfoProto]] = []
     new_outputs: list[tuple[int, onnx.ValueInfoProto]] = []
-    for i, node in enumerate(graph.node):
-        if node.op_type != OP_TYPE or node.domain != DOMAIN:
-            lowered.append(node)
-            continue
+
+    def make_call(i: int, node: onnx.NodeProto) -> LayerCall:
         where = node.name or f"{OP_TYPE}_{i}"
         try:
-            cfg = portable_config(node, types, fn_opset)
+            call = layer_call(node, types, fn_opset)
         except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
             raise ConversionError(f"--portable cannot lower node {where}: {exc}") from None
-        call_inputs = [node.input[schema_index[name]] for name in cfg.present_inputs]
-        call_outputs = [o for o in node.output if o]
-        if cfg.latent and split_latent:
-            if cfg.head_size % 2 or cfg.k_quant != "NONE":
-                raise ConversionError(
-                    f"--portable cannot split the latent cache of node {where}: expected an even latent width and "
-                    f"a float cache, found width {cfg.head_size} and k_quant {cfg.k_quant}"
-                )
-            key_in = node.input[schema_index["key_cache"]]
-            key_out = node.output[1] if len(node.output) > 1 else ""
-            if key_in not in inputs or key_out not in outputs:
-                raise ConversionError(
-                    f"--portable cannot split the latent cache of node {where}: expected its key cache to be a "
-                    f"graph input and key_cache_out a graph output, found {key_in!r} / {key_out!r}"
-                )
-            value_in, value_out = _value_name(key_in), _value_name(key_out)
-            half = cfg.head_size // 2
-            for table, name, new_name, bucket in (
-                (inputs, key_in, value_in, new_inputs),
-                (outputs, key_out, value_out, new_outputs),
-            ):
-                vi = table[name]
-                vi.type.tensor_type.shape.dim[3].dim_value = half
-                twin = onnx.ValueInfoProto()
-                twin.CopyFrom(vi)
-                twin.name = new_name
-                bucket.append((list(table).index(name), twin))
-            ki = cfg.present_inputs.index("key_cache")
-            cfg = dataclasses.replace(
-                cfg,
-                split_latent=True,
-                present_inputs=(*cfg.present_inputs[: ki + 1], "value_cache", *cfg.present_inputs[ki + 1 :]),
-                present_outputs=("output", "key_cache_out", "value_cache_out"),
-            )
-            call_inputs.insert(ki + 1, value_in)
-            call_outputs = [node.output[0], key_out, value_out]
-            split = True
-        configs.setdefault(cfg.function_name(), _attrs(node))
-        plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
-        if plan_node is not None:
-            lowered.append(plan_node)
-        call_inputs += plan_outputs
-        lowered.append(
-            helper.make_node(cfg.function_name(), call_inputs, call_outputs, name=node.name, domain=FUNCTION_DOMAIN)
-        )
-        first = first or cfg
-        nodes += 1
-    if first is None:
+        if call.cfg.latent and split_latent:
+            _split_latent(call, where, inputs, outputs, new_inputs, new_outputs)
+        configs.setdefault(call.cfg.function_name(), node_attributes(node))
+        return call
+
+    calls = lower_nodes(proto, make_call, types)
+    if not calls:
         raise ConversionError(f"--portable: {path} has no PagedAttention node to lower")
-    del graph.node[:]
-    graph.node.extend(lowered)
+    first = calls[0].cfg
+    split = any(c.cfg.split_latent for c in calls)
     _insert_after(graph.input, new_inputs)
     _insert_after(graph.output, new_outputs)
-    proto.functions.extend(functions.values())
-    if FUNCTION_DOMAIN not in opsets:
-        proto.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
     info = PortableInfo(
-        nodes=nodes,
+        nodes=len(calls),
         kv_cache_layout="LATENT" if first.latent else "SEPARATE",
         split_latent=split,
         num_heads=first.num_heads,
@@ -190,6 +129,52 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
         _check_session(proto, path)
     _replace(proto, path)
     return info
+
+
+def _split_latent(
+    call: LayerCall,
+    where: str,
+    inputs: dict[str, onnx.ValueInfoProto],
+    outputs: dict[str, onnx.ValueInfoProto],
+    new_inputs: list[tuple[int, onnx.ValueInfoProto]],
+    new_outputs: list[tuple[int, onnx.ValueInfoProto]],
+) -> None:
+    """Make ``call`` read and write its latent cache as two halves: the key cache's graph input and output shrink
+    to ``H/2`` and get a ``.value`` twin each (recorded in ``new_inputs`` / ``new_outputs``)."""
+    cfg, node = call.cfg, call.node
+    if cfg.head_size % 2 or cfg.k_quant != "NONE":
+        raise ConversionError(
+            f"--portable cannot split the latent cache of node {where}: expected an even latent width and "
+            f"a float cache, found width {cfg.head_size} and k_quant {cfg.k_quant}"
+        )
+    key_in = node.input[PAGED_ATTENTION.input_index("key_cache")]
+    key_out = node.output[1] if len(node.output) > 1 else ""
+    if key_in not in inputs or key_out not in outputs:
+        raise ConversionError(
+            f"--portable cannot split the latent cache of node {where}: expected its key cache to be a "
+            f"graph input and key_cache_out a graph output, found {key_in!r} / {key_out!r}"
+        )
+    value_in, value_out = _value_name(key_in), _value_name(key_out)
+    half = cfg.head_size // 2
+    for table, name, new_name, bucket in (
+        (inputs, key_in, value_in, new_inputs),
+        (outputs, key_out, value_out, new_outputs),
+    ):
+        vi = table[name]
+        vi.type.tensor_type.shape.dim[3].dim_value = half
+        twin = onnx.ValueInfoProto()
+        twin.CopyFrom(vi)
+        twin.name = new_name
+        bucket.append((list(table).index(name), twin))
+    ki = cfg.present_inputs.index("key_cache")
+    call.cfg = dataclasses.replace(
+        cfg,
+        split_latent=True,
+        present_inputs=(*cfg.present_inputs[: ki + 1], "value_cache", *cfg.present_inputs[ki + 1 :]),
+        present_outputs=("output", "key_cache_out", "value_cache_out"),
+    )
+    call.inputs.insert(ki + 1, value_in)
+    call.outputs = [node.output[0], key_out, value_out]
 
 
 def _value_name(key_name: str) -> str:
@@ -222,7 +207,7 @@ def _check_session(proto: onnx.ModelProto, path: Path) -> None:
     opts.log_severity_level = 3
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        ort.InferenceSession(_weightless(proto).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(_weightless(proto).SerializeToString(), opts, providers=[CPU])
     except Exception as exc:
         line = " ".join(str(exc).split())[:500]
         raise ConversionError(f"--portable: ONNX Runtime (CPU) rejects the lowered {path.name}: {line}") from None

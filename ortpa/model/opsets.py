@@ -16,6 +16,7 @@ import onnx
 
 from ortpa.errors import InvalidModel
 from ortpa.model.ort_schemas import ort_schema, register_ort_default_domain_schemas
+from ortpa.providers import CPU
 
 __all__ = ["check_domains", "check_ort_version_support", "ort_message_line"]
 
@@ -116,7 +117,7 @@ def _ort_refusal(ir_version: int, opsets: tuple[tuple[str, int], ...]) -> str:
     options = ort.SessionOptions()
     options.log_severity_level = 3  # the probe's warnings (old opsets) are not the user's business
     try:
-        ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(probe.SerializeToString(), options, providers=[CPU])
     except Exception as exc:  # ORT's own exception types; the text is the reason
         return f"ONNX Runtime {ort.__version__} cannot load it: {ort_message_line(str(exc))}"
     return ""

@@ -19,6 +19,7 @@ from typing import Any
 
 from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.params import PagedAttentionParams
+from ortpa.providers import CUDA, WEBGPU
 
 __all__ = [
     "BACKENDS",
@@ -216,7 +217,7 @@ def available_backends() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
-_PROVIDERS = {"CUDAExecutionProvider": "cuda", "WebGpuExecutionProvider": "webgpu"}
+_PROVIDERS = {CUDA: "cuda", WEBGPU: "webgpu"}
 
 
 def backend_for_provider(provider_name: str) -> str | None:

@@ -26,6 +26,7 @@ import onnxruntime as ort
 from ortpa.errors import InvalidParameter
 from ortpa.formats.detect import DenseInterface, dense_interface, length_thresholds, session_interface
 from ortpa.model.file import read_model
+from ortpa.providers import CPU
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
 
@@ -77,7 +78,7 @@ def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> Dense
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
-    session = ort.InferenceSession(os.fspath(model), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(os.fspath(model), options, providers=[CPU])
     return DenseModel(session, dense_interface(proto), tuple(length_thresholds(proto)))
 
 

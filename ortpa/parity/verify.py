@@ -37,6 +37,7 @@ from ortpa.model.file import LoadedModel
 from ortpa.parity.greedy import dense_greedy, paged_greedy
 from ortpa.parity.rule import Verdict, judge
 from ortpa.parity.twin import float32_twin, source_arithmetic
+from ortpa.providers import CPU
 from ortpa.tolerances import UNIT_ROUNDOFF, structure_tolerance
 
 __all__ = [
@@ -122,7 +123,7 @@ def _open_original(original: str | os.PathLike):
     options = _lean_options()
     options.enable_mem_reuse = False
     try:
-        session = ort.InferenceSession(os.fspath(original), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
     except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
         if not type(exc).__module__.startswith("onnxruntime"):
             raise
@@ -182,7 +183,7 @@ def _paged(model, blocks: int):
             model,
             num_blocks=blocks,
             block_size=_BLOCK_SIZE,
-            providers=["CPUExecutionProvider"],
+            providers=[CPU],
             sess_options=_lean_options(),
         )
     except InvalidModel as exc:
@@ -351,7 +352,7 @@ def first_diverging_layer(
         probe,
         num_blocks=blocks,
         block_size=_BLOCK_SIZE,
-        providers=["CPUExecutionProvider"],
+        providers=[CPU],
         sess_options=_lean_options(),
     )
     kv = PagedKVCache(paged.num_blocks, paged.block_size)
@@ -371,7 +372,7 @@ def first_diverging_layer(
     )
     options = _lean_options()
     options.enable_mem_reuse = False
-    session = InferenceSession(dense_probe, options, providers=["CPUExecutionProvider"])
+    session = InferenceSession(dense_probe, options, providers=[CPU])
     io = dense_interface(dense_file.proto)
     want = dict(zip(names, session.run(names, io.feed(list(prompt), 0, io.empty_past())), strict=True))
     del session

@@ -28,7 +28,7 @@ a recognised q/k RMSNorm (``q_norm_weight``/``k_norm_weight``, ``qk_norm_epsilon
 RoPE as the model does; what is not recognised is reported, not approximated.
 
 Matching is structural and anchored on the cache I/O names, like :mod:`ortpa.rewriter.mla`; the graph is never
-modified by matching (:mod:`ortpa.rewriter.attention_match`).
+modified by matching (:mod:`ortpa.rewriter.recognisers.decomposed`).
 """
 
 from __future__ import annotations
@@ -38,29 +38,26 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ortpa.rewriter import rope_choice
 from ortpa.rewriter._graph import Builder
-from ortpa.rewriter.attention_match import (
-    AttentionLayer,
-    LayerFailure,
-    QkNorm,
-    match_attention_layer,
-    match_attention_layers,
-    rope_in_op_problems,
-)
-from ortpa.rewriter.mla import PagedAttentionInputs
+from ortpa.rewriter.layer import AttentionLayer, PagedAttentionInputs
 from ortpa.rewriter.packed import PagedIO
+from ortpa.rewriter.per_sequence import rope_choice
 
-__all__ = [
-    "AttentionLayer",
-    "LayerFailure",
-    "QkNorm",
-    "match_attention_layer",
-    "match_attention_layers",
-    "op_constant",
-    "rewrite_attention_layer",
-    "rope_in_op_problems",
-]
+__all__ = ["op_constant", "rewrite_attention_layer", "rope_in_op_problems"]
+
+
+def rope_in_op_problems(m: AttentionLayer) -> list[str]:
+    """Why RoPE (and q/k norm) of ``m`` cannot move into the op; empty when it can."""
+    problems = []
+    if not m.rope_recognised:
+        problems.append("RoPE not recognised as full-width rotate_half (x*cos + rotate_half(x)*sin) on q and k")
+    if m.head_size % 16:
+        problems.append(f"head size {m.head_size} is not a multiple of 16 (do_rotary=1)")
+    if (m.q_norm is None) != (m.k_norm is None):
+        problems.append("only one of q / k has an RMSNorm before RoPE")
+    if m.q_norm is not None and m.k_norm is not None and m.q_norm.epsilon != m.k_norm.epsilon:
+        problems.append(f"q / k norm epsilons differ ({m.q_norm.epsilon} vs {m.k_norm.epsilon}): the op has one")
+    return problems
 
 
 def _packed(b: Builder, value: ir.Value, heads: int, d: int, *, bshd: bool = False) -> ir.Value:
@@ -110,7 +107,7 @@ def rewrite_attention_layer(
 
     When the model computes in another float type than ``op_dtype`` q/k/v are cast to it and the output back.
     The dense nodes become dead; the caller's dead-code pass removes them. A rotary whose tables the source
-    chooses at run time (:class:`~ortpa.rewriter.rope_choice.ChosenRotary`) is applied in the graph, per
+    chooses at run time (:class:`~ortpa.rewriter.per_sequence.rope_choice.ChosenRotary`) is applied in the graph, per
     sequence, before the op (``do_rotary=0``); that needs ``packed_io``.
     """
     chosen = m.rotary if isinstance(m.rotary, rope_choice.ChosenRotary) else None

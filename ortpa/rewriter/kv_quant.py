@@ -36,6 +36,7 @@ import onnx
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError
+from ortpa.providers import CPU
 
 __all__ = [
     "DEFAULT_MARGIN",
@@ -122,7 +123,7 @@ def _session(dense: onnx.ModelProto):
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    cpu = ["CPUExecutionProvider"]
+    cpu = [CPU]
     if dense.ByteSize() < _EXTERNAL_DATA_THRESHOLD:
         return ort.InferenceSession(dense.SerializeToString(), opts, providers=cpu)
     with tempfile.TemporaryDirectory(prefix="ortpa-calib-") as tmp:  # ORT reads the weights in at load

@@ -28,39 +28,17 @@ sequence = all new tokens of all sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import Builder, const_array
-from ortpa.rewriter.mla_match import LayerFailure, MlaLayer, match_mla_layer, match_mla_layers
+from ortpa.rewriter.layer import MlaLayer, PagedAttentionInputs
 
-__all__ = [
-    "AbsorbMode",
-    "LayerFailure",
-    "MlaLayer",
-    "PagedAttentionInputs",
-    "absorbed_weights",
-    "match_mla_layer",
-    "match_mla_layers",
-    "rewrite_mla_layer",
-]
+__all__ = ["AbsorbMode", "absorbed_weights", "rewrite_mla_layer"]
 
 AbsorbMode = Literal["auto", "fold", "matmul"]
-
-
-@dataclass
-class PagedAttentionInputs:
-    """Graph values a PagedAttention node reads besides query/key (created by :mod:`paged_io`)."""
-
-    cumulative_sequence_length: ir.Value
-    past_seqlens: ir.Value
-    block_table: ir.Value
-    attention_metadata: ir.Value | None = None
-    cos_cache: ir.Value | None = None
-    sin_cache: ir.Value | None = None
 
 
 def absorbed_weights(m: MlaLayer) -> tuple[np.ndarray, np.ndarray]:

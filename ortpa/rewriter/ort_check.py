@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 import onnx
 
 from ortpa.errors import ConversionError, InvalidParameter, OrtpaError
-from ortpa.runtime.device import PROVIDER_NAMES, has_cuda, providers_for
+from ortpa.providers import PROVIDER_NAMES, providers_for
+from ortpa.runtime.device import has_cuda
 
 __all__ = ["DEFAULT_PROVIDERS", "check_runs", "checked_providers", "weightless"]
 

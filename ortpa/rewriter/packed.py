@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import Builder
-from ortpa.rewriter.mla import PagedAttentionInputs
+from ortpa.rewriter.layer import PagedAttentionInputs
 
 __all__ = [
     "PagedIO",

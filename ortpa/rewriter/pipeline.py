@@ -23,13 +23,15 @@ from ortpa.model.ref import resolve_any
 from ortpa.rewriter import kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter._fold import fold_shape_values
 from ortpa.rewriter._graph import Builder
-from ortpa.rewriter.attention import AttentionLayer, op_constant, rewrite_attention_layer, rope_in_op_problems
+from ortpa.rewriter.attention import op_constant, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
-from ortpa.rewriter.mla import AbsorbMode, LayerFailure, MlaLayer, match_mla_layers, rewrite_mla_layer
+from ortpa.rewriter.layer import AttentionLayer, LayerFailure, MlaLayer
+from ortpa.rewriter.mla import AbsorbMode, rewrite_mla_layer
 from ortpa.rewriter.model_store import BeforeMove, save_model
 from ortpa.rewriter.ort_check import DEFAULT_PROVIDERS
 from ortpa.rewriter.recognisers import recognise_separate_layers, source_op
 from ortpa.rewriter.recognisers.caches import canonicalise_cache_io
+from ortpa.rewriter.recognisers.mla import match_mla_layers
 from ortpa.rewriter.rope import rope_caches
 from ortpa.rewriter.shape_recovery import recover_shapes
 

@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError
+from ortpa.providers import CPU
 from ortpa.rewriter._graph import consumers, scalar
 from ortpa.rewriter.per_sequence import TOKEN_REDUCTIONS
 
@@ -78,7 +79,7 @@ def rope_caches(model: ir.Model, rope_dim: int, rows: int) -> tuple[np.ndarray, 
     sub.opset_imports.update(graph.opset_imports)
     sub_model = ir.Model(sub, ir_version=model.ir_version)
     proto = ir.serde.serialize_model(sub_model)
-    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=[CPU])
     pos = np.arange(rows, dtype=np.int64)[None, :]
     cos, sin = (np.asarray(a, dtype=np.float32).reshape(rows, width) for a in sess.run(None, {"position_ids": pos}))
     half = rope_dim // 2

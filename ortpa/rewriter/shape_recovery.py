@@ -3,7 +3,7 @@
 The optimizer infers shapes node by node with onnx's own rules, so past the first node onnx has no schema for
 (``com.microsoft`` ops: genai's ``SkipSimplifiedLayerNormalization``, ``GroupQueryAttention``, ``MoE``...) every value
 of a model exported without ``value_info`` (the usual case past 2 GB, where the exporter cannot run shape inference
-on one proto) is left without a shape. The per-sequence dataflow (:mod:`ortpa.rewriter.per_sequence_flow`) reads
+on one proto) is left without a shape. The per-sequence dataflow (:mod:`ortpa.rewriter.per_sequence.flow`) reads
 ranks and dims from shapes, and refuses what it cannot follow; :func:`recover_shapes` gives it the shapes back.
 
 ONNX Runtime's symbolic shape inference (which knows the contrib ops), then onnx's, run on the graph with every

@@ -9,10 +9,9 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["PROVIDER_NAMES", "best_providers", "cuda_device_count", "has_cuda", "providers_for"]
+from ortpa.providers import CPU, CUDA
 
-# The short device names the CLI and the demo accept, and the execution provider each stands for.
-PROVIDER_NAMES: dict[str, str] = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+__all__ = ["best_providers", "cuda_device_count", "has_cuda"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,15 +38,9 @@ def has_cuda() -> bool:
     """True when onnxruntime has the CUDA provider and the driver reports at least one device."""
     import onnxruntime as ort
 
-    return "CUDAExecutionProvider" in ort.get_available_providers() and cuda_device_count() > 0
+    return CUDA in ort.get_available_providers() and cuda_device_count() > 0
 
 
 def best_providers() -> list[str]:
     """The provider list ortpa uses by default: CUDA first where it can run, then CPU."""
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if has_cuda() else ["CPUExecutionProvider"]
-
-
-def providers_for(name: str) -> list[str]:
-    """The provider list for a short name (``"cpu"``, ``"cuda"``) or a provider name: it, then CPU as fallback."""
-    provider = PROVIDER_NAMES.get(name.lower(), name)
-    return list(dict.fromkeys([provider, "CPUExecutionProvider"]))
+    return [CUDA, CPU] if has_cuda() else [CPU]

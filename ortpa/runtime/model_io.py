@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 
 from ortpa.errors import InvalidModel
-from ortpa.ops.portable_calls import lowered_rotary_tables
+from ortpa.ops.portable.calls import lowered_rotary_tables
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
 
 __all__ = [

@@ -30,9 +30,10 @@ from ortpa.errors import InvalidArgument, InvalidModel, InvalidParameter, KVPool
 from ortpa.model.file import LoadedModel, ort_message_line, read_model
 from ortpa.model.ref import resolve_any
 from ortpa.ops.backends import backend_for_provider
-from ortpa.ops.portable_calls import lowered_cache_ports
+from ortpa.ops.portable.calls import lowered_cache_ports
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
+from ortpa.providers import DEVICE_OF
 from ortpa.runtime.device import best_providers
 from ortpa.runtime.ort_session import external_initializers, open_ort_session
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
@@ -45,8 +46,6 @@ __all__ = [
     "load_model",
     "read_for_session",
 ]
-
-_ORT_DEVICE = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
 
 
 def load_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
@@ -202,7 +201,7 @@ class InferenceSession:
             graph_only = lower_to_portable(graph_only, self.portable_nodes, types=value_types(inferred))
         self.model = graph_only
         self._native_aliases = [a for a in self.aliases if a.node in self.native_nodes and a.output_name]
-        self._device = _ORT_DEVICE.get(names[0], "cpu")
+        self._device = DEVICE_OF.get(names[0], "cpu")
         try:
             opened = open_ort_session(
                 loaded,

@@ -48,7 +48,7 @@ class ServingModel:
         """
         from ortpa.model.folder import eos_token_ids, find_asset, load_tokenizer
         from ortpa.model.ref import locate_model
-        from ortpa.runtime.device import providers_for
+        from ortpa.providers import providers_for
         from ortpa.runtime.engine import Engine
 
         ref = locate_model(model, revision)

@@ -2,7 +2,7 @@
 
 The graph mirrors, op for op, what ``torch.onnx.export(dynamo=True)`` makes of transformers 5.x
 ``DeepseekV3ForCausalLM`` with ``attn_implementation="sdpa"`` at opset 18 (``tests/fixtures/dsv3_sdpa_op18.onnx``),
-so :func:`ortpa.rewriter.mla.match_mla_layers` and :func:`ortpa.convert` see the same structure as on a real
+so :func:`ortpa.rewriter.recognisers.mla.match_mla_layers` and :func:`ortpa.convert` see the same structure as on a real
 export. Per layer ``i``::
 
     h = RMSNorm(x)

@@ -1,7 +1,7 @@
 """``ortpa convert --portable``: onnxruntime-genai's own Engine runs the written folder, as written, on CPU.
 
 For every family below the converted folder (portable file + genai_config.json, nothing edited) is run by genai's
-continuous-batching Engine in genai's own venv (a subprocess: ``tests/genai_env.py``), with four requests of 3 to
+continuous-batching Engine in genai's own venv (a subprocess: ``support/genai_env.py``), with four requests of 3 to
 40 tokens (past the block size and the step's token budget) admitted together and staggered, ``max_batch_size``
 2 (below the request count) and ``max_scheduled_tokens`` 16 (chunked prefill). Its greedy tokens must equal the
 original dense model run alone by ONNX Runtime (``ortpa.parity.greedy.dense_greedy``) and ortpa's own Engine on
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from genai_env import find_genai_python, run_genai_driver
-from tolerances import precision_logit_bound
+from support.genai_env import find_genai_python, run_genai_driver
+from support.tolerances import precision_logit_bound
 
 from ortpa.cli import main
 from ortpa.deploy import GenaiOptions, convert_deployment, portable_info

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from genai_env import find_genai_python, run_genai_driver
+from support.genai_env import find_genai_python, run_genai_driver
 
 from ortpa.cli import main
 from ortpa.deploy import finish_deployment

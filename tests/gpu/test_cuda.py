@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from tolerances import assert_close
+from support.tolerances import assert_close
 
 from ortpa.ops.oracle import paged_attention
 from ortpa.ops.portable import paged_attention_model

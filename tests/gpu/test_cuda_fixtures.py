@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from parity import FIXTURES, run_parity
-from tolerances import assert_close, precision_logit_bound
+from support.parity import FIXTURES, run_parity
+from support.tolerances import assert_close, precision_logit_bound
 
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import PagedSession

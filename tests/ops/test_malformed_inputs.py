@@ -12,7 +12,7 @@ NaN/Inf garbage, as uninitialised memory does. For every example, on both the or
    identical byte for byte, except that two NaNs are equal whatever their payload/sign bits (NumPy and
    ONNX Runtime propagate NaN payloads differently; neither is meaningful);
 3. every changed cache slot is one the sanitized batch lets a *valid* sequence write: derived here from the
-   spec (own transcription of §3.4(a)/(c), not ``ortpa.ops.sanitize``): ``slot_mapping[t]`` when given, else
+   spec (own transcription of §3.4(a)/(c), not ``ortpa.ops.oracle.sanitize``): ``slot_mapping[t]`` when given, else
    ``block_table[b, p // bs] * bs + p % bs`` for the sequence's positions; invalid sequences output zeros;
 4. sequences whose token range and inputs were not touched have outputs and cache blocks byte-identical to a
    run of the clean batch; blocks nobody owns are never written;
@@ -36,8 +36,8 @@ import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from iobind import bind_cpu
-from tolerances import assert_close
+from support.iobind import bind_cpu
+from support.tolerances import assert_close
 
 from ortpa.ops.oracle import paged_attention
 from ortpa.ops.portable import portable_single_node_model
@@ -269,7 +269,7 @@ def corrupt(draw, clean: Batch) -> Batch:
 # ------------------------------------------------------------------------------------------------ spec, restated
 @dataclass
 class Expected:
-    """The sanitized batch, derived here from reference §3.4(a) without ``ortpa.ops.sanitize``."""
+    """The sanitized batch, derived here from reference §3.4(a) without ``ortpa.ops.oracle.sanitize``."""
 
     cu: list[int]
     past: list[int]

@@ -8,11 +8,11 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from tolerances import assert_close
+from support.tolerances import assert_close
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
 from ortpa.ops.oracle import paged_attention
-from ortpa.ops.rope import apply_rotary, rms_norm
+from ortpa.ops.oracle.rope import apply_rotary, rms_norm
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16]
@@ -436,7 +436,7 @@ STORE = {"int8": np.int8, "float8e4m3fn": ml_dtypes.float8_e4m3fn, "int4": np.ui
 
 
 def quant_ref(x, s, kind):
-    """Test-side symmetric quantize -> dequantize in float64 (independent of ortpa.ops.quant)."""
+    """Test-side symmetric quantize -> dequantize in float64 (independent of ortpa.ops.oracle.quant)."""
     r = np.clip(x.astype(np.float32) / s, -QMAX[kind] - (kind == "int8") - (kind == "int4"), QMAX[kind])
     q = r.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) if kind == "float8e4m3fn" else np.rint(r)
     return q * s

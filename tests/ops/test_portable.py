@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from iobind import bind_cpu
-from tolerances import assert_close
+from support.iobind import bind_cpu
+from support.tolerances import assert_close
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
 from ortpa.ops.oracle import paged_attention

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ortpa.ops.quant import (
+from ortpa.ops.oracle.quant import (
     cache_kind,
     channel_scale,
     dequantize,
@@ -15,7 +15,7 @@ from ortpa.ops.quant import (
     storage_dtype,
     unpack_int4,
 )
-from ortpa.ops.sanitize import sanitize_block_table, sanitize_lengths
+from ortpa.ops.oracle.sanitize import sanitize_block_table, sanitize_lengths
 
 QMAX = {"int8": 127.0, "float8e4m3fn": 448.0, "int4": 7.0}
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from parity import FIXTURES, attrs, check_near_miss, near_miss, paged_nodes, run_parity
+from support.parity import FIXTURES, attrs, check_near_miss, near_miss, paged_nodes, run_parity
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model
-from ortpa.rewriter.attention import AttentionLayer, LayerFailure, match_attention_layers
+from ortpa.rewriter.layer import AttentionLayer, LayerFailure
 from ortpa.rewriter.pipeline import convert
+from ortpa.rewriter.recognisers.decomposed import match_attention_layers
 
 # (fixture, convert options)
 CASES = [

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ortpa.rewriter._fold import fold_partial, fold_shape_values, fold_static, runtime_scalar
-from ortpa.rewriter._match import MatchFail, strip_scales
+from ortpa.rewriter.recognisers._match import MatchFail, strip_scales
 
 
 def _model(axis: int) -> ir.Model:
@@ -109,13 +109,13 @@ def _projection_graph(width: int, row: int, slice_axis: int, start: int, end: in
 
 def test_heads_of_a_fused_qkv_viewed_per_head():
     """[B, S, H, 3*D] split along the last axis (q = [..., :D]): H = 4 heads, not 3 * 4."""
-    from ortpa.rewriter.attention_match import _heads_from_projection
+    from ortpa.rewriter.recognisers.decomposed import _heads_from_projection
 
     assert _heads_from_projection(_projection_graph(3 * 4 * 16, 3 * 16, -1, 0, 16), 16) == 4
 
 
 def test_heads_of_multi_query_from_the_heads_slice():
     """Falcon-style [B, S, H + 2, D] with q = [:, :, :H]: H = 4 query heads, not the 6 rows of the projection."""
-    from ortpa.rewriter.attention_match import _heads_from_projection
+    from ortpa.rewriter.recognisers.decomposed import _heads_from_projection
 
     assert _heads_from_projection(_projection_graph(6 * 16, 16, 2, 0, 4), 16) == 4

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from parity import paged_nodes, run_parity
+from support.parity import paged_nodes, run_parity
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate

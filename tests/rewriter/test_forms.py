@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from parity import attrs, paged_nodes
+from support.parity import attrs, paged_nodes
 
 import ortpa
 

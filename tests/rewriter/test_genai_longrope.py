@@ -1,7 +1,7 @@
 """onnxruntime-genai LongRoPE (Phi-3.x 128k / Phi-4-mini style) converts, and batched = alone.
 
 The builder gives every GroupQueryAttention the outputs of ``If(Greater(total_sequence_length, 32), long, short)``:
-one cos/sin table per step for the whole batch. Converted (``ortpa.rewriter.rope_choice``), each token is rotated
+one cos/sin table per step for the whole batch. Converted (``rewriter.per_sequence.rope_choice``), each token is rotated
 with the table its own sequence's total length picks, before PagedAttention. Prompts of 5 (short throughout),
 45 (long from the prefill) and 28 tokens (crossing 32 at its 5th decode step, its cached keys keeping the short
 rotation as in the original) are decoded batched and compared with each run alone by ONNX Runtime on the
@@ -21,7 +21,7 @@ import pytest
 from ortpa.errors import ConversionError
 from ortpa.parity.greedy import dense_greedy, open_dense, paged_greedy
 from ortpa.parity.rule import judge_precision, kl_divergence
-from ortpa.rewriter import rope_choice
+from ortpa.rewriter.per_sequence import rope_choice
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.session import PagedSession
 from ortpa.tolerances import precision_kl_bound
@@ -31,7 +31,7 @@ THRESHOLD = 32  # the fixtures' original_max_position_embeddings
 NEW_TOKENS = 8
 LENGTHS = (5, 45, 28)
 # fp32 / int4: GroupQueryAttention with in-op RoPE (RoPE moves into the graph); fp16: RotaryEmbedding nodes in the
-# graph, whose tables become one row per packed token (ortpa.rewriter.rope_choice)
+# graph, whose tables become one row per packed token (ortpa.rewriter.per_sequence.rope_choice)
 NAMES = ("genai_phi3_longrope_fp32", "genai_phi3_longrope_fp16", "genai_phi3_longrope_int4")
 
 

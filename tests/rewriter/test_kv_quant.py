@@ -2,8 +2,8 @@
 
 One MLA fixture (LATENT: one ``k_scale`` over the ``[latent | k_pe]`` row) and one GQA fixture (SEPARATE:
 ``k_scale`` and ``v_scale``). The converted node must pass ortpa's CUDA validation, the caches must be int8
-graph inputs, and the model must track the dense export within :data:`tolerances.KV_INT8_EXTRA_ATOL` through
-:func:`parity.run_parity` and generate the dense model's greedy tokens through the Engine. Expected scale
+graph inputs, and the model must track the dense export within the int8 precision rule
+(:func:`ortpa.tolerances.precision_kl_bound`) through :func:`parity.run_parity` and generate the dense model's greedy tokens through the Engine. Expected scale
 shapes and values come from the dense model's own I/O, run here independently of the calibration code.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from parity import FIXTURES, DenseModel, attrs, paged_nodes, run_parity
+from support.parity import FIXTURES, DenseModel, attrs, paged_nodes, run_parity
 
 from ortpa.cli import main
 from ortpa.errors import ConversionError

@@ -16,7 +16,7 @@ import shutil
 import onnx
 import onnxruntime as ort
 import pytest
-from flow_spy import record_sink_kinds
+from support.flow_spy import record_sink_kinds
 
 from ortpa.cli import main
 from ortpa.ops.validate import validate_model

@@ -12,13 +12,14 @@ import hashlib
 import numpy as np
 import onnx
 import pytest
-from parity import FIXTURES, attrs, check_near_miss, near_miss, run_parity
+from support.parity import FIXTURES, attrs, check_near_miss, near_miss, run_parity
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model
 from ortpa.parity.convert_file import convert_file
-from ortpa.rewriter.mla import LayerFailure, MlaLayer, match_mla_layers
+from ortpa.rewriter.layer import LayerFailure, MlaLayer
 from ortpa.rewriter.pipeline import convert
+from ortpa.rewriter.recognisers.mla import match_mla_layers
 
 
 def _run_paged(converted: onnx.ModelProto, dense_path, *, logits: str = "last", positions: bool = False):

@@ -128,7 +128,7 @@ def test_one_shape_inference_and_one_validation_per_session(tmp_path, monkeypatc
 
     monkeypatch.setattr(session_module, "infer_shapes", infer)
     monkeypatch.setattr(node_check, "infer_shapes", infer)
-    monkeypatch.setattr("ortpa.ops.portable.infer_shapes", infer)
+    monkeypatch.setattr("ortpa.ops.portable.lower.infer_shapes", infer)
     monkeypatch.setattr(node_check, "_check_rules", rules)
     sess = InferenceSession(out, providers=["CPUExecutionProvider"])
     nodes = sum(n.op_type == "PagedAttention" for n in onnx.load(str(out)).graph.node)

@@ -21,8 +21,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper
-from parity import FIXTURES, run_parity
-from tolerances import assert_close
+from support.parity import FIXTURES, run_parity
+from support.tolerances import assert_close
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model
@@ -154,7 +154,7 @@ def test_longrope_max_also_used_as_a_number_is_refused():
 
 def test_mean_over_tokens_becomes_per_sequence(tmp_path):
     """Subtracting (half) the mean over the seq axis from the embeddings: packed, that mean would mix every
-    sequence's tokens; the flow's segment ops (``ortpa.rewriter.per_sequence_segments``) take each sequence's own
+    sequence's tokens; the flow's segment ops (``ortpa.rewriter.per_sequence.segments``) take each sequence's own
     mean."""
     model = onnx.load(str(FIXTURES / "llama_sdpa_op18.onnx"))
     gather = next(n for n in model.graph.node if n.op_type == "Gather" and "embed_tokens" in n.input[0])

@@ -1,6 +1,6 @@
 """Batched = alone for the probes of issue 21: one op inserted after a Llama fixture's token embedding.
 
-The dataflow (``ortpa.rewriter.per_sequence_flow``) must find every value that depends on more than one packed
+The dataflow (``ortpa.rewriter.per_sequence.flow``) must find every value that depends on more than one packed
 sequence, make it per sequence (learned absolute positions gathered with ``Range(0, seq_len, 1)``, the last
 token ``x[:, -1:]`` broadcast back) or refuse it naming the node (fixed tokens picked from the step, a
 contraction across tokens). Each modified dense model run alone by ONNX Runtime is the reference.
@@ -11,16 +11,16 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from flow_spy import record_sink_kinds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
+from support.flow_spy import record_sink_kinds
+from support.tolerances import assert_close
 from test_per_sequence import FIXTURES, NEW_TOKENS, _paged, _prompts, _toposorted
-from tolerances import assert_close
 
 from ortpa.errors import ConversionError
 from ortpa.parity.greedy import dense_greedy, open_dense, paged_greedy
-from ortpa.rewriter import per_sequence_segments
+from ortpa.rewriter.per_sequence import segments as per_sequence_segments
 from ortpa.rewriter.pipeline import convert
 
 LLAMA = FIXTURES / "llama_sdpa_op18.onnx"
@@ -135,7 +135,7 @@ def test_probe_converts_and_batched_equals_alone(extra, rewrite, base, tmp_path)
     seen: list[list[str]] = []
     real = per_sequence_segments.flow_rewrites
     with pytest.MonkeyPatch.context() as mp:
-        import ortpa.rewriter.per_sequence as ps
+        import ortpa.rewriter.per_sequence.reductions as ps
 
         mp.setattr(ps, "flow_rewrites", lambda g, io, b, done: real(g, io, b, done) or seen.append(done) or [])
         converted = convert(model)
@@ -146,7 +146,7 @@ def test_probe_converts_and_batched_equals_alone(extra, rewrite, base, tmp_path)
 @pytest.mark.parametrize("extra", [_learned_positions, _last_token])
 def test_probe_needs_the_rewrite(extra, tmp_path, monkeypatch):
     """Without the flow's rewrites, the probe converts silently and a batched prompt differs from alone."""
-    import ortpa.rewriter.per_sequence as ps
+    import ortpa.rewriter.per_sequence.reductions as ps
 
     model = _probe(extra)
     dense = tmp_path / "probe.onnx"

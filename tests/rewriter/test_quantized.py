@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from parity import FIXTURES, paged_nodes, run_parity
+from support.parity import FIXTURES, paged_nodes, run_parity
 
 from ortpa.rewriter.pipeline import convert
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import onnx
 import pytest
 from near_miss import hide_scalar, runtime_qk_scale
-from parity import attrs, paged_nodes
+from support.parity import attrs, paged_nodes
 
 import ortpa
 from ortpa.errors import ConversionError

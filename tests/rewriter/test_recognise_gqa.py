@@ -11,10 +11,10 @@ import onnx
 import onnx_ir as ir
 import pytest
 from genai_toy import GqaToy, gqa_toy_model
-from parity import attrs, paged_nodes, run_parity
+from support.parity import attrs, paged_nodes, run_parity
 
 from ortpa.errors import ConversionError
-from ortpa.rewriter.attention_match import AttentionLayer
+from ortpa.rewriter.layer import AttentionLayer
 from ortpa.rewriter.pipeline import convert
 from ortpa.rewriter.recognisers import recognise_separate_layers
 

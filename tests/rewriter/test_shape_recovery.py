@@ -9,8 +9,8 @@ from pathlib import Path
 
 import onnx
 import pytest
-from flow_spy import record_sink_kinds
 from onnx import helper
+from support.flow_spy import record_sink_kinds
 
 from ortpa.errors import ConversionError
 from ortpa.rewriter import pipeline

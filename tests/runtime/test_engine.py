@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tolerances import assert_close, max_tie_flips, tie_bound
+from support.tolerances import assert_close, max_tie_flips, tie_bound
 
 from ortpa.runtime.engine import Engine, RequestTooLarge, SamplingParams, UnknownRequest
 from ortpa.runtime.kv import PagedKVCache
@@ -315,7 +315,7 @@ def test_steps_mix_prompt_chunks_and_decodes_by_default_on_the_portable_path():
 
 def test_requests_past_the_rotary_table_are_refused():
     """RoPE in the op reads cos_cache[position] unchecked on CUDA: the engine refuses what would run past it."""
-    from parity import FIXTURES
+    from support.parity import FIXTURES
 
     from ortpa.rewriter.pipeline import convert
     from ortpa.runtime.engine import RequestTooLong, rotary_table_rows

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from tolerances import assert_close
+from support.tolerances import assert_close
 
 from ortpa.errors import InvalidArgument, InvalidParameter, NotImplementedByBackend
 from ortpa.ops.oracle import paged_attention

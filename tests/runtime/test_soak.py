@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from tolerances import max_tie_flips, tie_bound
+from support.tolerances import max_tie_flips, tie_bound
 
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.runtime.prefix_cache import CacheHolder

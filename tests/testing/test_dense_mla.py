@@ -14,12 +14,13 @@ import onnx_ir as ir
 import onnxruntime as ort
 import onnxscript.optimizer
 import pytest
-from tolerances import assert_close
+from support.tolerances import assert_close
 
 from ortpa.errors import OrtpaError
 from ortpa.parity.greedy import dense_greedy, paged_greedy
-from ortpa.rewriter.mla import MlaLayer, match_mla_layers
+from ortpa.rewriter.layer import MlaLayer
 from ortpa.rewriter.pipeline import convert
+from ortpa.rewriter.recognisers.mla import match_mla_layers
 from ortpa.runtime.session import PagedSession
 from ortpa.testing.dense_mla import DenseMlaConfig, DenseMlaConfigError, build_dense_mla, dense_mla_weights
 from ortpa.testing.dense_mla_reference import dense_mla_reference

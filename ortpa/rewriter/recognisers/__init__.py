@@ -2,11 +2,11 @@
 
 A layer is handed to the recogniser of the op that reads its key cache: ``com.microsoft::GroupQueryAttention``
 (:mod:`.gqa`), ``com.microsoft::MultiHeadAttention`` (:mod:`.mha`), or the decomposed / SDPA / ONNX ``Attention``
-forms of torch exports, dynamo and TorchScript-era alike (:mod:`ortpa.rewriter.attention_match`). Every
+forms of torch exports, dynamo and TorchScript-era alike (:mod:`ortpa.rewriter.recognisers.decomposed`). Every
 recogniser returns the same description, which one emitter
 (:func:`ortpa.rewriter.attention.rewrite_attention_layer`) turns into PagedAttention ``SEPARATE``; a layer it
 cannot describe becomes a :class:`LayerFailure` with the reason. MLA layers have their own recogniser and
-description (:mod:`ortpa.rewriter.mla_match`). Adding a form is adding a module here and a line to
+description (:mod:`ortpa.rewriter.recognisers.mla`). Adding a form is adding a module here and a line to
 ``RECOGNISERS``.
 """
 
@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
-from ortpa.rewriter._match import LayerFailure, cache_layers, graph_input, match_or_failure
-from ortpa.rewriter.attention_match import AttentionLayer, recognise_decomposed
+from ortpa.rewriter.layer import AttentionLayer, LayerFailure
 from ortpa.rewriter.recognisers import gqa, mha
+from ortpa.rewriter.recognisers._match import cache_layers, graph_input, match_or_failure
+from ortpa.rewriter.recognisers.decomposed import recognise_decomposed
 
 __all__ = ["RECOGNISERS", "recognise_separate_layers", "source_op"]
 

@@ -19,7 +19,7 @@ from collections import deque
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import int_attr
-from ortpa.rewriter._match import softmax_of
+from ortpa.rewriter.recognisers._match import softmax_of
 
 __all__ = ["canonicalise_cache_io", "numeric_dims"]
 

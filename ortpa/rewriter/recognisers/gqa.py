@@ -7,7 +7,7 @@ RoPE in the source too). With ``do_rotary=1`` the op applies RoPE itself from ``
 tables indexed by position: those tables become PagedAttention's own rotary inputs (``do_rotary=1``, the same
 ``rotary_interleaved``), since both ops take the position of a token as its past length plus its index. Tables
 chosen at run time by LongRoPE's ``If`` on the total length become a per-sequence choice with RoPE applied in the
-graph (:mod:`ortpa.rewriter.rope_choice`).
+graph (:mod:`ortpa.rewriter.per_sequence.rope_choice`).
 
 What the GQA node computes from ``attention_mask`` (``seqlens_k``, ``total_sequence_length``) is replaced by the
 paged inputs and becomes dead. ``local_window_size`` carries over as it is: in ONNX Runtime's GQA (CPU kernel,
@@ -27,9 +27,9 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import attr_value, const_array, static_width
-from ortpa.rewriter._match import MatchFail, cache_inputs, consumer_ops, need
-from ortpa.rewriter.attention_match import AttentionLayer, SourceRotary
-from ortpa.rewriter.rope_choice import ChosenRotary, chosen_rotary
+from ortpa.rewriter.layer import AttentionLayer, SourceRotary
+from ortpa.rewriter.per_sequence.rope_choice import ChosenRotary, chosen_rotary
+from ortpa.rewriter.recognisers._match import MatchFail, cache_inputs, consumer_ops, need
 
 __all__ = ["OP_TYPE", "SinkAttentionLayer", "recognise_gqa"]
 
@@ -126,7 +126,7 @@ def recognise_gqa(graph: ir.Graph, layer: int) -> AttentionLayer:
         interleaved = int(attr_value(node, "rotary_interleaved", 0))
         if cos_a is None or sin_a is None:
             # LongRoPE (genai Phi-3.x / Phi-4-mini): one If picks a table from the total length; made per sequence
-            # with RoPE applied in the graph (ortpa.rewriter.rope_choice)
+            # with RoPE applied in the graph (ortpa.rewriter.per_sequence.rope_choice)
             chosen = chosen_rotary(cos, sin, ins[6], interleaved)
             need(
                 not isinstance(chosen, str),

@@ -19,8 +19,8 @@ from collections import deque
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import attr_value, ints_attr, producer_op, static_dim, static_width
-from ortpa.rewriter._match import MatchFail, cache_concat, cache_inputs, consumer_ops, need, reaches
-from ortpa.rewriter.attention_match import AttentionLayer
+from ortpa.rewriter.layer import AttentionLayer
+from ortpa.rewriter.recognisers._match import MatchFail, cache_concat, cache_inputs, consumer_ops, need, reaches
 
 __all__ = ["OP_TYPE", "forward_op", "recognise_mha"]
 

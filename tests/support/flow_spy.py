@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ortpa.rewriter import per_sequence_segments
+from ortpa.rewriter.per_sequence import segments as per_sequence_segments
 
 
 def record_sink_kinds(monkeypatch) -> list[set[str]]:

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder
-from ortpa.rewriter.per_sequence_axes import Live, TokenAxes, describe, reduced_axes
+from ortpa.rewriter.per_sequence.axes import Live, TokenAxes, describe, reduced_axes
 
 __all__ = ["SEGMENT_REDUCTIONS", "rewrite_choice"]
 

@@ -1,4 +1,4 @@
-"""The kinds the per-sequence dataflow gives values (:mod:`ortpa.rewriter.per_sequence_flow`), and the state it
+"""The kinds the per-sequence dataflow gives values (:mod:`ortpa.rewriter.per_sequence.flow`), and the state it
 keeps: ranks, static dims (the dense batch symbol as 1), each value's kind."""
 
 from __future__ import annotations

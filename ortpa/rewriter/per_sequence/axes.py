@@ -1,6 +1,6 @@
 """Which axis of a value is the token axis, and which nodes still reach the converted graph's outputs.
 
-Shared by :mod:`ortpa.rewriter.per_sequence` and :mod:`ortpa.rewriter.per_sequence_choice`.
+Shared by :mod:`ortpa.rewriter.per_sequence` and :mod:`ortpa.rewriter.per_sequence.choice`.
 """
 
 from __future__ import annotations

@@ -10,24 +10,28 @@ joins the running decodes in the same step, so sequences sit at different positi
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from tolerances import max_tie_flips, precision_kl_bound, precision_ties
 
 from ortpa.dtypes import dtype_name
+from ortpa.errors import ConversionError
 from ortpa.parity.greedy import open_dense
 from ortpa.parity.rule import kl_divergence
+from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
+from support.tolerances import max_tie_flips, precision_kl_bound, precision_ties
 
 __all__ = ["DenseModel", "ParityResult", "attrs", "check_near_miss", "near_miss", "paged_nodes", "run_parity"]
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BLOCK_SIZE, NUM_BLOCKS = 16, 24
 PROMPTS = (("A", 5), ("B", 11), ("C", 3))
 LATE_PROMPT, LEAVER, JOIN_STEP = ("D", 6), "C", 4
@@ -205,13 +209,6 @@ def near_miss(fixture: str) -> onnx.ModelProto:
 
 def check_near_miss(model: onnx.ModelProto, match: str, match_layers, layer_type: type, failure_type: type) -> None:
     """``convert`` reports layer 1 (not a Softmax) and leaves the input alone; the matcher finds layer 0 only."""
-    import hashlib
-
-    import onnx_ir as ir
-
-    from ortpa.errors import ConversionError
-    from ortpa.rewriter.pipeline import convert
-
     before = hashlib.sha256(model.SerializeToString()).hexdigest()
     with pytest.raises(ConversionError, match=match) as info:
         convert(model)

@@ -7,7 +7,7 @@ op reads the sequence boundaries itself). From them a forward pass over the live
 
 * ``const``: no dependence on the step's tokens;
 * ``count``: an integer computed from the step's token count (``Shape`` of a per-token value); checked by
-  :func:`ortpa.rewriter.per_sequence._token_counts`, which allows it only as a size;
+  :func:`ortpa.rewriter.per_sequence.reductions._token_counts`, which allows it only as a size;
 * ``token``: one axis (``axis``) is the packed token axis and each slice along it depends on its own token only;
 * ``enum``: like ``token``, but the values hold each token's index in the packed step (``Range(0, count, 1)``, or
   rows ``0..count-1`` of a constant table): alone, a sequence would see its own indices ``0..len-1``. Used only
@@ -16,7 +16,7 @@ op reads the sequence boundaries itself). From them a forward pass over the live
 * ``route``: elements that each belong to one token but regrouped across the step (``node``: where). MoE dispatch
   sorts every (token, expert) row (a TopK over the whole token axis) and puts them back with an inverse-permutation
   gather or a scatter: only such a sort is taken to be undone; any other regrouping that reaches the logits or the
-  caches is refused (:mod:`ortpa.rewriter.per_sequence_segments`);
+  caches is refused (:mod:`ortpa.rewriter.per_sequence.segments`);
 * ``step``: depends on more than one sequence of the step: ``why`` says how, ``node`` where. An op with no rule
   here and a non-constant input gives ``step``: unknown is step-wide. Where only a shape is missing (what
   :mod:`ortpa.rewriter.shape_recovery` could not recover) the value is ``step`` but not ``definite`` (the flow
@@ -24,7 +24,7 @@ op reads the sequence boundaries itself). From them a forward pass over the live
 
 A token axis may be "blocked" (``block`` rows per token): a reshape folding each token's trailing elements into
 rows of the token axis (``[1, T, 4 * 32] -> [1, T * 4, 32]``) and back. Kinds and state live in
-:mod:`ortpa.rewriter.per_sequence_kinds`, the layout ops in :mod:`ortpa.rewriter.per_sequence_layout`.
+:mod:`ortpa.rewriter.per_sequence.kinds`, the layout ops in :mod:`ortpa.rewriter.per_sequence.layout`.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from dataclasses import replace
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence_kinds import CONST, COUNT, Flow, Kind, unknown_op
-from ortpa.rewriter.per_sequence_kinds import lost as _lost
-from ortpa.rewriter.per_sequence_kinds import norm as _norm
-from ortpa.rewriter.per_sequence_kinds import step as _step
-from ortpa.rewriter.per_sequence_layout import keep as _keep
-from ortpa.rewriter.per_sequence_layout import reshape as _reshape
-from ortpa.rewriter.per_sequence_layout import squeeze_like as _squeeze_like
-from ortpa.rewriter.per_sequence_layout import transpose as _transpose
+from ortpa.rewriter.per_sequence.kinds import CONST, COUNT, Flow, Kind, unknown_op
+from ortpa.rewriter.per_sequence.kinds import lost as _lost
+from ortpa.rewriter.per_sequence.kinds import norm as _norm
+from ortpa.rewriter.per_sequence.kinds import step as _step
+from ortpa.rewriter.per_sequence.layout import keep as _keep
+from ortpa.rewriter.per_sequence.layout import reshape as _reshape
+from ortpa.rewriter.per_sequence.layout import squeeze_like as _squeeze_like
+from ortpa.rewriter.per_sequence.layout import transpose as _transpose
 
 __all__ = ["Flow", "Kind", "analyse"]
 

@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder, const_array
-from ortpa.rewriter.attention_match import SourceRotary
+from ortpa.rewriter.layer import SourceRotary
 
 __all__ = ["ChosenRotary", "apply", "chosen_rotary", "rewrite_rotary_embedding_choices"]
 

@@ -9,10 +9,10 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence_kinds import Flow, Kind
-from ortpa.rewriter.per_sequence_kinds import lost as _lost
-from ortpa.rewriter.per_sequence_kinds import norm as _norm
-from ortpa.rewriter.per_sequence_kinds import step as _step
+from ortpa.rewriter.per_sequence.kinds import Flow, Kind
+from ortpa.rewriter.per_sequence.kinds import lost as _lost
+from ortpa.rewriter.per_sequence.kinds import norm as _norm
+from ortpa.rewriter.per_sequence.kinds import step as _step
 
 __all__ = ["is_count", "keep", "reshape", "shape_elements", "squeeze_like", "transpose"]
 

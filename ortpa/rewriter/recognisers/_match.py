@@ -1,5 +1,5 @@
-"""Structural-match helpers shared by the attention matchers (:mod:`~ortpa.rewriter.mla_match` for MLA,
-:mod:`~ortpa.rewriter.attention_match` for MHA / GQA): the failure type and its report, and the walks both use
+"""Structural-match helpers shared by the attention matchers (:mod:`~ortpa.rewriter.recognisers.mla` for MLA,
+:mod:`~ortpa.rewriter.recognisers.decomposed` for MHA / GQA): the failure type and its report, and the walks both use
 from a cache input to the attention core. Nothing here mutates the graph.
 """
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import onnx_ir as ir
@@ -15,11 +14,11 @@ from onnxscript.rewriter import MatchResult
 
 from ortpa.rewriter._fold import fold_static, runtime_scalar
 from ortpa.rewriter._graph import consumers, int_attr, producer_op, scalar
+from ortpa.rewriter.layer import LayerFailure
 
 T = TypeVar("T")
 
 __all__ = [
-    "LayerFailure",
     "MatchFail",
     "cache_concat",
     "cache_inputs",
@@ -32,18 +31,6 @@ __all__ = [
     "softmax_of",
     "strip_scales",
 ]
-
-
-@dataclass(frozen=True)
-class LayerFailure:
-    """Why layer ``layer`` was not converted: a readable reason and the value or node it concerns."""
-
-    layer: int
-    reason: str
-    where: str
-
-    def as_pair(self) -> tuple[str, str]:
-        return (f"layer {self.layer} ({self.where})", self.reason)
 
 
 class MatchFail(Exception):

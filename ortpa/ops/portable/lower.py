@@ -1,11 +1,11 @@
 """``com.microsoft::PagedAttention`` in standard ONNX ops, runnable by any execution provider (ONNX Runtime CPU).
 
 :func:`lower_to_portable` replaces each PagedAttention node by a call to a model-local ONNX function (built by
-:mod:`ortpa.ops.portable_graph`, one per distinct configuration) with the node's inputs and outputs, so graph
+:mod:`ortpa.ops.portable.layer`, one per distinct configuration) with the node's inputs and outputs, so graph
 input/output names are unchanged. The index work of a step (sanitization, write set, decode / prefill groups,
 masks, output rows) depends only on the index inputs, so it is one *plan* call, placed before the first layer,
 whose outputs every layer with the same index inputs and the same declared token and cache dimensions takes as
-extra inputs: computed once per step instead of once per layer (:mod:`ortpa.ops.portable_plan`). The layer
+extra inputs: computed once per step instead of once per layer (:mod:`ortpa.ops.portable.plan`). The layer
 function is specialised on the node's attributes, on which optional inputs are present and on the declared
 element types; it computes in float32 from float16/bfloat16 inputs and writes the caches in their own element
 type.
@@ -34,6 +34,7 @@ packed int4 (uint8) caches, and head sizes or rotary widths that are not static 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -44,20 +45,24 @@ from ortpa.dtypes import onnx_elem_type
 from ortpa.errors import NotImplementedByBackend
 from ortpa.ops.backends import BACKENDS
 from ortpa.ops.params import PagedAttentionParams
-from ortpa.ops.portable_graph import FUNCTION_DOMAIN, PortableConfig, build_function
-from ortpa.ops.portable_plan import PLAN_OUTPUTS, PlanConfig, build_plan_function
+from ortpa.ops.portable.config import DEFAULT_OPSET, PLAN_OUTPUTS, PlanConfig, PortableConfig
+from ortpa.ops.portable.layer import build_function
+from ortpa.ops.portable.plan import build_plan_function
+from ortpa.ops.portable.tracer import FUNCTION_DOMAIN
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE, PAGED_ATTENTION
 from ortpa.ops.validate import TensorInfo, check_inputs, dtype_name
 
 __all__ = [
     "BACKEND",
-    "FUNCTION_DOMAIN",
     "PORTABLE_FEATURES",
+    "LayerCall",
+    "layer_call",
+    "lower_nodes",
     "lower_to_portable",
-    "paged_attention_model",
+    "node_attributes",
+    "plan_call",
     "portable_config",
-    "portable_single_node_model",
     "value_types",
 ]
 
@@ -68,12 +73,10 @@ BACKEND = "portable"
 PORTABLE_FEATURES: frozenset[str] = BACKENDS[BACKEND].supported
 
 _MIN_OPSET = 18  # ReduceMax/ReduceMean with axes as an input, Split num_outputs
-_FUNCTION_OPSET = 21
-# the element types a PagedAttention model's inputs may have (activations, caches, scales, index tensors)
-_ELEMENT_TYPES = frozenset({"float16", "bfloat16", "int8", "float8e4m3fn", "uint8", "int32", "float32"})
+_INDEX = {f.name: f.index for f in PAGED_ATTENTION.inputs}  # schema name -> input position
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
     out = {}
     for a in node.attribute:
         v = helper.get_attribute_value(a)
@@ -105,13 +108,13 @@ def _tensor_info(tp: onnx.TypeProto | None) -> TensorInfo:
 
 
 def portable_config(
-    node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int = _FUNCTION_OPSET
+    node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int = DEFAULT_OPSET
 ) -> PortableConfig:
     """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration."""
     where = node.name or None
     names = list(node.input) + [""] * (len(PAGED_ATTENTION.inputs) - len(node.input))
     inputs = {f.name: _tensor_info(types.get(names[f.index])) for f in PAGED_ATTENTION.inputs if names[f.index] != ""}
-    attrs = _attrs(node)
+    attrs = node_attributes(node)
     p: PagedAttentionParams = check_inputs(inputs, attrs, node=where, max_threads_per_block=0)
 
     storage = dtype_name(inputs["key_cache"].dtype)
@@ -189,6 +192,72 @@ def _dim(shape: tuple | None, i: int) -> int | None:
     return shape[i]
 
 
+@dataclass
+class LayerCall:
+    """One PagedAttention node as the function call that replaces it: the layer's configuration and the call's
+    inputs and outputs (the plan's outputs are appended by :func:`lower_nodes`)."""
+
+    node: onnx.NodeProto
+    cfg: PortableConfig
+    inputs: list[str]
+    outputs: list[str]
+
+
+def layer_call(
+    node: onnx.NodeProto,
+    types: Mapping[str, onnx.TypeProto],
+    opset: int = DEFAULT_OPSET,
+    configure: Callable[[PortableConfig], PortableConfig] | None = None,
+) -> LayerCall:
+    """``node`` as a call of its layer function: its present inputs in schema order, its present outputs.
+    ``configure`` maps the validated configuration to the one the function is built with (see
+    :func:`lower_to_portable`)."""
+    cfg = portable_config(node, types, opset)
+    if configure is not None:
+        cfg = configure(cfg)
+    inputs = [node.input[_INDEX[name]] for name in cfg.present_inputs]
+    return LayerCall(node, cfg, inputs, [o for o in node.output if o])
+
+
+def lower_nodes(
+    model: onnx.ModelProto,
+    make_call: Callable[[int, onnx.NodeProto], LayerCall | None],
+    types: Mapping[str, onnx.TypeProto],
+) -> list[LayerCall]:
+    """Replace in ``model`` (in place) each PagedAttention node by the call ``make_call(index, node)`` returns (None:
+    the node stays), each layer's plan call placed before the first layer that uses it; add the functions and
+    their domain. The one lowering loop of :func:`lower_to_portable` and of ``convert --portable``
+    (:func:`ortpa.deploy.portable_file.lower_file`), which differ only in how a node becomes a call."""
+    functions: dict[PortableConfig | PlanConfig, onnx.FunctionProto] = {}
+    plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
+    calls: list[LayerCall] = []
+    nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(model.graph.node):
+        call = make_call(i, node) if node.op_type == OP_TYPE and node.domain == DOMAIN else None
+        if call is None:
+            nodes.append(node)
+            continue
+        plan_node, plan_outputs = plan_call(node, call.cfg, types, plans, functions)
+        if plan_node is not None:
+            nodes.append(plan_node)
+        nodes.append(
+            helper.make_node(
+                call.cfg.function_name(),
+                [*call.inputs, *plan_outputs],
+                call.outputs,
+                name=node.name,
+                domain=FUNCTION_DOMAIN,
+            )
+        )
+        calls.append(call)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.functions.extend(functions.values())
+    if functions and FUNCTION_DOMAIN not in {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
+    return calls
+
+
 def lower_to_portable(
     model: onnx.ModelProto,
     node_names: Collection[str] | None = None,
@@ -219,37 +288,17 @@ def lower_to_portable(
     fn_opset = main_opset
     types = _value_infos(out) if types is None else types
     wanted = None if node_names is None else set(node_names)
-    functions: dict[PortableConfig | PlanConfig, onnx.FunctionProto] = {}
-    idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
-    plans: dict[tuple, list[str]] = {}  # sharing key -> the plan call's output names
-    nodes: list[onnx.NodeProto] = []
-    for node in out.graph.node:
-        if node.op_type != OP_TYPE or node.domain != DOMAIN or (wanted is not None and node.name not in wanted):
-            nodes.append(node)
-            continue
-        cfg = portable_config(node, types, fn_opset)
-        if configure is not None:
-            cfg = configure(cfg)
-        plan_node, plan_outputs = plan_call(node, cfg, types, plans, functions)
-        if plan_node is not None:
-            nodes.append(plan_node)
-        call = helper.make_node(
-            cfg.function_name(),
-            [node.input[idx[name]] for name in cfg.present_inputs] + plan_outputs,
-            [o for o in node.output if o],
-            name=node.name,
-            domain=FUNCTION_DOMAIN,
-        )
-        nodes.append(call)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
+
+    def make_call(_: int, node: onnx.NodeProto) -> LayerCall | None:
+        if wanted is not None and node.name not in wanted:
+            return None
+        return layer_call(node, types, fn_opset, configure)
+
+    lower_nodes(out, make_call, types)
     if wanted is not None:
         missing = wanted - {n.name for n in out.graph.node if n.domain == FUNCTION_DOMAIN}
         if missing:
             raise ValueError(f"node_names: expected PagedAttention node names, found unknown {sorted(missing)}")
-    out.functions.extend(functions.values())
-    if functions and FUNCTION_DOMAIN not in opsets:
-        out.opset_import.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
     return out
 
 
@@ -264,11 +313,10 @@ def plan_call(
     the layer, or None when an earlier layer's is shared; the plan output names to append to the layer call's
     inputs)``. ``plans`` (sharing key -> output names) and ``functions`` (config -> FunctionProto, the layer's own
     function added here too) carry what earlier layers made."""
-    idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
     if cfg not in functions:
         functions[cfg] = ir.serde.serialize_function(build_function(cfg))
     plan = PlanConfig.of(cfg)
-    plan_inputs = [node.input[idx[name]] for name in plan.inputs]
+    plan_inputs = [node.input[_INDEX[name]] for name in plan.inputs]
     key = _plan_key(plan, plan_inputs, types, node.name)
     if key in plans:
         return None, plans[key]
@@ -300,74 +348,3 @@ def _plan_key(plan: PlanConfig, inputs: list[str], types: Mapping[str, onnx.Type
             return (plan, node)  # unknown: this layer's own plan
         dims.append(sym)
     return (plan, tuple(inputs[2:]), tuple(dims))
-
-
-def _elem(array: Any) -> int:
-    name = dtype_name(array.dtype)
-    if name not in _ELEMENT_TYPES:
-        raise TypeError(f"paged_attention_model: expected an element type in {sorted(_ELEMENT_TYPES)}, found {name}")
-    return onnx_elem_type(name)
-
-
-def paged_attention_model(
-    inputs: Mapping[str, Any],
-    attrs: Mapping[str, Any],
-    *,
-    cache_outputs: bool = True,
-    opset: int = _FUNCTION_OPSET,
-    node_name: str = "PagedAttention_0",
-) -> onnx.ModelProto:
-    """A one-node ``com.microsoft::PagedAttention`` model whose graph inputs are the present ``inputs``.
-
-    ``inputs`` maps schema names to arrays (or ``.shape``/``.dtype`` stand-ins); only their element types and
-    head dimensions are fixed in the model: token, batch, block and row counts are symbolic, so one session
-    serves every batch. Graph names are the schema names (outputs: ``output``, ``key_cache_out``,
-    ``value_cache_out``).
-    """
-    sym = {
-        "query": ["T", None],
-        "key": ["T", None],
-        "value": ["T", None],
-        "key_cache": ["NB", "BS", None, None],
-        "value_cache": ["NB", "BS", None, None],
-        "cumulative_sequence_length": ["B1"],
-        "past_seqlens": ["B"],
-        "block_table": ["B", "MB"],
-        "cos_cache": ["P", None],
-        "sin_cache": ["P", None],
-        "slot_mapping": ["T"],
-    }
-    names, vis = [], []
-    for f in PAGED_ATTENTION.inputs:
-        a = inputs.get(f.name)
-        if a is None:
-            names.append("")
-            continue
-        dims = [s if s is not None else d for s, d in zip(sym.get(f.name, [None] * len(a.shape)), a.shape, strict=True)]
-        names.append(f.name)
-        vis.append(helper.make_tensor_value_info(f.name, _elem(a), dims))
-    while names and names[-1] == "":
-        names.pop()
-    latent = attrs.get("kv_cache_layout", "SEPARATE") == "LATENT"
-    out_names = ["output"]
-    if cache_outputs:
-        out_names += ["key_cache_out"] if latent else ["key_cache_out", "value_cache_out"]
-    q = inputs["query"]
-    outs = [helper.make_tensor_value_info("output", _elem(q), ["T", None])]
-    for name, src in (("key_cache_out", "key_cache"), ("value_cache_out", "value_cache")):
-        if name in out_names:
-            outs.append(helper.make_tensor_value_info(name, _elem(inputs[src]), ["NB", "BS", None, None]))
-    node = helper.make_node(OP_TYPE, names, out_names, name=node_name, domain=DOMAIN, **dict(attrs))
-    graph = helper.make_graph([node], "paged_attention", vis, outs)
-    return helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)],
-        ir_version=10,
-    )
-
-
-def portable_single_node_model(
-    inputs: Mapping[str, Any], attrs: Mapping[str, Any], *, cache_outputs: bool = True
-) -> onnx.ModelProto:
-    """:func:`paged_attention_model` lowered by :func:`lower_to_portable` (the test and benchmark harness)."""
-    return lower_to_portable(paged_attention_model(inputs, attrs, cache_outputs=cache_outputs))

@@ -1,4 +1,4 @@
-"""What the dataflow (:mod:`ortpa.rewriter.per_sequence_flow`) finds step-wide -> segment ops, or a refusal.
+"""What the dataflow (:mod:`ortpa.rewriter.per_sequence.flow`) finds step-wide -> segment ops, or a refusal.
 
 * an ``enum`` (a token's index in the packed step) used as a value (``Gather(pos_table, Range(0, seq_len, 1))``,
   learned absolute positions) -> each token's index in its own sequence (``t - starts[seq(t)]``), which is what
@@ -16,8 +16,8 @@ import onnx_ir as ir
 
 from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder, const_array
-from ortpa.rewriter.per_sequence_axes import Live, describe, live_nodes
-from ortpa.rewriter.per_sequence_flow import _ELEMENTWISE, Flow, Kind, analyse
+from ortpa.rewriter.per_sequence.axes import Live, describe, live_nodes
+from ortpa.rewriter.per_sequence.flow import _ELEMENTWISE, Flow, Kind, analyse
 
 __all__ = ["flow_rewrites", "run_flow"]
 

@@ -1,6 +1,6 @@
 """The body of the portable PagedAttention: one layer function per configuration, over a step's plan.
 
-:func:`ortpa.ops.portable_plan.build_plan_function` traces the index work of a step, which depends on the index
+:func:`ortpa.ops.portable.plan.build_plan_function` traces the index work of a step, which depends on the index
 inputs only (``cumulative_sequence_length``, ``past_seqlens``, ``block_table``, ``slot_mapping``, the token count
 and the cache dims), so that a model computes it once per step for all its layers; :func:`build_function` traces
 one layer,
@@ -32,60 +32,17 @@ float32 copy each, padded Q and output ``(D + P * max_q) * num_heads * head_size
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
 import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-from ortpa.ops.portable_plan import FUNCTION_DOMAIN, PLAN_OUTPUTS, GraphTracer
+from ortpa.ops.portable.config import PLAN_OUTPUTS, PortableConfig
+from ortpa.ops.portable.tracer import FUNCTION_DOMAIN, GraphTracer
 
-__all__ = ["FUNCTION_DOMAIN", "PortableConfig", "build_function"]
+__all__ = ["build_function"]
 
 _F32 = ir.DataType.FLOAT
 _I64 = ir.DataType.INT64
-
-
-@dataclass(frozen=True)
-class PortableConfig:
-    """Everything the graph is specialised on; equal configs share one function."""
-
-    present_inputs: tuple[str, ...]  # schema names of the inputs the node passes, in schema order
-    present_outputs: tuple[str, ...]  # "output" plus the cache outputs the node produces
-    act_dtype: int  # ir.DataType of T (FLOAT16 / BFLOAT16)
-    cache_dtype: int  # ir.DataType of the caches (T, or INT8)
-    num_heads: int
-    kv_num_heads: int
-    head_size: int
-    v_head_size: int
-    query_width: int | None  # query dim 1 when declared; used to cut the SEPARATE "hidden % num_heads" quirk
-    latent: bool
-    packed_qkv: bool
-    scale: float
-    softcap: float
-    local_window_size: int
-    is_causal: bool
-    rotary_dim: int  # 0: no RoPE
-    rotary_interleaved: bool
-    rotary_offset: int
-    use_qk_norm: bool
-    qk_norm_epsilon: float
-    k_quant: str  # NONE / PER_TENSOR / PER_CHANNEL
-    v_quant: str
-    opset: int
-    # LATENT only: each latent row is stored split in two, channels [0, H/2) in ``key_cache`` and [H/2, H) in
-    # ``value_cache`` (both [NB, BS, 1, H/2]): the layout of runtimes that allocate a key and a value cache of
-    # one head size per layer (onnxruntime-genai), at the LATENT memory of one row per token
-    split_latent: bool = False
-
-    @property
-    def group(self) -> int:
-        return self.num_heads // self.kv_num_heads
-
-    def function_name(self) -> str:
-        """A name that differs for different configs and is the same in every process (not ``hash``)."""
-        return f"PagedAttention_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"
 
 
 def build_function(cfg: PortableConfig) -> ir.Function:

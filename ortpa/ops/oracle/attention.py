@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from ortpa.errors import NotImplementedByBackend
+from ortpa.ops.oracle.quant import cache_kind, channel_scale, dequantize, quantize
+from ortpa.ops.oracle.rope import apply_rotary, rms_norm
+from ortpa.ops.oracle.sanitize import sanitize_block_table, sanitize_lengths
 from ortpa.ops.params import PagedAttentionParams
-from ortpa.ops.quant import cache_kind, channel_scale, dequantize, quantize
-from ortpa.ops.rope import apply_rotary, rms_norm
-from ortpa.ops.sanitize import sanitize_block_table, sanitize_lengths
 from ortpa.ops.validate import check_inputs
 
 __all__ = ["paged_attention"]

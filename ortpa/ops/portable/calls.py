@@ -1,7 +1,7 @@
 """Find the caches of a file whose PagedAttention nodes were lowered to portable function calls.
 
 A lowered node (``ortpa convert --portable``, :mod:`ortpa.deploy.portable_file`) calls a model-local function of
-:data:`~ortpa.ops.portable_graph.FUNCTION_DOMAIN` whose formal inputs are the op's schema names of the inputs it
+:data:`~ortpa.ops.portable.tracer.FUNCTION_DOMAIN` whose formal inputs are the op's schema names of the inputs it
 passes (``key_cache``, ``value_cache``, ...) and whose outputs are ``output`` then the cache outputs it
 produces, in schema order. So the cache inputs and their aliasing outputs are found without the op itself.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ortpa.ops.portable_graph import FUNCTION_DOMAIN
+from ortpa.ops.portable.tracer import FUNCTION_DOMAIN
 
 __all__ = ["LoweredCachePort", "lowered_cache_ports", "lowered_rotary_tables"]
 

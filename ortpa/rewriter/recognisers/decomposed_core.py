@@ -1,4 +1,4 @@
-"""The attention core of a dense MHA / GQA layer, for :mod:`ortpa.rewriter.attention_match`.
+"""The attention core of a dense MHA / GQA layer, for :mod:`ortpa.rewriter.recognisers.decomposed`.
 
 From the value cache to the attention that reads it (through repeat_kv): ``MatMul(Softmax(scores), v)`` or ONNX
 ``Attention``, and from there the query and key as the scores read them, the scale (factors on q / k folded in),
@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ortpa.rewriter._fold import folded_scalar
 from ortpa.rewriter._graph import const_array, consumers, int_attr, producer_op, scalar, static_dim
-from ortpa.rewriter._match import MatchFail, consumer_ops, need, softmax_of, strip_scales
+from ortpa.rewriter.recognisers._match import MatchFail, consumer_ops, need, softmax_of, strip_scales
 
 __all__ = ["AttentionCore", "attention_core", "sliding_window"]
 

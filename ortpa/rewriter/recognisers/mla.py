@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
-import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import (
@@ -24,8 +22,10 @@ from ortpa.rewriter._graph import (
     split_sizes,
     static_dim,
 )
-from ortpa.rewriter._match import (
-    LayerFailure,
+from ortpa.rewriter.layer import LayerFailure, MlaLayer
+from ortpa.rewriter.quantized import OP_TYPE as OP_NBITS
+from ortpa.rewriter.quantized import dequantized_weight, is_matmul_nbits
+from ortpa.rewriter.recognisers._match import (
     MatchFail,
     cache_concat,
     cache_inputs,
@@ -36,39 +36,8 @@ from ortpa.rewriter._match import (
     softmax_of,
     strip_scales,
 )
-from ortpa.rewriter.quantized import OP_TYPE as OP_NBITS
-from ortpa.rewriter.quantized import dequantized_weight, is_matmul_nbits
 
-__all__ = ["LayerFailure", "MlaLayer", "match_mla_layer", "match_mla_layers"]
-
-
-@dataclass
-class MlaLayer:
-    """One matched dense MLA attention; values refer to the graph it was matched in."""
-
-    layer: int
-    num_heads: int  # H
-    qk_nope: int  # P
-    qk_rope: int  # R
-    v_head: int  # V
-    kv_lora_rank: int  # L
-    scale: float
-    w_kv_b: np.ndarray  # [L, H*(P+V)], the ONNX MatMul weight (Linear.weight transposed)
-    q_nope: ir.Value  # [B,H,S,P]
-    q_pe: ir.Value  # roped [B,H,S,R]
-    q_pe_raw: ir.Value  # before RoPE [B,H,S,R]
-    latent: ir.Value  # [B,1,S,L], normalised
-    k_pe: ir.Value  # roped [B,1,S,R]
-    k_pe_raw: ir.Value | None  # before RoPE (last dim R)
-    attn_out: ir.Value  # [B,H,S,V]
-    rope_interleaved: int | None  # 1: GPT-J pairs, 0: NeoX halves, None: not recognised
-    q_proj: ir.Node | None = None  # MatMul(x, Wq) producing all heads' q (fold target)
-    o_proj: ir.Node | None = None  # MatMul(Reshape(Transpose(attn_out)), Wo) (fold target)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def head_size(self) -> int:
-        return self.kv_lora_rank + self.qk_rope
+__all__ = ["match_mla_layer", "match_mla_layers"]
 
 
 def _what(value: ir.Value) -> str:

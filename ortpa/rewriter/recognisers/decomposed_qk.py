@@ -1,4 +1,4 @@
-"""What q and k go through before a dense attention, for :mod:`ortpa.rewriter.attention_match`.
+"""What q and k go through before a dense attention, for :mod:`ortpa.rewriter.recognisers.decomposed`.
 
 Full-width rotate_half RoPE (``x * cos + rotate_half(x) * sin``, or ONNX ``RotaryEmbedding``) and a per-head
 RMSNorm (Qwen3's q_norm / k_norm, or ONNX ``RMSNormalization``) right before the heads' Transpose: what
@@ -8,24 +8,13 @@ none mutates the graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._fold import folded_scalar
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr, producer_op, scalar, static_dim
+from ortpa.rewriter.layer import QkNorm
 
-__all__ = ["QkNorm", "before_transpose_norm", "rope_input"]
-
-
-@dataclass(frozen=True)
-class QkNorm:
-    """An RMSNorm over the head dimension of q or k (Qwen3): ``x * rsqrt(mean(x^2) + eps) * weight``."""
-
-    input: ir.Value  # [B,S,heads,D], before the norm
-    weight: np.ndarray  # [D]
-    epsilon: float
+__all__ = ["before_transpose_norm", "rope_input"]
 
 
 def _rms_norm(value: ir.Value) -> QkNorm | None:

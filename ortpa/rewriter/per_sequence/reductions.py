@@ -13,14 +13,14 @@ count read with ``Shape`` and used as a number, and
   condition is evaluated per token, and the nodes between the condition and the first per-token values are
   computed for both outcomes and selected per token. Selection is exact: each token gets bit for bit what
   its sequence computes alone, and the per-token subgraph after the selection is computed once
-  (:mod:`ortpa.rewriter.per_sequence_choice`);
+  (:mod:`ortpa.rewriter.per_sequence.choice`);
 * replaces ``past_len + Range(0, seq)``, ``past_len`` read with ``Shape`` from a dense cache input, with the packed
   positions: transformers' ``cache_position``, which is the positions of models that take no ``position_ids``
   (the 5.x ``OnnxExporter`` decode models take ``position_ids``; there it feeds only the causal mask);
 * makes LongRoPE's ``If``-chosen tables of ``com.microsoft::RotaryEmbedding`` per token
-  (:mod:`ortpa.rewriter.rope_choice`);
-* then runs the dataflow (:mod:`ortpa.rewriter.per_sequence_flow`, from op semantics and shapes, never names) and
-  its segment rewrites (:mod:`ortpa.rewriter.per_sequence_segments`: per-sequence ``Range``, last / first token,
+  (:mod:`ortpa.rewriter.per_sequence.rope_choice`);
+* then runs the dataflow (:mod:`ortpa.rewriter.per_sequence.flow`, from op semantics and shapes, never names) and
+  its segment rewrites (:mod:`ortpa.rewriter.per_sequence.segments`: per-sequence ``Range``, last / first token,
   reductions broadcast back, ``CumSum``); a reduction the choice rewrite above cannot take is left to them;
 * refuses everything else with a :class:`~ortpa.errors.ConversionError` naming the node and the reason.
 
@@ -33,11 +33,12 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ortpa.errors import ConversionError
-from ortpa.rewriter import packed, rope_choice
+from ortpa.rewriter import packed
 from ortpa.rewriter._graph import Builder, const_array, int_attr
-from ortpa.rewriter.per_sequence_axes import Live, TokenAxes, describe, live_nodes, reduced_axes, token_axes_of
-from ortpa.rewriter.per_sequence_choice import rewrite_choice
-from ortpa.rewriter.per_sequence_segments import flow_rewrites
+from ortpa.rewriter.per_sequence import rope_choice
+from ortpa.rewriter.per_sequence.axes import Live, TokenAxes, describe, live_nodes, reduced_axes, token_axes_of
+from ortpa.rewriter.per_sequence.choice import rewrite_choice
+from ortpa.rewriter.per_sequence.segments import flow_rewrites
 
 __all__ = ["TOKEN_REDUCTIONS", "per_sequence_reductions"]
 

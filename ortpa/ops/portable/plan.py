@@ -5,85 +5,23 @@ on the index inputs (``cumulative_sequence_length``, ``past_seqlens``, ``block_t
 token count and the cache dims: sanitization (reference §3.4(a)), the de-duplicated write set (§3.4(c)), the
 decode and prefill groups' gather rows and masks, and each token's output row (§3.4(d)/(e)). The lowering
 (:mod:`ortpa.ops.portable`) calls it once before the first layer; the layer functions
-(:mod:`ortpa.ops.portable_graph`) take its :data:`PLAN_OUTPUTS` as extra inputs. :class:`GraphTracer` holds the
-tracing helpers both share.
+(:mod:`ortpa.ops.portable.layer`) take its :data:`~ortpa.ops.portable.config.PLAN_OUTPUTS` as extra inputs.
 """
 
 from __future__ import annotations
-
-import hashlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-if TYPE_CHECKING:
-    from ortpa.ops.portable_graph import PortableConfig
+from ortpa.ops.portable.config import PlanConfig
+from ortpa.ops.portable.tracer import FUNCTION_DOMAIN, GraphTracer
 
-__all__ = ["FUNCTION_DOMAIN", "PLAN_INPUTS", "PLAN_OUTPUTS", "GraphTracer", "PlanConfig", "build_plan_function"]
-
-FUNCTION_DOMAIN = "ortpa.portable"
+__all__ = ["build_plan_function"]
 
 _F32 = ir.DataType.FLOAT
 _I64 = ir.DataType.INT64
 _INT64_MAX = 2**63 - 1
-
-# What the plan function computes once per step for every layer that shares its index inputs; the layer
-# function takes them as its trailing inputs. ``p_*``: the prefilling group, ``d_*``: the decoding group.
-PLAN_OUTPUTS = (
-    "pos",  # [T] position of every token (RoPE)
-    "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
-    "write_index",  # [n, 2] (block, offset) of each written row
-    "any_prefill",  # bool scalar: the prefill group is not empty
-    "out_row",  # [T] each token's row in Concat(decode output, prefill output)
-    "has_keys",  # [T, 1] bool: the token's sequence attends to at least one key
-    "d_query",  # [D] the decoding sequences' tokens
-    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
-    "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
-    "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
-    "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
-    "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
-    "p_row",  # [P, kvh, kv_p]
-    "p_row_ok",  # [P, 1, kv_p, 1]
-    "p_allowed",  # [P, 1, kv_p, 1, max_q] causal / window / live mask
-    "p_rows_ok",  # bool scalar
-    "p_count",  # [1] P
-    "p_max_q",  # [1] max_q
-    "p_max_kv",  # [1] kv_p
-)
-# inputs of the plan function, in this order; slot_mapping only when the node passes it
-PLAN_INPUTS = ("query", "key_cache", "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping")
-
-
-@dataclass(frozen=True)
-class PlanConfig:
-    """What the per-step index work depends on besides its inputs; layers with equal plans and the same index
-    inputs (and token / cache dimensions) share one plan call."""
-
-    kv_num_heads: int
-    local_window_size: int
-    is_causal: bool
-    slot_mapping: bool
-    opset: int
-
-    @classmethod
-    def of(cls, cfg: PortableConfig) -> PlanConfig:
-        return cls(
-            kv_num_heads=cfg.kv_num_heads,
-            local_window_size=cfg.local_window_size,
-            is_causal=cfg.is_causal,
-            slot_mapping="slot_mapping" in cfg.present_inputs,
-            opset=cfg.opset,
-        )
-
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        return PLAN_INPUTS if self.slot_mapping else PLAN_INPUTS[:-1]
-
-    def function_name(self) -> str:
-        return f"PagedAttentionPlan_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"
 
 
 def build_plan_function(plan: PlanConfig) -> ir.Function:
@@ -97,59 +35,6 @@ def build_plan_function(plan: PlanConfig) -> ir.Function:
     return onnxscript.build_function(
         trace, inputs, domain=FUNCTION_DOMAIN, name=plan.function_name(), opset_imports={"": plan.opset}
     )
-
-
-class GraphTracer:
-    """Helpers shared by the plan and the layer tracers."""
-
-    op: object
-
-    def i64(self, v):
-        return self.op.Cast(v, to=_I64)
-
-    def f32(self, v):
-        return self.op.Cast(v, to=_F32)
-
-    def dim(self, v, axis: int):
-        return self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
-
-    def ints(self, values: list[int]):
-        return self.op.Constant(value_ints=values)
-
-    def branch(self, condition, name: str, then_trace, else_trace, count: int = 1) -> list:
-        """``If(condition)`` over two traced branches (each returns a list of ``count`` values); the branches
-        read the body's values from the enclosing scope."""
-        outer = self.op
-
-        def traced(trace):
-            def fn(sub):
-                self.op = sub
-                try:
-                    return trace()
-                finally:
-                    self.op = outer
-
-            return fn
-
-        branches = {
-            key: outer.builder.subgraph(
-                traced(fn), [], [ir.Value(name=f"{name}_{key}_{k}") for k in range(count)], name=f"{name}_{key}"
-            )
-            for key, fn in (("then", then_trace), ("else", else_trace))
-        }
-        for key, graph in branches.items():
-            # the sub-builders number their values from 0 again: rename, or they would shadow the body's names
-            declared = {id(v) for v in graph.outputs}
-            for node in graph:
-                node.name = f"{name}_{key}/{node.name}"
-                for v in node.outputs:
-                    if id(v) not in declared:
-                        v.name = f"{name}_{key}/{v.name}"
-        outs = outer.If(condition, then_branch=branches["then"], else_branch=branches["else"], _outputs=count)
-        return list(outs) if count > 1 else [outs]
-
-    def constant(self, array: np.ndarray):
-        return self.op.Constant(value=ir.tensor(array))
 
 
 _PREFILL_KEYS = ("query", "row", "row_ok", "allowed", "rows_ok", "count", "max_q", "max_kv")

@@ -19,7 +19,7 @@ import pytest
 __all__ = ["GENAI_REQUIREMENT", "find_genai_python", "run_genai_driver"]
 
 GENAI_REQUIREMENT = "onnxruntime-genai==0.18.*"
-DRIVER = Path(__file__).resolve().parents[1] / "ortpa" / "deploy" / "genai_driver.py"
+DRIVER = Path(__file__).resolve().parents[2] / "ortpa" / "deploy" / "genai_driver.py"
 
 
 def _imports_genai(python: str) -> str | None:

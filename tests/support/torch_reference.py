@@ -1,10 +1,14 @@
 """The PyTorch model itself as the parity reference (needs the `export` extra): one sequence at a time, its own
-``DynamicCache``, with :class:`parity.DenseModel`'s interface so :func:`parity.run_parity` can drive it."""
+``DynamicCache``, with :class:`support.parity.DenseModel`'s interface so :func:`support.parity.run_parity` can
+drive it."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from support.parity import DenseModel
+from support.tolerances import EXPORT_ATOL
 
 __all__ = ["TorchModel", "export_matches_torch"]
 
@@ -36,9 +40,6 @@ class TorchModel:
 def export_matches_torch(dense_path, model, *, steps: int = 3, seed: int = 0) -> float:
     """Prefill 7 tokens then ``steps`` single-token decodes on the ONNX export and on ``model`` (feeding the
     export's present KV back); every logits row within ``EXPORT_ATOL`` (fp32 export). Returns the max abs error."""
-    from parity import DenseModel
-    from tolerances import EXPORT_ATOL
-
     onnx_model, ref = DenseModel(dense_path), TorchModel(model)
     a, b = onnx_model.new(), ref.new()
     rng = np.random.default_rng(seed)

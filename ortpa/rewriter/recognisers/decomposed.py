@@ -6,22 +6,21 @@ and back from q / k to RoPE and an optional per-head RMSNorm. Never mutates the 
 onnxscript ``MatchResult`` with a reason and the value it concerns, reported per layer as a ``LayerFailure``.
 
 This module holds the layer record, the per-layer checks and what blocks RoPE-in-op; the attention core (scores,
-scale, softcap, mask window) is read in :mod:`ortpa.rewriter.attention_core`, RoPE and the q / k RMSNorm in
-:mod:`ortpa.rewriter.attention_qk`.
+scale, softcap, mask window) is read in :mod:`ortpa.rewriter.recognisers.decomposed_core`, RoPE and the q / k RMSNorm in
+:mod:`ortpa.rewriter.recognisers.decomposed_qk`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
 from ortpa.rewriter._fold import fold_partial, fold_static
 from ortpa.rewriter._graph import static_dim, static_width
-from ortpa.rewriter._match import (
-    LayerFailure,
+from ortpa.rewriter.layer import AttentionLayer, LayerFailure
+from ortpa.rewriter.recognisers._match import (
     cache_concat,
     cache_inputs,
     cache_layers,
@@ -29,65 +28,14 @@ from ortpa.rewriter._match import (
     need,
     reaches,
 )
-from ortpa.rewriter.attention_core import attention_core, sliding_window
-from ortpa.rewriter.attention_qk import QkNorm, before_transpose_norm, rope_input
+from ortpa.rewriter.recognisers.decomposed_core import attention_core, sliding_window
+from ortpa.rewriter.recognisers.decomposed_qk import before_transpose_norm, rope_input
 
 __all__ = [
-    "AttentionLayer",
-    "LayerFailure",
-    "QkNorm",
-    "SourceRotary",
     "match_attention_layer",
     "match_attention_layers",
     "recognise_decomposed",
-    "rope_in_op_problems",
 ]
-
-
-@dataclass(frozen=True)
-class SourceRotary:
-    """RoPE the source op applies itself (``GroupQueryAttention`` ``do_rotary=1``, ``RotaryEmbedding``): its
-    ``[max_positions, rotary_dim / 2]`` cos / sin tables become the PagedAttention node's own rotary inputs."""
-
-    cos: ir.Value
-    sin: ir.Value
-    interleaved: int
-
-
-@dataclass
-class AttentionLayer:
-    """One dense MHA / GQA attention layer, as every recogniser describes it (the emitter's one input).
-
-    ``layout`` says how ``query`` / ``key`` / ``value`` / ``attn_out`` are laid out: ``"bhsd"`` ``[B,H,S,D]`` (the
-    decomposed and SDPA forms) or ``"bsd"`` ``[B,S,H*D]`` (the ``com.microsoft`` attention ops). ``packed_qkv``:
-    ``query`` holds q, k and v side by side (``[B,S,(H+2*KVH)*D]``) and ``key`` / ``value`` are None.
-    ``rotary``: RoPE applied inside the source op to ``query`` / ``key`` (None: they are already rotated).
-    """
-
-    layer: int
-    num_heads: int  # H
-    kv_num_heads: int  # KVH
-    head_size: int  # D
-    scale: float
-    softcap: float  # 0 = none
-    local_window_size: int  # -1 = none; else the window including the current token
-    query: ir.Value  # [B,H,S,D] as the attention reads it (rotated, scale factors stripped)
-    key: ir.Value | None  # [B,KVH,S,D] new keys as cached (rotated); None when packed_qkv
-    value: ir.Value | None  # [B,KVH,S,D] new values; None when packed_qkv
-    attn_out: ir.Value  # [B,H,S,D]
-    query_raw: ir.Value | None = None  # [B,H,S,D] before RoPE (and after q_norm), when RoPE was recognised
-    key_raw: ir.Value | None = None
-    q_norm: QkNorm | None = None
-    k_norm: QkNorm | None = None
-    notes: list[str] = field(default_factory=list)
-    layout: str = "bhsd"
-    packed_qkv: bool = False
-    rotary: SourceRotary | None = None
-    source: str = "decomposed"  # the recogniser that described the layer
-
-    @property
-    def rope_recognised(self) -> bool:
-        return self.query_raw is not None and self.key_raw is not None
 
 
 def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40) -> int | None:
@@ -205,17 +153,3 @@ recognise_decomposed = _match  # the recogniser of the decomposed / SDPA / ONNX 
 def match_attention_layers(graph: ir.Graph) -> list[AttentionLayer | LayerFailure]:
     """Match every layer that has ``past_key_values.{i}.key`` inputs, in layer order."""
     return [match_attention_layer(graph, i) for i in cache_layers(graph)]
-
-
-def rope_in_op_problems(m: AttentionLayer) -> list[str]:
-    """Why RoPE (and q/k norm) of ``m`` cannot move into the op; empty when it can."""
-    problems = []
-    if not m.rope_recognised:
-        problems.append("RoPE not recognised as full-width rotate_half (x*cos + rotate_half(x)*sin) on q and k")
-    if m.head_size % 16:
-        problems.append(f"head size {m.head_size} is not a multiple of 16 (do_rotary=1)")
-    if (m.q_norm is None) != (m.k_norm is None):
-        problems.append("only one of q / k has an RMSNorm before RoPE")
-    if m.q_norm is not None and m.k_norm is not None and m.q_norm.epsilon != m.k_norm.epsilon:
-        problems.append(f"q / k norm epsilons differ ({m.q_norm.epsilon} vs {m.k_norm.epsilon}): the op has one")
-    return problems

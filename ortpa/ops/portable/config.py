@@ -1,0 +1,111 @@
+"""What a portable function is specialised on: a layer's :class:`PortableConfig`, a step plan's :class:`PlanConfig`,
+and the plan's inputs and outputs that connect the two.
+
+Types and names only, so that the lowering, the plan tracer and the layer tracer all import them and none of
+them another for a type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_OPSET", "PLAN_INPUTS", "PLAN_OUTPUTS", "PlanConfig", "PortableConfig"]
+
+DEFAULT_OPSET = 21  # the default-domain opset of functions built outside a model (one-node models, tools)
+
+# What the plan function computes once per step for every layer that shares its index inputs; the layer
+# function takes them as its trailing inputs. ``p_*``: the prefilling group, ``d_*``: the decoding group.
+PLAN_OUTPUTS = (
+    "pos",  # [T] position of every token (RoPE)
+    "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
+    "write_index",  # [n, 2] (block, offset) of each written row
+    "any_prefill",  # bool scalar: the prefill group is not empty
+    "out_row",  # [T] each token's row in Concat(decode output, prefill output)
+    "has_keys",  # [T, 1] bool: the token's sequence attends to at least one key
+    "d_query",  # [D] the decoding sequences' tokens
+    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
+    "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
+    "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
+    "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
+    "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
+    "p_row",  # [P, kvh, kv_p]
+    "p_row_ok",  # [P, 1, kv_p, 1]
+    "p_allowed",  # [P, 1, kv_p, 1, max_q] causal / window / live mask
+    "p_rows_ok",  # bool scalar
+    "p_count",  # [1] P
+    "p_max_q",  # [1] max_q
+    "p_max_kv",  # [1] kv_p
+)
+# inputs of the plan function, in this order; slot_mapping only when the node passes it
+PLAN_INPUTS = ("query", "key_cache", "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping")
+
+
+@dataclass(frozen=True)
+class PortableConfig:
+    """Everything the graph is specialised on; equal configs share one function."""
+
+    present_inputs: tuple[str, ...]  # schema names of the inputs the node passes, in schema order
+    present_outputs: tuple[str, ...]  # "output" plus the cache outputs the node produces
+    act_dtype: int  # ir.DataType of T (FLOAT16 / BFLOAT16)
+    cache_dtype: int  # ir.DataType of the caches (T, or INT8)
+    num_heads: int
+    kv_num_heads: int
+    head_size: int
+    v_head_size: int
+    query_width: int | None  # query dim 1 when declared; used to cut the SEPARATE "hidden % num_heads" quirk
+    latent: bool
+    packed_qkv: bool
+    scale: float
+    softcap: float
+    local_window_size: int
+    is_causal: bool
+    rotary_dim: int  # 0: no RoPE
+    rotary_interleaved: bool
+    rotary_offset: int
+    use_qk_norm: bool
+    qk_norm_epsilon: float
+    k_quant: str  # NONE / PER_TENSOR / PER_CHANNEL
+    v_quant: str
+    opset: int
+    # LATENT only: each latent row is stored split in two, channels [0, H/2) in ``key_cache`` and [H/2, H) in
+    # ``value_cache`` (both [NB, BS, 1, H/2]): the layout of runtimes that allocate a key and a value cache of
+    # one head size per layer (onnxruntime-genai), at the LATENT memory of one row per token
+    split_latent: bool = False
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.kv_num_heads
+
+    def function_name(self) -> str:
+        """A name that differs for different configs and is the same in every process (not ``hash``)."""
+        return f"PagedAttention_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What the per-step index work depends on besides its inputs; layers with equal plans and the same index
+    inputs (and token / cache dimensions) share one plan call."""
+
+    kv_num_heads: int
+    local_window_size: int
+    is_causal: bool
+    slot_mapping: bool
+    opset: int
+
+    @classmethod
+    def of(cls, cfg: PortableConfig) -> PlanConfig:
+        return cls(
+            kv_num_heads=cfg.kv_num_heads,
+            local_window_size=cfg.local_window_size,
+            is_causal=cfg.is_causal,
+            slot_mapping="slot_mapping" in cfg.present_inputs,
+            opset=cfg.opset,
+        )
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return PLAN_INPUTS if self.slot_mapping else PLAN_INPUTS[:-1]
+
+    def function_name(self) -> str:
+        return f"PagedAttentionPlan_{hashlib.sha1(repr(self).encode()).hexdigest()[:10]}"

@@ -1,0 +1,69 @@
+"""What the plan and the layer tracers share: the functions' domain and the onnxscript tracing helpers.
+
+A leaf: both :mod:`ortpa.ops.portable.plan` and :mod:`ortpa.ops.portable.layer` build on it, neither on the other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["FUNCTION_DOMAIN", "GraphTracer"]
+
+FUNCTION_DOMAIN = "ortpa.portable"
+
+_F32 = ir.DataType.FLOAT
+_I64 = ir.DataType.INT64
+
+
+class GraphTracer:
+    """Helpers shared by the plan and the layer tracers."""
+
+    op: object
+
+    def i64(self, v):
+        return self.op.Cast(v, to=_I64)
+
+    def f32(self, v):
+        return self.op.Cast(v, to=_F32)
+
+    def dim(self, v, axis: int):
+        return self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
+
+    def ints(self, values: list[int]):
+        return self.op.Constant(value_ints=values)
+
+    def branch(self, condition, name: str, then_trace, else_trace, count: int = 1) -> list:
+        """``If(condition)`` over two traced branches (each returns a list of ``count`` values); the branches
+        read the body's values from the enclosing scope."""
+        outer = self.op
+
+        def traced(trace):
+            def fn(sub):
+                self.op = sub
+                try:
+                    return trace()
+                finally:
+                    self.op = outer
+
+            return fn
+
+        branches = {
+            key: outer.builder.subgraph(
+                traced(fn), [], [ir.Value(name=f"{name}_{key}_{k}") for k in range(count)], name=f"{name}_{key}"
+            )
+            for key, fn in (("then", then_trace), ("else", else_trace))
+        }
+        for key, graph in branches.items():
+            # the sub-builders number their values from 0 again: rename, or they would shadow the body's names
+            declared = {id(v) for v in graph.outputs}
+            for node in graph:
+                node.name = f"{name}_{key}/{node.name}"
+                for v in node.outputs:
+                    if id(v) not in declared:
+                        v.name = f"{name}_{key}/{v.name}"
+        outs = outer.If(condition, then_branch=branches["then"], else_branch=branches["else"], _outputs=count)
+        return list(outs) if count > 1 else [outs]
+
+    def constant(self, array: np.ndarray):
+        return self.op.Constant(value=ir.tensor(array))

@@ -3,8 +3,9 @@
 One MLA fixture (LATENT: one ``k_scale`` over the ``[latent | k_pe]`` row) and one GQA fixture (SEPARATE:
 ``k_scale`` and ``v_scale``). The converted node must pass ortpa's CUDA validation, the caches must be int8
 graph inputs, and the model must track the dense export within the int8 precision rule
-(:func:`ortpa.tolerances.precision_kl_bound`) through :func:`parity.run_parity` and generate the dense model's greedy tokens through the Engine. Expected scale
-shapes and values come from the dense model's own I/O, run here independently of the calibration code.
+(:func:`ortpa.tolerances.precision_kl_bound`) through :func:`parity.run_parity` and generate the dense model's
+greedy tokens through the Engine. Expected scale shapes and values come from the dense model's own I/O, run here
+independently of the calibration code.
 """
 
 from __future__ import annotations

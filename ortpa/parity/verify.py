@@ -197,7 +197,7 @@ def _paged(model, blocks: int):
         ) from None
 
 
-def coarsest(*arithmetic: str) -> str:
+def _coarsest(*arithmetic: str) -> str:
     """The arithmetic of largest unit roundoff among ``arithmetic`` (names of :data:`UNIT_ROUNDOFF`)."""
     return max(arithmetic, key=lambda a: UNIT_ROUNDOFF[a])
 
@@ -223,11 +223,13 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
-    arithmetic = coarsest(source, twin.arithmetic if twin.model is None else "float32")
+    arithmetic = _coarsest(source, twin.arithmetic if twin.model is None else "float32")
+    # the deployed T's rounding feeds whatever the original quantizes (int8 activations): judged at the coarser
+    precision = _coarsest(cache_dtype, source)
     verdict = judge(
         want,
         got,
-        cache_dtype,
+        precision,
         twin=twin_run,
         arithmetic=arithmetic,
         accumulation=twin.accumulation,

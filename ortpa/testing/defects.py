@@ -121,11 +121,16 @@ def sink(model: onnx.ModelProto, amount: float = 0.0) -> onnx.ModelProto:
     if not amount:
         node.input[11] = ""
         return out
-    scaled = node.input[11] + "/defect"
-    out.graph.node.append(
-        helper.make_node("Mul", [node.input[11], _const(out, scaled + "/k", amount, node.input[11])], [scaled])
-    )
-    node.input[11] = scaled
+    # scaled before the cast to T where there is one (the float32 twin then carries the defect too)
+    producers = {o: p for p in out.graph.node for o in p.output}
+    cast = producers.get(node.input[11])
+    target, slot = (cast, 0) if cast is not None and cast.op_type == "Cast" else (node, 11)
+    source = target.input[slot]
+    dtype = np.float32 if target is cast else np.float16
+    k = numpy_helper.from_array(np.array(amount, dtype), f"{node.name}/defect_sink/k")
+    out.graph.initializer.append(k)
+    out.graph.node.append(helper.make_node("Mul", [source, k.name], [f"{node.name}/defect_sink"]))
+    target.input[slot] = f"{node.name}/defect_sink"
     return _sorted(out)
 
 
@@ -234,19 +239,6 @@ def _constant(model: onnx.ModelProto, name: str) -> np.ndarray | None:
                 if a.name == "value_float":
                     return np.array(a.f, np.float32)
     return None
-
-
-def _const(model: onnx.ModelProto, name: str, value: float, like: str) -> str:
-    dtype = next(
-        (
-            onnx.helper.tensor_dtype_to_np_dtype(i.data_type)
-            for i in model.graph.initializer
-            if i.name == like and i.data_type
-        ),
-        np.float32,
-    )
-    model.graph.initializer.append(numpy_helper.from_array(np.array(value, dtype), name))
-    return name
 
 
 def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -12,9 +12,9 @@ product (its widest MatMul's contracted dimension), ``L`` its attention layers. 
 each rounded by a relative ``u`` moves by about ``u * sqrt(n)`` of its scale when its order changes (independent
 roundings add in quadrature); every layer adds such errors to the residual stream, ``L`` layers
 ``sqrt(L)`` times one; a layer holds a handful of sums (projections, MLP, scores, weighted values) and norms that
-may amplify them a few times, which :data:`STRUCTURE_HEADROOM` (16, four bits) covers. A 2-layer fixture of
-width 64 gets 1.1e-5 of its logits' scale (its twin measures 7.6e-7), a 60-layer model with a 14k-wide MLP
-5.6e-4. The bound follows the model's arithmetic, not its family, and scales with its sums as the rounding does.
+may amplify them a few times, which :data:`STRUCTURE_HEADROOM` (16, four bits) covers. A 2-layer fixture with a
+128-wide MLP gets 1.5e-5 of its logits' scale (its twin measures 5e-7 to 1e-6), a 60-layer model with a 14k-wide
+MLP 8.8e-4. The bound follows the model's arithmetic, not its family, and scales with its sums as the rounding does.
 A structural mistake (a scale off by 10 %, a RoPE base, a window off by one, a softcap, two heads swapped, a
 sink, a shifted cache position) moves the logits by 1e-2 to 1 of their scale, orders of magnitude past it; the
 smallest defects, a norm epsilon x100 (5e-5 of a unit-RMS activation) or a scale off by 0.1 %, are caught on

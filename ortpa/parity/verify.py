@@ -223,7 +223,11 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
-    arithmetic = _coarsest(source, twin.arithmetic if twin.model is None else "float32")
+    # without a separate twin the deployed model is judged as its own, in its own arithmetic (a --portable file,
+    # a dtype= conversion: T throughout)
+    arithmetic = (
+        _coarsest(source, "float32") if twin.model is not None else _coarsest(source, twin.arithmetic, cache_dtype)
+    )
     # the deployed T's rounding feeds whatever the original quantizes (int8 activations): judged at the coarser
     precision = _coarsest(cache_dtype, source)
     verdict = judge(

@@ -66,10 +66,13 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     if own != "float32":  # a dtype= conversion: its weights and activations are T, attention in float32 adds nothing
         return Twin(None, own, f"the converted model computes in {own} throughout", **sizes)
     producers = {o: n for n in graph.node for o in n.output}
-    consumers: dict[str, int] = {}
+    # readers of each value other than the op (the RoPE tables of rope_in_op feed every layer's node)
+    other_readers: dict[str, int] = {}
     for n in graph.node:
+        if n.op_type == OP_TYPE and n.domain == DOMAIN:
+            continue
         for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
+            other_readers[i] = other_readers.get(i, 0) + 1
     graph_inputs = {i.name: i for i in graph.input}
     casts: set[str] = set()
     caches: set[str] = set()
@@ -86,7 +89,7 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
                 arithmetic = t_dtype or _declared_t(loaded, node.input[0])
                 reason = f"'{node.name}' input {slot} comes from {what}, not a cast to T"
                 return Twin(None, arithmetic, reason, **sizes)
-            if consumers.get(name, 0) != 1:
+            if other_readers.get(name, 0):
                 reason = f"the cast to T of '{node.name}' input {slot} has other readers"
                 return Twin(None, dtype_name(to), reason, **sizes)
             casts.add(cast.output[0])

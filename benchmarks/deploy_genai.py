@@ -4,7 +4,7 @@ file vs genai's dense Generator on the original, tokens/s at 1 and 16 concurrent
 The original is ``benchmarks/vs_genai.py``'s model (a ~58M-parameter Llama made by onnxruntime-genai's builder at
 fp32, ``-e cpu``), built at run time in genai's python (``--genai-python`` or ``ORTPA_GENAI_PYTHON``: a venv with
 onnxruntime-genai, onnx-ir, torch 2.13.0 CPU, transformers 5.x). ``ortpa convert --portable`` writes the deployment
-folder (``convert_deployment``: lowered file + genai_config.json with ``engine.dynamic_batching``: block_size 16,
+folder (``ortpa.convert_file``: lowered file + genai_config.json with ``engine.dynamic_batching``: block_size 16,
 max_batch_size 16, max_scheduled_tokens 256, num_blocks from the default 256 MiB budget). The three runs, greedy,
 prompts of 64 tokens and 32 new tokens each (``--quick``: 16 and 8), all requests submitted together:
 
@@ -103,9 +103,10 @@ def run(quick: bool = False, genai_python: str | None = None) -> list[dict]:
         vs._genai_options(dense)  # genai's threads in its genai_config.json, as vs_genai.py gives them
         deploy = Path(tmp) / "deploy" / "model.onnx"
         try:
-            from ortpa.deploy import GenaiOptions, convert_deployment
+            from ortpa.conversion import convert_file
+            from ortpa.deploy import GenaiOptions
 
-            convert_deployment(dense, deploy, portable=True, genai=GenaiOptions(max_batch_size=16))
+            convert_file(dense, deploy, portable=True, genai=GenaiOptions(max_batch_size=16))
         except Exception as exc:
             return _unavailable(f"convert --portable failed: {str(exc).splitlines()[0][:300]}")
         vs._genai_options(deploy.parent)

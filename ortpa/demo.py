@@ -1,7 +1,7 @@
 """``ortpa demo``: the whole pipeline on a built-in model, no downloads, in a few seconds on a laptop CPU.
 
 1. build a small DeepSeek-style dense MLA model (:mod:`ortpa.testing.dense_mla`, random seeded weights) and save it;
-2. :func:`ortpa.convert` it to PagedAttention LATENT (progress per layer) and save the paged model;
+2. :func:`ortpa.convert_file` it to PagedAttention LATENT (progress per layer, verified against the original);
 3. validate every PagedAttention node against ONNX Runtime's rules for the CUDA kernel;
 4. greedy-generate for four prompts of different lengths with :class:`~ortpa.runtime.engine.Engine`
    (continuous batching) on the best provider present: CUDA's native kernel where a GPU is, else the portable
@@ -33,9 +33,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ortpa.conversion import convert_file
 from ortpa.errors import InvalidParameter
 from ortpa.ops.validate import validate_model
-from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.parity.rule import judge_precision
 from ortpa.providers import CPU, providers_for
@@ -241,7 +241,8 @@ def run_demo(
     onnx.save(dense, str(dense_path))
     lap("build")
     say(f"converting {dense_path.name} -> {paged_path.name}")
-    paged = convert_file(dense_path, paged_path, progress=lambda msg: say(f"  convert: {msg}"))
+    conversion = convert_file(dense_path, paged_path, progress=lambda event: say(f"  convert: {event}"))
+    paged = conversion.model  # sessions open it from its path
     lap("convert")
     say("validating PagedAttention nodes for the cuda backend")
     report = validate_model(paged, backend="cuda")
@@ -272,7 +273,8 @@ def run_demo(
         failures.append(f"Engine.generate tokens {outputs} differ from the step-by-step paged run's {run.tokens}")
     if not report.ok:
         failures.insert(0, "validation failed:\n" + report.format())
-    n_paged = sum(n.op_type == "PagedAttention" for n in paged.graph.node)
+    n_paged = conversion.paged_attention_nodes
+    paged_graph = onnx.load(str(paged), load_external_data=False)  # declared shapes: the figures below
     if n_paged != c.layers:
         failures.append(f"{n_paged} PagedAttention nodes for {c.layers} layers")
     H, P, R, V = c.heads, c.qk_nope, c.qk_rope, c.v_head
@@ -286,9 +288,9 @@ def run_demo(
         layers=c.layers,
         paged_attention_nodes=n_paged,
         dense_nodes=len(dense.graph.node),
-        paged_nodes=len(paged.graph.node),
+        paged_nodes=len(paged_graph.graph.node),
         kv_bytes_per_token_dense=_kv_bytes(dense, heads_axis=1),
-        kv_bytes_per_token_paged=_kv_bytes(paged, heads_axis=2),
+        kv_bytes_per_token_paged=_kv_bytes(paged_graph, heads_axis=2),
         kv_bytes_per_token_mha=H * (P + R + V) * 2,
         validation_ok=report.ok,
         validation_backend="cuda",

@@ -20,11 +20,13 @@ __all__ = [
     "InvalidSamplingParams",
     "InvalidSequenceOp",
     "KVPoolTooLarge",
+    "MissingExtra",
     "NotImplementedByBackend",
     "OrtpaError",
     "OutOfBlocks",
     "RequestTooLarge",
     "RequestTooLong",
+    "Unavailable",
     "UnknownRequest",
     "UnknownSequence",
 ]
@@ -99,6 +101,24 @@ class NotImplementedByBackend(OrtpaError, NotImplementedError):
         where = f" (node {node!r})" if node else ""
         extra = f": {detail}" if detail else ""
         super().__init__(f"backend {backend!r} does not implement {feature}{where}{extra}")
+
+
+class Unavailable(OrtpaError, RuntimeError):
+    """This machine lacks what a command needs (an optional extra, a free port): neither the model nor the
+    command line is wrong, and the same command runs where that is fixed (the CLI's exit code 3)."""
+
+
+class MissingExtra(Unavailable, ImportError):
+    """An optional extra is not installed: what needs it, which extra, the packages missing."""
+
+    def __init__(self, what: str, extra: str, missing: list[str]) -> None:
+        self.what = what
+        self.extra = extra
+        self.missing = list(missing)
+        super().__init__(
+            f"{what} needs the {extra} extra, and {', '.join(self.missing)} is not installed: "
+            f"pip install 'ortpa[{extra}]' (from a checkout: pip install '.[{extra}]')"
+        )
 
 
 class InvalidModel(OrtpaError, ValueError):

@@ -50,8 +50,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ortpa.dtypes import dtype_name
-
 __all__ = [
     "EXPORT_ATOL",
     "PRECISION_TOP_K",
@@ -61,6 +59,7 @@ __all__ = [
     "TOL",
     "UNIT_ROUNDOFF",
     "TieBound",
+    "logprob_bound",
     "max_tie_flips",
     "precision_kl_bound",
     "precision_logit_bound",
@@ -105,10 +104,20 @@ TIE_FLIPS_PER = 100
 
 def tol_for(dtype) -> tuple[float, float]:
     """``(rtol, atol)`` for activations of ``dtype`` (a NumPy dtype, ``ml_dtypes.bfloat16`` or its name)."""
+    from ortpa.dtypes import dtype_name  # here: onnx_ir is no import of the CLI's start
+
     name = dtype_name(dtype)
     if name not in TOL:
         raise KeyError(f"no tolerance for dtype {name!r}; have {sorted(TOL)}")
     return TOL[name]
+
+
+def logprob_bound(cache_dtype="float16") -> float:
+    """Absolute bound on a log-probability of a model whose logits each move by at most
+    :func:`precision_logit_bound` of ``cache_dtype`` (the precision rule): ``log_softmax(x)_i = x_i -
+    logsumexp(x)`` and logsumexp moves by at most the largest logit error, so twice that bound. Used for prompt
+    and token log-probabilities (``ortpa serve``'s ``logprobs``, lm-evaluation-harness)."""
+    return 2.0 * precision_logit_bound(cache_dtype)
 
 
 def max_tie_flips(checked_tokens: int) -> int:
@@ -144,6 +153,8 @@ def tie_bound(dtype="float16", extra_atol: float = 0.0) -> TieBound:
 
 def unit_roundoff(dtype) -> float:
     """:data:`UNIT_ROUNDOFF` of ``dtype`` (a name, a NumPy dtype, ``ml_dtypes.bfloat16`` or an ONNX type)."""
+    from ortpa.dtypes import dtype_name  # here: onnx_ir is no import of the CLI's start
+
     name = dtype if dtype == "int8" else dtype_name(dtype)
     if name not in UNIT_ROUNDOFF:
         raise KeyError(f"no unit roundoff for dtype {name!r}; have {sorted(UNIT_ROUNDOFF)}")

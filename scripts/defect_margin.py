@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx
 
-from ortpa.parity.convert_file import convert_file
+from ortpa.conversion import convert_file
 from ortpa.parity.greedy import dense_greedy, open_dense
 from ortpa.parity.verify import _BLOCK_SIZE, run_rule, verification_prompts
 from ortpa.testing import defects

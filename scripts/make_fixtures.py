@@ -113,6 +113,17 @@ def _v(**over):
     return cfg
 
 
+_MOE3_DSV3 = _v(
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+
 # name -> (config, export options). Order: the headline fixture first.
 FIXTURES: dict[str, tuple[dict, dict]] = {
     "dsv3_sdpa_op18": (_DSV3, {"opset": 18, "attn_implementation": "sdpa"}),
@@ -180,6 +191,28 @@ FIXTURES: dict[str, tuple[dict, dict]] = {
             routed_scaling_factor=2.5,
             rope_parameters=_DEFAULT_ROPE,
         ),
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    # MoE in every layer past the first (3 layers: two MoE layers, consecutive), so that a routed output feeds
+    # another attention layer: DeepSeek-V3 with group-limited noaux_tc routing (n_group/topk_group), shared
+    # experts and routed_scaling_factor, through both lowerings (sort-based grouped_mm, per-row batched_mm) ...
+    "dsv3_moe3_sdpa_op18": (_MOE3_DSV3, {"opset": 18, "attn_implementation": "sdpa"}),
+    "dsv3_moe3_batched_op18": (_MOE3_DSV3, {"opset": 18, "attn_implementation": "sdpa", "experts": "batched_mm"}),
+    # ... DeepSeek-V2 with group_limited_greedy routing, and DeepSeek-V2-Lite (no q LoRA, greedy, YaRN).
+    "dsv2_moe3_sdpa_op18": (
+        {
+            **_DSV2,
+            "num_hidden_layers": 3,
+            "n_routed_experts": 8,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.0,
+        },
+        {"opset": 18, "attn_implementation": "sdpa"},
+    ),
+    "dsv2lite_moe3_sdpa_op18": (
+        {**_DSV2, "num_hidden_layers": 3, "q_lora_rank": None, "rope_parameters": _YARN},
         {"opset": 18, "attn_implementation": "sdpa"},
     ),
     # GLM-4.7-Flash (GLM-4-MoE-Lite) as shipped: dense layer 0, MoE after.

@@ -17,7 +17,10 @@ tokenizer is built offline with ``tokenizers``); pass the tool as the first argu
   and int4. ``genai_llama_paged_fp16``: the builder's own paged model (``-p fp16 -e cuda --extra_options
   use_paged_attention=true``, which builds without a GPU), written to ``tests/fixtures/genai_paged/``.
 * ``optimum``: optimum-onnx 0.1.0 (``optimum-cli export onnx --task text-generation-with-past``), in a venv with
-  optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23.
+  optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23. One that reuses ortpa's torch and onnx:
+  ``python -m venv V``, a ``.pth`` file in V's site-packages naming ortpa's site-packages (it comes after V's own,
+  so V's transformers 4.57 wins), ``V/bin/pip install optimum-onnx "transformers<4.58"``, then run this script
+  with ``V/bin/python``. Llama, Qwen3, Falcon, StableLM, GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2.
 * ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
   environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7).
 * ``ortpa``: ``ortpa.export.export_hf`` (``torch.onnx.export(dynamo=True)``), ortpa's environment, for the
@@ -106,6 +109,36 @@ GPT_OSS = {
     "rope_scaling": None,
 }
 
+# optimum's other decoder families (issue 28): Falcon (fused query_key_value, multi-query, parallel attention),
+# StableLM (partial rotary, its scale computed from a Shape at run time), GPT-NeoX, Phi, Gemma, Mistral, Qwen2.
+_SMALL = {k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads", "intermediate_size")}
+FALCON = {
+    **_SMALL,
+    "model_type": "falcon",
+    "num_kv_heads": 1,
+    "num_key_value_heads": 1,  # for _numbers; Falcon reads num_kv_heads (and multi_query)
+    "multi_query": True,
+    "parallel_attn": True,
+    "new_decoder_architecture": False,
+    "alibi": False,
+    "bias": False,
+}
+STABLELM = {**_COMMON, "model_type": "stablelm", "partial_rotary_factor": 0.25}
+GPT_NEOX = {
+    **_SMALL,
+    "model_type": "gpt_neox",
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "rotary_pct": 0.25,
+    "use_parallel_residual": True,
+}
+PHI = {**_COMMON, "model_type": "phi", "num_key_value_heads": 4, "partial_rotary_factor": 0.5}
+GEMMA = {**_COMMON, "model_type": "gemma", "head_dim": 16}
+MISTRAL = {**_COMMON, "model_type": "mistral", "head_dim": 16, "sliding_window": 8}
+QWEN2 = {**_COMMON, "model_type": "qwen2"}
+# No optimum MoE fixture: optimum-onnx 0.1.0 exports no MoE decoder ("Trying to export a mixtral model, that is a
+# custom or unsupported architecture", 2026-12-01); its MoE form is whatever a custom onnx config traces.
+
 # name -> (tool, config, tool options)
 FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_llama_fp32": ("genai", LLAMA, {"precision": "fp32"}),
@@ -128,6 +161,13 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_llama_paged_fp16": ("genai", LLAMA, {"precision": "fp16", "ep": "cuda", "paged": True}),
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),
+    "optimum_falcon": ("optimum", FALCON, {}),
+    "optimum_stablelm": ("optimum", STABLELM, {}),
+    "optimum_gptneox": ("optimum", GPT_NEOX, {}),
+    "optimum_phi": ("optimum", PHI, {}),
+    "optimum_gemma": ("optimum", GEMMA, {}),
+    "optimum_mistral": ("optimum", MISTRAL, {}),
+    "optimum_qwen2": ("optimum", QWEN2, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
 }

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ortpa.cli import main
 from ortpa.cli.progress import ConvertProgress
+from ortpa.progress import BytesWritten, LayerStarted, Stage, StageStarted
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dsv3_sdpa_op18.onnx"
 
@@ -15,27 +16,26 @@ def test_terminal_bar_shows_layers_then_bytes():
     """On a terminal the line is redrawn in place: layers done of the total, then bytes written of the total."""
     stream = io.StringIO()
     p = ConvertProgress(stream, tty=True)
-    p("loading")
-    p.layers(4)
+    p(StageStarted(Stage.LOAD, "loading"))
     for i in range(3):
-        p(f"absorbing layer {i}")
+        p(LayerStarted(i, 4, 10 + i, f"any words {i}"))  # counted by type, whatever the text says
     shown = str(p._bar)  # the line as tqdm renders it now (it throttles what it writes to the stream)
-    assert "3/4" in shown and "absorbing layer 2" in shown
-    p.bytes(0, 4_000_000_000)
-    p.bytes(1_000_000_000, 4_000_000_000)
+    assert "3/4" in shown and "any words 2" in shown
+    p(BytesWritten(0, 4_000_000_000))
+    p(BytesWritten(1_000_000_000, 4_000_000_000))
     assert "1.00G/4.00G" in str(p._bar)
     out = stream.getvalue()
     assert "\r" in out and "written" not in out  # redrawn, never the plain lines
-    p("done")
+    p(StageStarted(Stage.DONE, "moving it into place"))
     assert p._bar is None  # closed: the terminal gets its line back
 
 
 def test_plain_lines_when_not_a_terminal():
     stream = io.StringIO()
     p = ConvertProgress(stream, tty=False)
-    p("loading")
+    p(StageStarted(Stage.LOAD, "loading"))
     for done in range(0, 101, 5):
-        p.bytes(done, 100)
+        p(BytesWritten(done, 100))
     lines = stream.getvalue().splitlines()
     assert lines[0] == "  loading"
     assert sum("written" in line for line in lines) == 11  # 0 %, 10 %, ..., 100 %
@@ -54,7 +54,7 @@ def test_cli_convert_progress_and_quiet(tmp_path, capsys):
 def test_convert_file_feeds_the_bar_layers_and_bytes(tmp_path, monkeypatch):
     """The converter tells the display how many layers there are and how many bytes are written."""
     import ortpa.rewriter.model_store as model_store
-    from ortpa.parity.convert_file import convert_file
+    from ortpa.conversion import convert_file
 
     monkeypatch.setattr(model_store, "EXTERNAL_DATA_THRESHOLD", 1)  # external data: bytes are reported
     stream = io.StringIO()

@@ -19,8 +19,8 @@ import pytest
 
 from ortpa.cli import main
 from ortpa.cli._common import EXIT_INVALID, EXIT_OK
+from ortpa.conversion import convert_file
 from ortpa.errors import ConversionError
-from ortpa.parity.convert_file import convert_file
 from ortpa.parity.verify import verify_conversion
 from ortpa.testing import defects
 from ortpa.testing.dense_mla import DenseMlaConfig, build_dense_mla
@@ -136,9 +136,7 @@ def test_sampled_models_pass_and_their_defects_do_not(config, kv_cache_dtype, tm
     original = tmp_path / "dense.onnx"
     onnx.save(build_dense_mla(config), str(original))
     out = tmp_path / "paged" / "paged.onnx"
-    verified = []
-    convert_file(original, out, kv_cache_dtype=kv_cache_dtype, on_verified=verified.append)
-    structure = verified[0].verdict.structure
+    structure = convert_file(original, out, kv_cache_dtype=kv_cache_dtype).verification.verdict.structure
     assert structure.twin and structure.max_relative_error < structure.tolerance
     for kind in ("scale", "heads"):
         bad = tmp_path / f"{kind}.onnx"

@@ -78,7 +78,7 @@ def test_quiet_demo_leaves_the_summary_to_the_caller(tmp_path, capsys):
     summary = run_demo(tmp_path, provider="cpu", quiet=True, progress=calls.append)
     assert summary.ok and summary.provider == "CPUExecutionProvider"
     assert calls and "absorbing layer 0" in "\n".join(calls) and summary.format() not in calls
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense_mla.onnx", "paged_mla.onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense_mla.onnx", "genai_config.json", "paged_mla.onnx"]
     run_demo(tmp_path / "again", quiet=True, progress=None)
     assert capsys.readouterr().out == ""
 

@@ -101,7 +101,7 @@ def test_convert_hf_folder_then_generate_text(tmp_path, capsys):
     out = tmp_path / "out" / "paged.onnx"
     assert main(["convert", str(folder), str(out)]) == 0
     err = capsys.readouterr().err
-    assert "[1/2] export" in err and "[2/2] convert" in err and "layer 0" in err and "torch.float16" in err, err
+    assert err.index("exporting") < err.index("absorbing layer 0") and "torch.float16" in err, err
     assert "stored bfloat16, exporting in float16" in err, err
     assert (out.parent / "tokenizer.json").is_file()
     # the output folder holds the deployment only: the dense export went to a temporary folder, now removed

@@ -21,9 +21,9 @@ from onnx import numpy_helper
 
 import ortpa
 from ortpa.cli import main
+from ortpa.conversion import convert_file
 from ortpa.errors import InvalidModel
 from ortpa.model.ref import NoOnnxFile, find_onnx_file, resolve_model
-from ortpa.parity.convert_file import convert_file
 from ortpa.rewriter.pipeline import convert
 
 FIXTURES = Path(__file__).parent / "fixtures"

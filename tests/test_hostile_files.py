@@ -36,9 +36,9 @@ from hypothesis import strategies as st
 
 import ortpa
 from ortpa.cli import main
+from ortpa.conversion import convert_file
 from ortpa.errors import InvalidModel, OrtpaError
 from ortpa.model.file import read_model
-from ortpa.parity.convert_file import convert_file
 from ortpa.runtime.engine import Engine
 from ortpa.runtime.session import InferenceSession, PagedSession
 from ortpa.testing.toy_lm import build_toy_lm

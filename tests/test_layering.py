@@ -17,13 +17,15 @@ ROOT = Path(__file__).resolve().parents[1] / "ortpa"
 # top to bottom; a module may import its own layer and those below
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("ortpa.cli", "ortpa.__main__", "ortpa.demo", "ortpa.bench"),
-    ("ortpa.serve", "ortpa.deploy"),
+    ("ortpa.serve",),
+    ("ortpa.conversion",),  # the one conversion path: export, rewrite, checks, verification, deployment files
+    ("ortpa.deploy",),
     ("ortpa.parity",),
     ("ortpa.rewriter", "ortpa.export"),
     ("ortpa.runtime", "ortpa.formats"),
     ("ortpa.ops",),
     ("ortpa.model",),
-    ("ortpa.errors", "ortpa.dtypes", "ortpa.tolerances", "ortpa.providers"),
+    ("ortpa.errors", "ortpa.dtypes", "ortpa.tolerances", "ortpa.providers", "ortpa.extras", "ortpa.progress"),
 )
 OUTSIDE = ("ortpa.testing",)  # test models: nothing the product runs imports them
 

@@ -101,9 +101,14 @@ def test_a_model_the_cpu_cannot_run_is_not_written_unverified(tmp_path):
     assert out.is_file()
 
 
-def test_public_convert_with_an_output_path_is_verified(tmp_path):
+def test_convert_writes_nothing_and_convert_file_is_verified(tmp_path):
+    """The two names say how they differ: convert is in memory (an output path is refused, pointing at
+    convert_file); convert_file writes a verified deployment."""
+    with pytest.raises(TypeError, match="convert_file"):
+        ortpa.convert(str(GQA), out_path=tmp_path / "paged.onnx")
+    assert not list(tmp_path.iterdir())
+    assert any(n.op_type == "PagedAttention" for n in ortpa.convert(str(GQA)).graph.node)
     out = tmp_path / "paged.onnx"
-    ortpa.convert(str(GQA), out)
-    assert _metadata(out)["ortpa.verified"] == "1"
-    with pytest.raises(TypeError, match="model must be a path"):
-        ortpa.convert(onnx.load(str(GQA)), tmp_path / "other.onnx")
+    result = ortpa.convert_file(str(GQA), out)
+    assert _metadata(out)["ortpa.verified"] == "1" and result.verification is not None
+    assert (tmp_path / "genai_config.json").is_file()

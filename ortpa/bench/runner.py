@@ -12,7 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ortpa.errors import InvalidParameter
+from ortpa.errors import InvalidParameter, MissingExtra
+from ortpa.extras import extra_providing, require_extra
 
 __all__ = ["builtin_benchmarks", "format_table", "run_benchmarks"]
 
@@ -79,12 +80,25 @@ def run_benchmarks(
     for name in chosen:
         if progress:
             progress(f"running {name}")
-        module = _load(name, folder)
-        if not hasattr(module, "run"):
-            continue
-        for row in module.run(quick=quick):
-            rows.append({"benchmark": name, **row})
+        try:
+            module = _load(name, folder)
+            if not hasattr(module, "run"):
+                continue
+            for extra in getattr(module, "EXTRAS", ()):  # what the module declares it needs
+                require_extra(extra, f"benchmark {name}")
+            rows += [{"benchmark": name, **row} for row in module.run(quick=quick)]
+        except MissingExtra as exc:
+            rows.append(_not_available(name, str(exc)))
+        except ModuleNotFoundError as exc:  # an optional package the module did not declare: still one row
+            extra = extra_providing(exc.name)
+            if extra is None:
+                raise
+            rows.append(_not_available(name, str(MissingExtra(f"benchmark {name}", extra, [exc.name or "?"]))))
     return rows
+
+
+def _not_available(name: str, why: str) -> dict[str, Any]:
+    return {"benchmark": name, "name": name, "metric": "not run", "notes": f"not available: {why}"}
 
 
 def _fmt(value: Any) -> str:

@@ -29,7 +29,10 @@ import numpy as np
 import onnx
 
 from ortpa.bench import format_table
+from ortpa.bench._serve_overhead import overhead_rows
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
+
+EXTRAS = ("serve", "test")  # the server, and the openai client that drives it
 
 __all__ = ["run"]
 
@@ -68,7 +71,7 @@ def _server(folder: Path):
     cmd = [sys.executable, "-m", "ortpa", "serve", str(folder), "--port", str(port), "--served-model-name", NAME]
     # one ONNX Runtime thread, as the engine benchmark: client and server share the cores, and a spinning
     # thread pool would take them from the event loop and the client (3x slower steps measured on 2 busy cores)
-    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet"]
+    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet", "--no-access-log"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -150,6 +153,8 @@ def run(quick: bool = False) -> list[dict]:
         with _server(folder) as api:
             asyncio.run(_level(api, work[:4], 4, seed=99))  # warm-up: first-run allocations, connections
             results = {c: asyncio.run(_level(api, work, c, seed=c)) for c in CONCURRENCY}
+            prompts = [p for p, _ in work[: 16 if quick else 32]]
+            extras = overhead_rows(api, NAME, prompts, quick=quick, notes=f"toy LM vocab {CONFIG.vocab}; {env}")
     base = results[1]["tokens"] / results[1]["elapsed"]
     for c, r in results.items():
         name = f"serve c={c}"
@@ -183,7 +188,9 @@ def run(quick: bool = False) -> list[dict]:
                         "notes": "",
                     }
                 )
-    return rows
+    from ortpa.bench import _serve_extras  # structured-output overhead, guidellm's serving table
+
+    return rows + extras + _serve_extras.run(quick)
 
 
 if __name__ == "__main__":

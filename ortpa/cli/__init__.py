@@ -1,6 +1,7 @@
 """The ``ortpa`` console script: one module per command (``register`` its parser, ``run`` it).
 
-Exit codes: 0 success, 1 the model or input is invalid (diagnostics printed), 2 usage errors.
+Exit codes (``ortpa.cli._common``): 0 success, 1 the model or input is invalid (diagnostics printed), 2 usage
+errors, 3 this machine lacks what the command needs (an optional extra, a free port), 130 interrupted.
 Errors print without a traceback unless ``--verbose`` is given. Each command's work lives in the package
 (``rewriter``, ``runtime``, ``parity``, ``export``...); the command modules only parse and print.
 """
@@ -8,13 +9,22 @@ Errors print without a traceback unless ``--verbose`` is given. Each command's w
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 from collections.abc import Sequence
 
-from ortpa.cli import bench, convert, demo, export, generate, parity, serve, validate
-from ortpa.cli._common import EXIT_INVALID, EXIT_USAGE, Parser, library_logging
-from ortpa.errors import OrtpaError
+from ortpa import __version__
+from ortpa.cli._common import (
+    COMMANDS,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    Parser,
+    library_logging,
+)
+from ortpa.errors import OrtpaError, Unavailable
 
 __all__ = ["build_parser", "main"]
 
@@ -30,11 +40,10 @@ _EPILOG = """examples:
 """
 
 
-# the order of `ortpa --help`
-COMMANDS = (demo, convert, validate, generate, serve, parity, export, bench)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
+    """The ``ortpa`` parser. ``every``: each command's own options (as the tests and docs read them); otherwise
+    only ``command``'s, the others listed by name and help (``main``: starting a command imports its module
+    alone, and ``ortpa --help`` / ``--version`` import none)."""
     parser = Parser(
         prog="ortpa",
         description="Convert dense-attention ONNX LLMs to paged-KV models on ONNX Runtime's "
@@ -42,17 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from ortpa import __version__
-
     parser.add_argument("--version", action="version", version=f"ortpa {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for command in COMMANDS:
-        command.register(sub)
+    for name, help_text in COMMANDS.items():
+        if every or name == command:
+            importlib.import_module(f"ortpa.cli.{name}").register(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ortpa's own options take no value, so the command is the first word that is not an option
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command, every=False)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -64,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "verbose", False):
             traceback.print_exc()
         print(f"ortpa {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return EXIT_UNAVAILABLE if isinstance(exc, Unavailable) else EXIT_INVALID
     except FileNotFoundError as exc:
         print(f"ortpa {args.command}: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return EXIT_INVALID
@@ -87,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,8 +10,11 @@ import warnings
 from collections.abc import Callable, Iterator
 
 __all__ = [
+    "COMMANDS",
+    "EXIT_INTERRUPTED",
     "EXIT_INVALID",
     "EXIT_OK",
+    "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
     "MODEL_HELP",
     "Parser",
@@ -23,7 +26,25 @@ __all__ = [
     "prompt_ids",
 ]
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+# one meaning each (README's synopsis and docs/cli.md list them; tests/test_cli_errors.py checks them)
+EXIT_OK = 0  # done
+EXIT_INVALID = 1  # the model or input is invalid, or a check failed (parity, validate): diagnostics printed
+EXIT_USAGE = 2  # the command line cannot be carried out as given (argparse's own code)
+EXIT_UNAVAILABLE = 3  # this machine lacks what the command needs: an optional extra, a free port
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+
+# every command, in the order of `ortpa --help`, with its one-line help: the CLI lists them without importing
+# their modules (ortpa.cli.<name>), and imports only the one that runs
+COMMANDS: dict[str, str] = {
+    "demo": "the whole pipeline on a built-in DeepSeek-style MLA model (no downloads, no torch)",
+    "convert": "convert a dense-attention ONNX model to a paged PagedAttention model",
+    "validate": "check every PagedAttention node of a model against ONNX Runtime's rules",
+    "generate": "greedy generation with continuous batching on a converted model",
+    "serve": "serve a converted model over HTTP with OpenAI's completions and chat API",
+    "parity": "run the same prompts through the dense original and the converted model; compare",
+    "export": "export a Hugging Face model (local dir or config) to dense ONNX (convert exports and converts)",
+    "bench": "run the built-in benchmarks (ortpa.bench) and those in ./benchmarks; print one table",
+}
 
 MODEL_HELP = "; or a model folder, or a Hugging Face repo id ORG/NAME in the local cache (never downloaded)"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ortpa.cli._common import EXIT_OK, add_common, progress_printer
+from ortpa.cli._common import COMMANDS, EXIT_OK, add_common, progress_printer
 
 __all__ = ["register", "run"]
 
@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="run the built-in benchmarks (ortpa.bench) and those in ./benchmarks; print one table",
+        help=COMMANDS["bench"],
         description="Each benchmark module (ortpa.bench.*, plus *.py in --path) exposes run(quick) -> rows; "
         "ratios are measured against a baseline in the same run.",
         epilog="examples:\n  ortpa bench --quick\n  ortpa bench --only oracle portable --json",

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision, progress_printer
-from ortpa.cli.export import add_export_options, export_from_args
-from ortpa.errors import ConversionError, OrtpaError
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision
+from ortpa.cli.export import add_export_options
 
 __all__ = ["register", "run"]
 
@@ -24,49 +20,6 @@ def _convert_progress(args: argparse.Namespace):
     from ortpa.cli.progress import ConvertProgress
 
     return ConvertProgress(sys.stderr)
-
-
-def _dense_folder(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
-    """Where ``convert HF_DIR OUT`` exports the dense model: ``--keep-dense DIR``, else a temporary folder next to
-    the output (same disk), removed when the conversion ends: the output folder holds the deployment only."""
-    if args.keep_dense:
-        folder = Path(args.keep_dense)
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
-    parent = Path(args.output).resolve().parent
-    made = [p for p in (parent, *parent.parents) if not p.exists()]
-    parent.mkdir(parents=True, exist_ok=True)
-    for folder in reversed(made):  # last in, first out: on failure the innermost goes first, then those around it
-        stack.push(lambda failed, *_, folder=folder: _remove_if_empty(folder) if failed else None)
-    tmp = Path(tempfile.mkdtemp(prefix=".ortpa-dense.", dir=parent))
-    stack.callback(shutil.rmtree, tmp, True)
-    return tmp
-
-
-def _remove_if_empty(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        folder.rmdir()
-
-
-def _export_first(args: argparse.Namespace, folder: Path, dense_dir: Path) -> str:
-    """``convert HF_DIR OUT``: export the checkpoint ``folder`` to ``dense_dir/model.onnx`` first; its path."""
-    try:
-        import ortpa.export.hf  # noqa: F401  (the export extra is there; else one line, below)
-        from ortpa.export.checkpoint_dtype import default_export_dtype, refuse_cpu_bfloat16, stored_dtype
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConversionError(
-            f"{args.input} is a Hugging Face checkpoint: exporting it needs the export extra "
-            f"(pip install 'ortpa[export]'): {exc}"
-        ) from None
-    refuse_cpu_bfloat16(args.input, default_export_dtype(stored_dtype(folder), args.export_dtype), args.providers)
-    progress = progress_printer(args)
-    dense = str(dense_dir / "model.onnx")
-    if progress:
-        progress(f"[1/2] export {folder} -> {dense}")
-    export_from_args(args, folder, dense, dtype=args.export_dtype, random_weights=False)
-    if progress:
-        progress(f"[2/2] convert {dense} -> {args.output}")
-    return dense
 
 
 def _genai_options(args: argparse.Namespace):
@@ -82,70 +35,58 @@ def _genai_options(args: argparse.Namespace):
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from ortpa.deploy.deployment import check_portable_options, convert_deployment
-    from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, locate_model
+def options_from_args(args: argparse.Namespace):
+    """The command line as one :class:`~ortpa.conversion.ConvertOptions`."""
+    from ortpa.cli.export import export_options
+    from ortpa.conversion import ConvertOptions
 
-    genai = _genai_options(args)
-    genai.check()  # bad deployment options: refused before any work
-    if args.portable:
-        check_portable_options(kv_cache_dtype=args.kv_cache_dtype)
-    with contextlib.ExitStack() as stack:
-        try:
-            ref = locate_model(args.input, args.revision)
-            if args.keep_dense:
-                raise ConversionError(
-                    f"--keep-dense: expected a Hugging Face checkpoint folder as INPUT (the dense export to keep), "
-                    f"found the ONNX model {ref.path}"
-                )
-        except NoOnnxFile as exc:  # a Hugging Face checkpoint (config.json, no ONNX file): export it first
-            if not (exc.folder / "config.json").is_file():
-                raise
-            try:
-                ref = ModelRef(Path(_export_first(args, exc.folder, _dense_folder(args, stack))), exc.folder)
-            except OrtpaError as err:  # one line: the folder was no ONNX model, and exporting it failed too
-                raise ConversionError(f"{exc}; exporting it as a Hugging Face checkpoint failed: {err}") from err
-        progress = _convert_progress(args)
-        verified: list = []
-        try:
-            proto, deployment = convert_deployment(
-                ref,
-                args.output,
-                portable=args.portable,
-                genai=genai,
-                dtype=args.dtype,
-                rope_in_op=args.rope_in_op,
-                logits=args.logits,
-                kv_cache_dtype=args.kv_cache_dtype,
-                absorb=args.absorb,
-                attention_metadata=not args.no_attention_metadata,
-                position_ids=args.position_ids,
-                max_positions=args.max_positions,
-                progress=progress,
-                kv_scale=args.kv_scale,
-                providers=args.providers,
-                verify=not args.no_verify,
-                on_verified=verified.append,
+    return ConvertOptions.of(
+        dtype=args.dtype,
+        rope_in_op=args.rope_in_op,
+        logits=args.logits,
+        kv_cache_dtype=args.kv_cache_dtype,
+        absorb=args.absorb,
+        attention_metadata=not args.no_attention_metadata,
+        position_ids=args.position_ids,
+        max_positions=args.max_positions,
+        kv_scale=args.kv_scale,
+        providers=args.providers,
+        verify=not args.no_verify,
+        portable=args.portable,
+        genai=_genai_options(args),
+        revision=args.revision,
+        export=export_options(args, dtype=args.export_dtype),
+        keep_dense=Path(args.keep_dense) if args.keep_dense else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ortpa.conversion import convert_file
+
+    options = options_from_args(args)
+    progress = _convert_progress(args)
+    try:
+        result = convert_file(args.input, args.output, options, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "input": str(result.source),
+                    "output": args.output,
+                    "paged_attention_nodes": result.paged_attention_nodes,
+                    "portable": result.portable is not None,
+                    "split_latent": bool(result.portable and result.portable.split_latent),
+                    "genai_config": str(result.genai_config),
+                    "copied": list(result.copied),
+                    "verification": result.verification.summary() if result.verification else None,
+                }
             )
-        finally:
-            if progress is not None:
-                progress.close()
-    portable = deployment.portable
-    nodes = portable.nodes if portable else sum(1 for n in proto.graph.node if n.op_type == "PagedAttention")
-    # genai_config.json is written for the paged model (a source's dense one is not copied as is)
-    copied = [n for n, _ in companion_files(ref.folder) if n != "genai_config.json"] if ref.folder is not None else []
-    result = {
-        "input": str(ref.path),
-        "output": args.output,
-        "paged_attention_nodes": nodes,
-        "portable": portable is not None,
-        "split_latent": bool(portable and portable.split_latent),
-        "genai_config": str(deployment.genai_config),
-        "copied": copied,
-        "verification": verified[0].summary() if verified else None,
-    }
-    written = json.loads(deployment.genai_config.read_text(encoding="utf-8"))
-    if "eos_token_id" not in written["model"] and not args.quiet:
+        )
+        return EXIT_OK
+    if not result.eos_token_id and not args.quiet:
         # genai then ends every request at its default id 0: say so rather than let a deployment stop early
         print(
             "ortpa convert: note: no eos_token_id found (no genai_config.json, config.json or generation_config.json "
@@ -153,26 +94,26 @@ def run(args: argparse.Namespace) -> int:
             '"eos_token_id" to its "model" section',
             file=sys.stderr,
         )
-    if args.json:
-        print(json.dumps(result))
-    elif not args.quiet:
+    if not args.quiet:
+        copied = result.copied
         also = f" (and copied {', '.join(copied)} beside it)" if copied else ""
-        kind = "lowered to standard ONNX ops (--portable)" if portable else "PagedAttention node(s)"
+        kind = "lowered to standard ONNX ops (--portable)" if result.portable else "PagedAttention node(s)"
+        v = result.verification
         check = (
             f"; verified against the original (float32 twin: max |d| / scale "
-            f"{verified[0].verdict.structure.max_relative_error:.1e}; {verified[0].verdict.precision.dtype}: KL max "
-            f"{verified[0].verdict.precision.kl_max:.1e}, max |dlogit| {verified[0].max_abs_logit_error:.2e})"
-            if verified
+            f"{v.verdict.structure.max_relative_error:.1e}; {v.verdict.precision.dtype}: KL max "
+            f"{v.verdict.precision.kl_max:.1e}, max |dlogit| {v.max_abs_logit_error:.2e})"
+            if v is not None
             else "; NOT verified (--no-verify)"
         )
-        print(f"wrote {args.output}: {nodes} {kind}, genai_config.json{also}{check}")
+        print(f"wrote {args.output}: {result.paged_attention_nodes} {kind}, genai_config.json{also}{check}")
     return EXIT_OK
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert a dense-attention ONNX model to a paged PagedAttention model",
+        help=COMMANDS["convert"],
         description="Rewrite dense MLA attention (DeepSeek-style) into PagedAttention LATENT and MHA/GQA into "
         "SEPARATE, replace past/present KV by paged caches and index inputs, validate, and write atomically. "
         "The converted model is then run against the original (a few seeded prompts, a few greedy steps) before it is "

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ortpa.cli._common import EXIT_INVALID, EXIT_OK, add_common
+from ortpa.cli._common import COMMANDS, EXIT_INVALID, EXIT_OK, add_common
 
 __all__ = ["register", "run"]
 
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="the whole pipeline on a built-in DeepSeek-style MLA model (no downloads, no torch)",
+        help=COMMANDS["demo"],
         description="Build a small dense MLA model with random weights, convert it to PagedAttention LATENT, "
         "validate it, generate with continuous batching on the best provider, and check parity with the dense "
         "original. Exits 1 if parity fails.",

@@ -4,27 +4,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision, prompt_ids
-from ortpa.errors import InvalidRequest
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision, prompt_ids
+from ortpa.errors import InvalidModel, InvalidRequest
 
 __all__ = ["register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from ortpa.model.ref import resolve_any
+    from ortpa.model.ref import locate_model
     from ortpa.providers import providers_for
     from ortpa.runtime.engine import Engine
     from ortpa.runtime.sampling import SamplingParams
 
+    ref = locate_model(args.model, args.revision)
+    if not ref.path.exists():  # said before anything looks for a tokenizer beside it
+        raise InvalidModel(os.fspath(args.model), "no such file or folder")
     tokenizer = None
     prompts = args.prompt_ids
     stop: list[int] = []
     if args.prompt is not None:
         from ortpa.model.folder import eos_token_ids, load_tokenizer
-        from ortpa.model.ref import locate_model
 
-        ref = locate_model(args.model, args.revision)
         where = args.tokenizer if args.tokenizer is not None else ref.folder  # None: next to the model file
         tokenizer = load_tokenizer(ref.path, where)
         prompts = [tokenizer.encode(text).ids for text in args.prompt]
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"--prompt: expected text the tokenizer encodes to tokens, got {args.prompt!r}")
         stop = eos_token_ids(ref.path, where)
     engine = Engine(
-        resolve_any(args.model, args.revision),
+        ref.path,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=providers_for(args.provider) if args.provider else None,
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="greedy generation with continuous batching on a converted model",
+        help=COMMANDS["generate"],
         description="All prompts are batched continuously on the paged model (CUDA natively where present, "
         "else the portable CPU path). --prompt encodes text with the tokenizer.json next to the model (or in "
         "--tokenizer) and prints text; generation stops at the EOS ids of generation_config.json found there.",

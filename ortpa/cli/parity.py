@@ -6,7 +6,17 @@ import argparse
 import json
 import sys
 
-from ortpa.cli._common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, MODEL_HELP, add_common, add_revision, prompt_ids
+from ortpa.cli._common import (
+    COMMANDS,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_USAGE,
+    MODEL_HELP,
+    add_common,
+    add_revision,
+    prompt_ids,
+)
+from ortpa.errors import InvalidModel
 
 __all__ = ["register", "run"]
 
@@ -26,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     original, converted = (
         resolve_any(m, args.revision if is_repo_id(m) else None) for m in (args.original, args.converted)
     )
+    _check_kinds(original, converted)
     # the original runs alone, in its own format (genai, optimum, OnnxExporter, dynamo: ortpa.formats.detect)
     dense = open_dense(original)
     if not args.prompt_ids:
@@ -41,14 +52,40 @@ def run(args: argparse.Namespace) -> int:
     # the one rule of convert's verification: structure on the float32 twin (CPU), precision of the deployed
     # model on the chosen provider; both read the original's tokens (teacher forcing), so a tie does not cascade
     verdict, _ = run_rule(original, converted, args.prompt_ids, ref, args.num_blocks, deployed_session=deployed)
-    print(json.dumps(verdict.to_dict(), indent=2) if args.json else verdict.format())
+    if args.json:
+        print(json.dumps(verdict.to_dict(), indent=2))
+    else:  # --quiet: the verdict line only
+        print(verdict.format().splitlines()[-1] if args.quiet else verdict.format())
     return EXIT_OK if verdict.ok else EXIT_INVALID
+
+
+def _check_kinds(original, converted) -> None:
+    """The dense original first, its conversion second: either one of the other kind is said as such, before
+    ONNX Runtime fails on it with its own words."""
+    from ortpa.model.file import read_model
+    from ortpa.model.kind import ModelKind, model_kind
+
+    def kind(path):
+        return model_kind(read_model(path, copy=False, check_runtime=False, load_external_data=False).proto)
+
+    if kind(original) is not ModelKind.DENSE:
+        raise InvalidModel(
+            str(original),
+            "ORIGINAL is already a paged model: parity runs the dense original (past/present KV) against its "
+            "conversion, `ortpa parity DENSE CONVERTED`",
+        )
+    if kind(converted) is ModelKind.DENSE:
+        raise InvalidModel(
+            str(converted),
+            "CONVERTED is a dense model (no PagedAttention, no block_table): convert it first, "
+            "`ortpa convert DENSE paged.onnx`, then `ortpa parity DENSE paged.onnx`",
+        )
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "parity",
-        help="run the same prompts through the dense original and the converted model; compare",
+        help=COMMANDS["parity"],
         description="Greedy decoding of each prompt alone on the dense model (ONNX Runtime CPU, past/present KV, "
         "fed in its own format: dynamo export, onnxruntime-genai builder, optimum, transformers' OnnxExporter) and "
         "of all prompts batched on the converted model and on its float32 twin; judges structure (the twin within a "

@@ -1,8 +1,9 @@
 """Progress of long conversions on the command line: a tqdm bar on a terminal, plain lines otherwise.
 
-The converter reports through one callable (``progress(message)``) plus two optional methods that the
-conversion looks for: ``layers(total)`` once the input is loaded, ``bytes(done, total)`` while the weights are
-written. :class:`ConvertProgress` has all three; ``--quiet`` passes no progress at all.
+The conversion reports typed events (:mod:`ortpa.progress`): :class:`~ortpa.progress.LayerStarted` while the
+rewriter works through the layers, :class:`~ortpa.progress.BytesWritten` while the weights are written, and
+:class:`~ortpa.progress.StageStarted` for everything else. :class:`ConvertProgress` draws them; ``--quiet``
+passes no progress at all.
 
 On a terminal, tqdm draws one line in place: layers while the rewriter works, then bytes (rate, ETA) while the
 weights are written, the current stage before the bar. Elsewhere (CI logs, pipes) each stage is one plain line
@@ -15,6 +16,8 @@ import sys
 from typing import TextIO
 
 from tqdm import tqdm
+
+from ortpa.progress import BytesWritten, LayerStarted, ProgressEvent, Stage, StageStarted
 
 __all__ = ["ConvertProgress"]
 
@@ -34,28 +37,28 @@ class ConvertProgress:
         self._bar_kind = ""
         self._last_tenth = -1
 
-    # -- what the converter calls ---------------------------------------------------------------------
-    def __call__(self, message: str) -> None:
+    # -- what the conversion calls ------------------------------------------------------------------
+    def __call__(self, event: ProgressEvent) -> None:
+        if isinstance(event, BytesWritten):
+            self._bytes(event.done, event.total)
+            return
+        message = str(event)
         self.stage = message
-        new_layer = message.startswith(("absorbing layer", "rewriting layer"))
-        if new_layer:
-            self.layer += 1
+        if isinstance(event, LayerStarted):
+            self.total_layers, self.layer = event.total, event.index + 1
         if not self.tty:
             print(f"  {message}", file=self.stream, flush=True)
-        else:
-            bar = self._bar or self._open("stage", None, "")
-            if new_layer and self._bar_kind == "layers":
-                bar.update(1)
+        elif isinstance(event, LayerStarted):
+            bar = self._bar if self._bar_kind == "layers" else self._open("layers", event.total, " layer")
+            bar.update(self.layer - bar.n)
             bar.set_description_str(message, refresh=True)
-        if message == "done":
+        else:
+            bar = self._bar if self._bar is not None else self._open("stage", None, "")
+            bar.set_description_str(message, refresh=True)
+        if isinstance(event, StageStarted) and event.stage is Stage.DONE:
             self.close()
 
-    def layers(self, total: int) -> None:
-        self.total_layers = total
-        if self.tty:
-            self._open("layers", total, " layer", initial=min(self.layer, total))
-
-    def bytes(self, done: int, total: int) -> None:
+    def _bytes(self, done: int, total: int) -> None:
         self.done_bytes, self.total_bytes = done, total
         if self.tty:
             bar = self._bar if self._bar_kind == "bytes" else self._open("bytes", total, "B", scale=True)

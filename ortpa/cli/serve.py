@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ortpa.cli._common import EXIT_OK, MODEL_HELP, add_common, add_revision
-from ortpa.errors import InvalidParameter
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision
+from ortpa.errors import InvalidParameter, Unavailable
 
 __all__ = ["register", "run"]
 
@@ -31,26 +31,26 @@ def _positive(kind):
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from ortpa.serve.model import ServingModel
-        from ortpa.serve.server import run_server
-    except ImportError as exc:
-        raise InvalidParameter(
-            "ortpa serve",
-            "the serve extra",
-            "fastapi, uvicorn, prometheus-client and jinja2 installed (pip install 'ortpa[serve]')",
-            str(exc),
-        ) from None
+    from ortpa.extras import require_extra
+
+    require_extra("serve", "ortpa serve")
+    _check_port_free(args.host, args.port)  # before the model loads (or converts), not seconds later from uvicorn
+    from ortpa.cli.serve_source import serving_source
+    from ortpa.serve.model import ServingModel
+    from ortpa.serve.server import run_server
+
+    model = serving_source(args.model, args.revision, cache_dir=args.cache_dir, quiet=args.quiet, options=[])
+    revision = args.revision if model == args.model else None  # a cache entry is a plain folder
     if args.quiet:
         log_level = "error"
     else:
         log_level = "info" if args.verbose else "warning"
-        print(f"ortpa serve: loading {args.model}", file=sys.stderr, flush=True)
+        print(f"ortpa serve: loading {model}", file=sys.stderr, flush=True)
     served = ServingModel.load(
-        args.model,
-        revision=args.revision,
+        model,
+        revision=revision,
         tokenizer=args.tokenizer,
-        name=args.served_model_name,
+        name=args.served_model_name or args.model,
         num_blocks=args.num_blocks,
         kv_budget_bytes=None if args.kv_memory is None else int(args.kv_memory * (1 << 30)),
         block_size=args.block_size,
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         provider=args.provider,
         threads=args.threads,
     )
+    if args.max_model_len is not None:
+        served.limit_context(args.max_model_len)
     if not args.quiet:
         print(
             f"ortpa serve: {served.name!r} on http://{args.host}:{args.port}/v1 ({served.engine.num_blocks} KV blocks "
@@ -66,33 +68,73 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    run_server(
-        served,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        max_queue=args.max_queue,
-        drain_s=args.drain_timeout,
-        log_level=log_level,
-    )
+    try:
+        run_server(
+            served,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            drain_s=args.drain_timeout,
+            log_level=log_level,
+            access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
+        )
+    except SystemExit as exc:  # uvicorn exits 3 when it cannot bind: taken since the check above
+        if exc.code != _UVICORN_STARTUP_FAILURE:
+            raise
+        raise Unavailable(_port_message(args.host, args.port, "was taken while the model loaded")) from None
     return EXIT_OK
+
+
+_UVICORN_STARTUP_FAILURE = 3
+
+
+def _port_message(host: str, port: int, what: str) -> str:
+    return f"--port {port}: {host}:{port} {what} (another server?); stop it, or pass another --port"
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """:class:`~ortpa.errors.Unavailable` when ``host:port`` cannot be bound (bound the way uvicorn binds it)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InvalidParameter("ortpa serve", "--host", "an address of this machine", host) from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise Unavailable(_port_message(host, port, "is already in use")) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise InvalidParameter("ortpa serve", "--host", "an address of this machine", host) from None
+            raise Unavailable(_port_message(host, port, f"cannot be bound: {exc.strerror}")) from None
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a converted model over HTTP with OpenAI's completions and chat API",
+        help=COMMANDS["serve"],
         description="Continuous batching over one Engine; /v1/completions, /v1/chat/completions (streamed as "
         "Server-Sent Events or not), /v1/models, /health, /metrics (Prometheus). The tokenizer.json, "
         "tokenizer_config.json (chat template), generation_config.json (EOS) and config.json (context length) "
         "beside the model are used. SIGTERM drains in-flight requests, then exits.",
         epilog="examples:\n  ortpa serve out/paged.onnx --port 8000\n"
+        "  ortpa serve meta-llama/Llama-3.2-1B   (from the local HF cache: converted once, reused after)\n"
         "  ortpa serve out/ --served-model-name tiny --api-key secret --kv-memory 2\n"
         "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' "
         '-d \'{"model": "tiny", "prompt": "Hello", "max_tokens": 8}\'',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a converted (paged) ONNX model" + MODEL_HELP)
+    p.add_argument(
+        "model",
+        help="a converted (paged) ONNX model, or what to convert once into --cache-dir first: a dense ONNX "
+        "model, a Hugging Face checkpoint folder, or ORG/NAME in the local hub cache" + MODEL_HELP,
+    )
     add_revision(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=_bounded(int, 1, 65535, "a port number 1..65535"), default=8000)
@@ -118,6 +160,18 @@ def register(sub) -> None:
         default=None,
         help="ONNX Runtime intra-op threads (default: one per core; 1 suits a machine busy with other work)",
     )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive(int),
+        default=None,
+        help="tokens per request, prompt + completion (default: the model's); longer requests get a 400",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where conversions made for serving are kept (default: $ORTPA_CACHE_DIR or ~/.cache/ortpa/serve)",
+    )
+    p.add_argument("--no-access-log", action="store_true", help="no line per request on stderr (--quiet implies it)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish")
     add_common(p)

@@ -1,9 +1,10 @@
-"""``convert --portable``: lower every PagedAttention node of a written, validated file to standard ONNX ops.
+"""``convert --portable``: lower every PagedAttention node of a converted, validated graph to standard ONNX ops.
 
-The converted file is validated on the op first (the conversion's own checks); this step then re-reads its
-graph only (weights stay in ``<out>.data``, or in the protobuf of a small inline model, which is modified in
-place and never copied), replaces each node by a call to a model-local function (:mod:`ortpa.ops.portable`),
-checks that ONNX Runtime opens the result on CPU with no custom op, and replaces the file atomically.
+:func:`lower_graph` works on the graph only (weights stay in ``<out>.data``, or in the protobuf of a small inline
+model, modified in place and never copied): each node becomes a call to a model-local function
+(:mod:`ortpa.ops.portable`), and ONNX Runtime must open the result on CPU with no custom op. The conversion
+(:mod:`ortpa.conversion`) lowers the staged model's graph before it is published; :func:`lower_file` lowers a
+paged file made elsewhere, in place (atomically).
 
 LATENT (MLA) layers: ``split_latent`` stores each latent row in two halves, channels ``[0, H/2)`` in
 ``past_key_values.{i}.key`` and ``[H/2, H)`` in a new ``past_key_values.{i}.value`` (both ``[num_blocks,
@@ -29,14 +30,15 @@ import onnx
 from onnx import helper
 
 from ortpa.errors import ConversionError
+from ortpa.model.kind import PORTABLE_METADATA_KEY
 from ortpa.ops.portable import LayerCall, layer_call, lower_nodes, node_attributes, value_types
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import OP_TYPE, PAGED_ATTENTION
 from ortpa.providers import CPU
 
-__all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "portable_info"]
+__all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "lower_graph", "portable_info"]
 
-METADATA_KEY = "ortpa.portable"
+METADATA_KEY = PORTABLE_METADATA_KEY
 
 
 @dataclass(frozen=True)
@@ -76,16 +78,27 @@ def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_session: bool = True) -> PortableInfo:
-    """Lower every PagedAttention node of the model file ``path`` in place (atomically); what was done.
-
-    Raises :class:`~ortpa.errors.ConversionError` (the file untouched) when a node cannot be lowered (float8 or
-    packed int4 caches, symbolic head sizes), when ``split_latent`` meets an odd latent width or a quantized
-    latent cache, or when ONNX Runtime refuses the lowered graph.
-    """
+    """Lower every PagedAttention node of the model file ``path`` in place (atomically); what was done. For a paged
+    file made elsewhere (``ortpa convert --portable`` lowers its graph before the file is published)."""
     path = Path(path)
     proto = onnx.load(str(path), load_external_data=False)
+    info = lower_graph(proto, str(path), split_latent=split_latent, check_session=check_session)
+    _replace(proto, path)
+    return info
+
+
+def lower_graph(
+    proto: onnx.ModelProto, where: str, *, split_latent: bool = True, check_session: bool = True
+) -> PortableInfo:
+    """Lower every PagedAttention node of ``proto`` (its graph; weights may stay external) in place; what was done.
+    ``where`` names the model in messages.
+
+    Raises :class:`~ortpa.errors.ConversionError` when a node cannot be lowered (float8 or packed int4 caches,
+    symbolic head sizes), when ``split_latent`` meets an odd latent width or a quantized latent cache, or when ONNX
+    Runtime refuses the lowered graph; ``proto`` is then partly changed and must be dropped.
+    """
     if METADATA_KEY in {p.key for p in proto.metadata_props}:
-        raise ConversionError(f"{path} is already lowered (metadata {METADATA_KEY})")
+        raise ConversionError(f"{where} is already lowered (metadata {METADATA_KEY})")
     opsets = {o.domain: o.version for o in proto.opset_import}
     fn_opset = opsets.get("", opsets.get("ai.onnx", 0))
     types = value_types(infer_shapes(_weightless(proto)))
@@ -97,19 +110,19 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
     new_outputs: list[tuple[int, onnx.ValueInfoProto]] = []
 
     def make_call(i: int, node: onnx.NodeProto) -> LayerCall:
-        where = node.name or f"{OP_TYPE}_{i}"
+        node_name = node.name or f"{OP_TYPE}_{i}"
         try:
             call = layer_call(node, types, fn_opset)
         except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
-            raise ConversionError(f"--portable cannot lower node {where}: {exc}") from None
+            raise ConversionError(f"--portable cannot lower node {node_name}: {exc}") from None
         if call.cfg.latent and split_latent:
-            _split_latent(call, where, inputs, outputs, new_inputs, new_outputs)
+            _split_latent(call, node_name, inputs, outputs, new_inputs, new_outputs)
         configs.setdefault(call.cfg.function_name(), node_attributes(node))
         return call
 
     calls = lower_nodes(proto, make_call, types)
     if not calls:
-        raise ConversionError(f"--portable: {path} has no PagedAttention node to lower")
+        raise ConversionError(f"--portable: {where} has no PagedAttention node to lower")
     first = calls[0].cfg
     split = any(c.cfg.split_latent for c in calls)
     _insert_after(graph.input, new_inputs)
@@ -126,8 +139,7 @@ def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_sess
     )
     helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, METADATA_KEY: info.to_json()})
     if check_session:
-        _check_session(proto, path)
-    _replace(proto, path)
+        _check_session(proto, where)
     return info
 
 
@@ -199,7 +211,7 @@ def _insert_after(field, additions: list[tuple[int, onnx.ValueInfoProto]]) -> No
             field.append(after[idx])
 
 
-def _check_session(proto: onnx.ModelProto, path: Path) -> None:
+def _check_session(proto: onnx.ModelProto, where: str) -> None:
     """ONNX Runtime's CPU EP must open the lowered graph (weights as typed inputs): no custom op is left."""
     import onnxruntime as ort
 
@@ -210,7 +222,7 @@ def _check_session(proto: onnx.ModelProto, path: Path) -> None:
         ort.InferenceSession(_weightless(proto).SerializeToString(), opts, providers=[CPU])
     except Exception as exc:
         line = " ".join(str(exc).split())[:500]
-        raise ConversionError(f"--portable: ONNX Runtime (CPU) rejects the lowered {path.name}: {line}") from None
+        raise ConversionError(f"--portable: ONNX Runtime (CPU) rejects the lowered {where}: {line}") from None
 
 
 def _replace(proto: onnx.ModelProto, path: Path) -> None:

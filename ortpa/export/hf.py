@@ -1,6 +1,6 @@
 """Hugging Face / torch causal LMs -> dense ONNX with past/present KV (the optional ``export`` extra).
 
-The exported graph is what :func:`ortpa.rewriter.pipeline.convert` consumes:
+The exported graph is what :func:`ortpa.convert_file` consumes:
 
 * inputs ``input_ids`` int64[batch, seq], ``attention_mask`` int64[batch, past + seq], ``position_ids``
   int64[batch, seq], and per layer ``past_key_values.{i}.key`` / ``.value``;

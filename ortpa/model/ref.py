@@ -264,6 +264,12 @@ def companion_files(source: Path) -> list[tuple[str, str]]:
     return found
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it before Python 3.13's os.getumask: set, then restore at once
+    os.umask(mask)
+    return mask
+
+
 def copy_companion_files(files: list[tuple[str, str]], dest_dir: Path) -> list[str]:
     """Copy :func:`companion_files`' result into ``dest_dir`` as regular files (a symlink already at the
     destination is replaced, not written through); the names copied."""
@@ -276,6 +282,7 @@ def copy_companion_files(files: list[tuple[str, str]], dest_dir: Path) -> list[s
         os.close(fd)
         try:
             shutil.copyfile(target, tmp)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for the temp name only: a plain file, as open() makes
             os.replace(tmp, dest)
         except BaseException:
             if os.path.exists(tmp):

@@ -16,11 +16,12 @@ passing silently.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import onnx
 
 from ortpa.errors import ConversionError, InvalidParameter, OrtpaError
+from ortpa.progress import Progress, Stage, report
 from ortpa.providers import PROVIDER_NAMES, providers_for
 from ortpa.runtime.device import has_cuda
 
@@ -120,14 +121,13 @@ def _check_one(graph: onnx.ModelProto, provider: str) -> None:
 def check_runs(
     proto: onnx.ModelProto,
     providers: Sequence[str] = DEFAULT_PROVIDERS,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> None:
     """Raise :class:`~ortpa.errors.ConversionError` unless ONNX Runtime opens ``proto`` (weights or not) on every
     provider of ``providers``; CUDA only where a CUDA device is present (else ``progress`` says so)."""
     graph = weightless(proto)
     for provider in checked_providers(providers):
         if provider == "cuda" and not has_cuda():
-            if progress is not None:
-                progress("not checked on CUDA: no CUDA device on this machine")
+            report(progress, Stage.CHECK, "not checked on CUDA: no CUDA device on this machine")
             continue
         _check_one(graph, provider)

@@ -88,20 +88,50 @@ def _inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return found
 
 
+def _unknown_dims(shape: ir.Shape | None) -> bool:
+    """No shape, or a dim that is neither a number nor a named symbol (what TorchScript-era exports leave after
+    reshapes to targets read with ``Shape``: optimum's ``[None, None, None, None]``)."""
+    if shape is None:
+        return True
+    return any(not isinstance(d, int) and (not isinstance(d, ir.SymbolicDim) or not d.value) for d in shape)
+
+
+def _merged(old: ir.Shape | None, new: ir.Shape | None, symbols: set[str]) -> ir.Shape | None:
+    """``new`` where ``old`` is missing; else ``old`` with its unknown dims filled from ``new`` (same rank) where
+    ``new`` has a number or one of the graph inputs' symbols (never a symbol inference made up: the flow reads
+    the token axis from the symbols)."""
+    if old is None or new is None:
+        return new if old is None else old
+    if len(old) != len(new):
+        return old
+
+    def fill(o, n):
+        if not _unknown_dims(ir.Shape([o])):
+            return o
+        return n if isinstance(n, int) or (isinstance(n, ir.SymbolicDim) and n.value in symbols) else o
+
+    return ir.Shape([fill(o, n) for o, n in zip(old, new, strict=True)])
+
+
 def recover_shapes(irm: ir.Model) -> int:
-    """Give every value of ``irm``'s main graph that has no shape the one shape inference finds; returns how many
-    values got one. Called by the pipeline after the optimizer, before any layer is matched."""
-    missing = [o for node in irm.graph for o in node.outputs if o.shape is None and o.name]
+    """Give every value of ``irm``'s main graph that has no shape, or unknown dims, what shape inference finds;
+    returns how many values got a shape or a dim. Called by the pipeline after the optimizer, before any layer is
+    matched."""
+    missing = [o for node in irm.graph for o in node.outputs if o.name and _unknown_dims(o.shape)]
     if not missing:
         return 0
     found = _inferred_types(weightless_proto(irm))
+    symbols = {
+        d.value for v in irm.graph.inputs if v.shape is not None for d in v.shape if isinstance(d, ir.SymbolicDim)
+    }
     count = 0
     for value in missing:
         type_proto = found.get(value.name)
         if type_proto is None:
             continue
-        value.shape = ir.serde.deserialize_type_proto_for_shape(type_proto)
+        before = value.shape
+        value.shape = _merged(before, ir.serde.deserialize_type_proto_for_shape(type_proto), symbols)
         if value.type is None:
             value.type = ir.serde.deserialize_type_proto_for_type(type_proto)
-        count += value.shape is not None
+        count += value.shape is not None and (before is None or list(value.shape) != list(before))
     return count

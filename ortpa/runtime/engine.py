@@ -37,7 +37,8 @@ from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
 from ortpa.runtime.prefix_cache import PrefixCache
-from ortpa.runtime.sampling import Sampler, SamplingParams
+from ortpa.runtime.prompt_scoring import score_prompts
+from ortpa.runtime.sampling import RowContext, Sampler, SamplingParams, TokenLogprobs, sample_rows
 from ortpa.runtime.scheduler import (
     InvalidRequest,
     Request,
@@ -59,6 +60,7 @@ __all__ = [
     "RequestTooLarge",
     "RequestTooLong",
     "SamplingParams",
+    "TokenLogprobs",
     "UnknownRequest",
     "rotary_table_rows",
 ]
@@ -76,6 +78,11 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None  # "stop", "length" or None while running
+    # with SamplingParams.logprobs: one entry per new token (raw log-probabilities, float32 values)
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), in the request's
+    # first output (its first token, or its end when max_new_tokens=0)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,9 @@ class Engine:
             mixed_steps=mixed_steps,
             max_model_len=rotary_table_rows(proto),
         )
+        # one logits row per packed token ("all"): a scored prompt's rows come with any chunk; otherwise a scored
+        # prompt runs one token per chunk, so that each of its tokens is some chunk's last
+        self._all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generated_tokens = 0
@@ -206,26 +216,48 @@ class Engine:
         )
         logits = self.session.run(feeds, ["logits"])["logits"]
         rows = self._rows_per_sequence(logits, len(plan.chunks), len(ids), inputs.last_token_indices)
+        if any(c.request.prompt_scores is not None for c in plan.chunks):
+            score_prompts(plan.chunks, logits, rows)
         self.scheduler.commit(plan.chunks)
 
+        # one batched choice for every chunk that reached its request's last token (and has tokens to generate)
+        sampling = [i for i, c in enumerate(plan.chunks) if c.samples and c.request.sampler.params.max_new_tokens > 0]
+        reqs = [plan.chunks[i].request for i in sampling]
+        contexts = [RowContext(r.sampler.params, r.tokens, r.prompt_len) for r in reqs]
+        chosen = iter(sample_rows(rows[sampling], [r.sampler for r in reqs], contexts) if sampling else ())
         outputs = []
-        for row, chunk in zip(rows, plan.chunks, strict=True):
+        for chunk in plan.chunks:
             if not chunk.samples:
                 continue
             req = chunk.request
-            token = req.sampler(row)
+            params = req.sampler.params
+            prompt_lps = None
+            if req.prompt_scores is not None:
+                prompt_lps, req.prompt_scores, req.max_chunk = tuple(req.prompt_scores), None, 0
+            if params.max_new_tokens == 0:  # a scored prompt, nothing to generate
+                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+                outputs.append(RequestOutput(req.request_id, (), True, "length", None, prompt_lps))
+                continue
+            picked = next(chosen)
+            if picked.token_id is None:  # the request's constraint allows no token: its output is complete
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                outputs.append(RequestOutput(req.request_id, (), True, "stop", (), prompt_lps))
+                continue
+            token = picked.token_id
             req.tokens.append(token)
             self._generated_tokens += 1
-            params = req.sampler.params
             status = None
-            if token in params.stop_token_ids:
+            if params.constraint is not None:
+                params.constraint.advance(token)
+            if token in params.stop_token_ids or (params.constraint is not None and params.constraint.is_terminated()):
                 status = RequestStatus.FINISHED_STOPPED
             elif len(req.tokens) - req.prompt_len >= params.max_new_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.scheduler.finish(req, status)
             reason = None if status is None else status.value
-            outputs.append(RequestOutput(req.request_id, (token,), status is not None, reason))
+            lps = None if picked.logprobs is None else (picked.logprobs,)
+            outputs.append(RequestOutput(req.request_id, (token,), status is not None, reason, lps, prompt_lps))
         return outputs
 
     def generate(
@@ -303,7 +335,17 @@ class Engine:
             raise InvalidRequest(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {self.io.vocab})")
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest(f"request {rid!r}: expected SamplingParams, found {type(sampling).__name__}")
-        return Request(rid, tokens, len(tokens), Sampler(sampling))
+        if self.io.vocab is not None:
+            outside = [t for t, _ in sampling.logit_bias if t >= self.io.vocab]
+            if outside:
+                raise InvalidRequest(
+                    f"request {rid!r}: logit_bias token ids {outside[:5]} outside the vocabulary [0, {self.io.vocab})"
+                )
+        request = Request(rid, tokens, len(tokens), Sampler(sampling))
+        if sampling.prompt_logprobs is not None:
+            request.prompt_scores = [None] * len(tokens)
+            request.max_chunk = 0 if self._all_rows else 1
+        return request
 
     def _add_all(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None

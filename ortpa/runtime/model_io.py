@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from ortpa.errors import InvalidModel
+from ortpa.model.kind import ModelKind, model_kind
 from ortpa.ops.portable.calls import lowered_rotary_tables
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx
 
@@ -47,9 +48,11 @@ def model_io(model: onnx.ModelProto, cache_inputs: set[str]) -> ModelIO:
     missing = [n for n in REQUIRED_INPUTS if n not in inputs]
     unknown = [n for n in inputs if n not in REQUIRED_INPUTS + OPTIONAL_INPUTS]
     if missing or unknown:
+        hint = "a dense model (no PagedAttention, no block_table): convert it first, `ortpa convert MODEL OUT`; "
         raise InvalidModel(
             where,
-            f"expected the converted-model inputs {list(REQUIRED_INPUTS)} (+ optional {list(OPTIONAL_INPUTS)}) "
+            (hint if model_kind(model) is ModelKind.DENSE else "")
+            + f"expected the converted-model inputs {list(REQUIRED_INPUTS)} (+ optional {list(OPTIONAL_INPUTS)}) "
             f"and KV caches; missing {missing}, unexpected {unknown}",
         )
     logits = next((o for o in model.graph.output if o.name == "logits"), None)

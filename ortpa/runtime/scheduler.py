@@ -77,6 +77,12 @@ class Request:
     # Hash chain over full blocks of `tokens`, grown lazily; stays valid across preemption (tokens only grow).
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_preemptions: int = 0
+    # Prompt scoring (prompt_logprobs): one entry per prompt token (None for the first), filled as the prompt's
+    # logits rows arrive; None once delivered or when not asked. While scoring, cached blocks are not adopted
+    # (their tokens would have no logits) and chunks hold at most `max_chunk` tokens (0: no bound) when the
+    # model returns one logits row per sequence.
+    prompt_scores: list | None = None
+    max_chunk: int = 0
 
     @property
     def output(self) -> list[int]:
@@ -163,7 +169,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequest(f"add_request: request id {request.request_id!r} is already in use")
         # The last generated token is returned, never fed back, so it needs no K/V.
-        longest = request.prompt_len + request.sampler.params.max_new_tokens - 1
+        longest = request.prompt_len + max(request.sampler.params.max_new_tokens - 1, 0)
         blocks = -(-longest // self.kv.block_size)
         if self.max_model_len is not None and longest > self.max_model_len:
             raise RequestTooLong(request.request_id, longest, self.max_model_len)
@@ -222,7 +228,7 @@ class Scheduler:
             if not (decodes if req.is_decoding else prompts):
                 i += 1
                 continue
-            n = min(len(req.tokens) - req.num_computed, budget)
+            n = min(len(req.tokens) - req.num_computed, budget, req.max_chunk or budget)
             need = self.kv.blocks_needed(req.request_id, n)
             fits = self._reserve(need)
             while not fits and self.running[-1] is not req:
@@ -243,7 +249,7 @@ class Scheduler:
             req = self.waiting[0]
             hits = self._match(req)
             cached = len(hits) * self.kv.block_size
-            n = min(len(req.tokens) - cached, budget)
+            n = min(len(req.tokens) - cached, budget, req.max_chunk or budget)
             self.kv.add_sequence(req.request_id, cached, shared_blocks=hits)  # full blocks only: no allocation
             if not self._reserve(self.kv.blocks_needed(req.request_id, n)):
                 self.kv.free(req.request_id)
@@ -280,7 +286,7 @@ class Scheduler:
     # -- internals ---------------------------------------------------------------------------------
     def _match(self, req: Request) -> list[int]:
         """Cached blocks the request can adopt: full blocks only, and never its last token (it needs logits)."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or req.prompt_scores is not None:
             return []
         limit = (len(req.tokens) - 1) // self.kv.block_size
         extend_block_hashes(req.block_hashes, req.tokens, self.kv.block_size, limit)

@@ -341,6 +341,8 @@ class PagedSession:
         self.block_size = int(first.shape[1])
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._cache_outputs = {a.output_name: a.input_name for a in self.aliases if a.output_name}
+        # each step input's declared dims, so that a feed of the wrong rank is refused in ortpa's words
+        self._declared = {i.name: tuple(i.shape) for i in self.session.get_inputs() if i.shape is not None}
         self._lock = threading.Lock()  # serializes every use of the cache buffers (see the class docstring)
         self._io: ort.IOBinding | None = None  # made on the first run (see _binding)
         self._io_key: tuple = ()  # (fetched outputs, fed inputs) self._io was made for
@@ -402,6 +404,7 @@ class PagedSession:
         for name, value in feeds.items():
             if name in self._values:
                 raise ValueError(f"{name!r} is a cache owned by this PagedSession; do not feed it")
+            self._check_rank(name, value)
             ov = value if isinstance(value, ort.OrtValue) else to_ortvalue(np.ascontiguousarray(value), "cpu")
             keep.append(ov)
             io.bind_ortvalue_input(name, ov)  # replaces the previous step's binding of that name
@@ -415,6 +418,15 @@ class PagedSession:
             name: ortvalue_to_numpy(ov) if _is_raw_type_str(ov.data_type()) else ov.numpy()
             for name, ov in ((n, by_name[n]) for n in fetched)
         }
+
+    def _check_rank(self, name: str, value: Any) -> None:
+        dims = self._declared.get(name)
+        shape = tuple(value.shape()) if isinstance(value, ort.OrtValue) else np.shape(value)
+        if dims is not None and len(shape) != len(dims):
+            declared = ", ".join(str(d) for d in dims)
+            raise InvalidParameter(
+                "PagedSession.run", name, f"a rank-{len(dims)} array [{declared}] (the converted model's input)", shape
+            )
 
     def _binding(self, fetched: list[str], fed: list[str]):
         """The IO binding kept across steps: the caches are bound once (input and aliasing output); each step

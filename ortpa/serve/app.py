@@ -20,19 +20,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ortpa.serve.access_log import AccessLog, access_logger
 from ortpa.serve.bridge import EngineBridge
-from ortpa.serve.chat import TemplateRenderError
-from ortpa.serve.generation import Admission, Generation
+from ortpa.serve.chat import ChatTemplate, TemplateRenderError
+from ortpa.serve.generation import Admission, Choice, Delta, Generation
+from ortpa.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from ortpa.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ortpa.serve.model import ServingModel
+from ortpa.serve.params import logprobs_asked
 from ortpa.serve.protocol import (
-    MAX_N,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
     parse_body,
 )
+from ortpa.serve.request_checks import check_common, completion_prompts, max_tokens_for
+from ortpa.serve.structured import Grammars, GuidedGrammar, guided_grammar
+from ortpa.serve.tokenize import add_tokenizer_routes
+from ortpa.serve.tool_calls import forced_call_grammar, template_messages
 
 __all__ = ["ServerState", "build_app"]
 
@@ -46,11 +52,16 @@ class ServerState:
         self.metrics = ServeMetrics(served.engine.num_blocks)
         self.bridge = EngineBridge(served.engine, self.metrics)
         self.admission = Admission(served.engine.scheduler.max_num_seqs + max_queue)
+        self.grammars = Grammars(served.tokenizer, served.eos_token_ids)
         self.created = int(time.time())
+        self.token_text = TokenText(served.tokenizer)
 
 
-def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
-    """The app serving ``served``. ``max_queue``: requests waiting beyond the running batch before a 503."""
+def build_app(
+    served: ServingModel, *, api_key: str | None = None, max_queue: int = 256, access_log: bool = True
+) -> FastAPI:
+    """The app serving ``served``. ``max_queue``: requests waiting beyond the running batch before a 503.
+    ``access_log``: one line per request on stderr (:mod:`ortpa.serve.access_log`)."""
     state = ServerState(served, api_key=api_key, max_queue=max_queue)
 
     @contextlib.asynccontextmanager
@@ -63,6 +74,8 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
 
     app = FastAPI(title="ortpa", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ortpa = state
+    if access_log:
+        app.add_middleware(AccessLog, log=access_logger())
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -115,15 +128,17 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
     async def completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(CompletionRequest, await request.body())
-        _check_common(body, served)
-        prompts = _completion_prompts(body.prompt, served)
-        return await _respond(state, request, body, prompts, body.max_tokens, chat=False)
+        check_common(body, served)
+        prompts, texts = completion_prompts(body.prompt, served)
+        guided = guided_grammar(body)
+        echo = texts if body.echo else None
+        return await _respond(state, request, body, prompts, body.max_tokens, chat=False, guided=guided, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         body = parse_body(ChatCompletionRequest, await request.body())
-        _check_common(body, served)
+        check_common(body, served)
         if served.chat_template is None:
             raise ApiError(
                 400,
@@ -132,9 +147,12 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
                 param="messages",
                 code="no_chat_template",
             )
+        tools, guided = _tool_plan(body, served, served.chat_template)
         try:
             text = served.chat_template.render(
-                [m.for_template() for m in body.messages], add_generation_prompt=body.add_generation_prompt
+                template_messages([m.for_template() for m in body.messages]),
+                add_generation_prompt=body.add_generation_prompt,
+                tools=tools,
             )
         except TemplateRenderError as exc:
             raise ApiError(400, str(exc), param="messages") from None
@@ -142,62 +160,49 @@ def build_app(served: ServingModel, *, api_key: str | None = None, max_queue: in
         if not ids:
             raise ApiError(400, "the messages render to an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _respond(state, request, body, [ids], max_tokens, chat=True)
+        return await _respond(
+            state, request, body, [ids], max_tokens, chat=True, guided=guided, tools=tools is not None
+        )
 
+    add_tokenizer_routes(app, served, check_key)
     return app
 
 
-def _check_common(body: Any, served: ServingModel) -> None:
-    if body.model != served.name:
-        raise ApiError(
-            404,
-            f"the model {body.model!r} does not exist: this server serves {served.name!r}",
-            param="model",
-            code="model_not_found",
-        )
-    bad = body.unsupported()
-    if bad:
-        raise ApiError(400, f"'{bad[0]}' is not supported by this server (leave it unset)", param=bad[0])
-    if not 1 <= body.n <= MAX_N:
-        raise ApiError(400, f"'n': expected 1 to {MAX_N} choices, found {body.n}", param="n")
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-
-
-def _completion_prompts(prompt: Any, served: ServingModel) -> list[list[int]]:
-    """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise ApiError(400, "'prompt': expected a string or token ids, found an empty list", param="prompt")
-    if isinstance(prompt[0], int):
-        prompt = [prompt]
-    out = []
-    for i, p in enumerate(prompt):
-        ids = served.tokenizer.encode(p).ids if isinstance(p, str) else list(p)
-        if not ids:
-            raise ApiError(400, f"'prompt': prompt {i} is empty (expected at least one token)", param="prompt")
-        out.append(ids)
-    return out
-
-
-def _max_tokens(requested: int | None, prompts: list[list[int]], served: ServingModel, chat: bool) -> int:
-    longest = max(len(p) for p in prompts)
-    limit = served.max_model_len
-    if requested is None:  # OpenAI's defaults: 16 for completions; chat: the rest of the context
-        requested = 16 if not chat else (limit - longest if limit is not None else 256)
-        requested = max(requested, 1)
-    elif requested < 1:
-        raise ApiError(400, f"'max_tokens': expected an integer >= 1, found {requested}", param="max_tokens")
-    if limit is not None and longest + requested > limit:
+def _tool_plan(
+    body: ChatCompletionRequest, served: ServingModel, template: ChatTemplate
+) -> tuple[list[dict] | None, GuidedGrammar | None]:
+    """The tools to render (None: no tools in play) and the one grammar the request's output must follow."""
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise ApiError(400, "'tool_choice' is set but no 'tools' are given", param="tool_choice")
+    guided = guided_grammar(body)
+    if not body.tools or choice == "none":
+        return None, guided
+    if not template.supports_tools:
         raise ApiError(
             400,
-            f"this model's maximum context length is {limit} tokens, but {longest + requested} were requested "
-            f"({longest} in the prompt, {requested} in the completion): shorten the prompt or lower max_tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
+            f"the chat template of {served.name!r} ({template.where}) does not read a 'tools' variable, so the "
+            "model would never see the tools: send the request without 'tools', or serve a tool-calling template",
+            param="tools",
+            code="tools_not_supported",
         )
-    return requested
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, f"'tools': function names must be unique, found {names}", param="tools")
+    named = choice.function.name if choice not in (None, "auto", "required") else None  # type: ignore[union-attr]
+    if named is not None and named not in names:
+        raise ApiError(
+            400, f"'tool_choice': the function {named!r} is not among the tools given ({names})", param="tool_choice"
+        )
+    if choice == "required" or named is not None:
+        if guided is not None:
+            raise ApiError(
+                400,
+                f"expected at most one output constraint, found 'tool_choice' and '{guided.param}'",
+                param=guided.param,
+            )
+        guided = GuidedGrammar(forced_call_grammar(body.tools, named, template.tool_call_tags), "tools")
+    return [t.model_dump(exclude_none=True) for t in body.tools], guided
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -223,12 +228,27 @@ async def _collect(gen: Generation, request: Request) -> list:
 
 
 async def _respond(
-    state: ServerState, request: Request, body: Any, prompts: list[list[int]], requested: int | None, chat: bool
+    state: ServerState,
+    request: Request,
+    body: Any,
+    prompts: list[list[int]],
+    requested: int | None,
+    chat: bool,
+    echo: list[str | None] | None = None,
+    guided: GuidedGrammar | None = None,
+    tools: bool = False,
 ) -> Response:
     served = state.served
-    max_tokens = _max_tokens(requested, prompts, served, chat)
+    max_tokens = max_tokens_for(requested, prompts, served, chat, echo is not None)
+    top = logprobs_asked(body)
+    if echo is not None:  # a prompt given as token ids is echoed as their decoded text
+        echo = [t if t is not None else served.tokenizer.decode(p) for t, p in zip(echo, prompts, strict=True)]
+    constraints = None
+    if guided is not None:  # off the event loop: the first one builds the tokenizer's grammar tables
+        count = len(prompts) * body.n
+        constraints = await asyncio.to_thread(lambda: [state.grammars.constraint(guided) for _ in range(count)])
     gen = Generation(served, state.bridge, state.admission)
-    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings())
+    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings(), echo, constraints=constraints, tools=tools)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = lambda: {  # noqa: E731
@@ -236,7 +256,26 @@ async def _respond(
         "completion_tokens": gen.completion_tokens,
         "total_tokens": sum(len(p) for p in prompts) + gen.completion_tokens,
     }
+    request.state.access = (ident, usage)  # for the access log line
     head = {"id": ident, "created": created, "model": served.name}
+    text_of = state.token_text
+
+    def chat_lps(entries) -> dict[str, Any] | None:
+        return None if top is None else chat_logprobs(entries, text_of, top)
+
+    def completion_lps(c: Choice | Delta, start: int = 0) -> dict[str, Any] | None:
+        if top is None:
+            return None
+        ids: list[int] = []
+        entries: list = []
+        prompt = c.prompt_ids if isinstance(c, Delta) or c.echo is not None else None
+        if prompt is not None:  # the echoed prompt: its first token has nothing to be scored against
+            ids += prompt
+            entries += c.prompt_logprobs or [None] * len(prompt)
+        ids += [e.token_id for e in c.logprobs]
+        entries += c.logprobs
+        return completion_logprobs(ids, entries, text_of, start)
+
     if not body.stream:
         try:
             choices = await _collect(gen, request)
@@ -248,27 +287,40 @@ async def _respond(
             out = [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": "".join(c.pieces)},
-                    "logprobs": None,
+                    "message": _message(c),
+                    "logprobs": chat_lps(c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
                 for c in choices
             ]
             return JSONResponse({**head, "object": "chat.completion", "choices": out, "usage": usage()})
         out = [
-            {"index": c.index, "text": "".join(c.pieces), "logprobs": None, "finish_reason": c.finish_reason}
+            {
+                "index": c.index,
+                "text": "".join(c.pieces),
+                "logprobs": completion_lps(c),
+                "finish_reason": c.finish_reason,
+            }
             for c in choices
         ]
         return JSONResponse({**head, "object": "text_completion", "choices": out, "usage": usage()})
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    every_chunk = include_usage and body.stream_options.continuous_usage_stats
     kind = "chat.completion.chunk" if chat else "text_completion"
+    offsets: dict[int, int] = {}  # completions' text_offset continues across a choice's chunks
 
     def event(choices: list[dict[str, Any]], with_usage: bool = False) -> str:
         chunk = {**head, "object": kind, "choices": choices}
         if include_usage:
-            chunk["usage"] = usage() if with_usage else None
+            chunk["usage"] = usage() if with_usage or every_chunk else None
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def completion_chunk_lps(d: Delta) -> dict[str, Any] | None:
+        lps = completion_lps(d, offsets.get(d.index, 0))
+        if lps is not None and lps["tokens"]:
+            offsets[d.index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+        return lps
 
     async def sse() -> AsyncIterator[str]:
         try:
@@ -285,26 +337,46 @@ async def _respond(
                     parts = [
                         {
                             "index": d.index,
-                            "delta": {"content": d.text} if d.text else {},
-                            "logprobs": None,
+                            "delta": _chat_delta(d),
+                            "logprobs": chat_lps(d.logprobs),
                             "finish_reason": d.finish_reason,
                         }
                         for d in deltas
                     ]
                 else:
                     parts = [
-                        {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                        {
+                            "index": d.index,
+                            "text": d.text,
+                            "logprobs": completion_chunk_lps(d),
+                            "finish_reason": d.finish_reason,
+                        }
                         for d in deltas
                     ]
                 yield event(parts)
-            if include_usage:
-                yield event([], with_usage=True)
         except ApiError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
         except Exception as exc:  # a failed step: the client learns why, the stream still ends properly
             yield f"data: {json.dumps(error_body(f'generation failed: {exc}', 'server_error'))}\n\n"
         finally:
             gen.close()  # a client gone mid-stream lands here: its requests are aborted, their blocks freed
+        if include_usage:  # also after an error: what was produced is counted
+            yield event([], with_usage=True)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _message(choice: Any) -> dict[str, Any]:
+    text = "".join(choice.pieces)
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": text}
+    content = text if text.strip() else None
+    return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in choice.tool_calls]}
+
+
+def _chat_delta(d: Any) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": d.text} if d.text else {}
+    if d.tool_calls:  # OpenAI's shape: each call's index, id, type and function; arguments whole, in one piece
+        delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in d.tool_calls]
+    return delta

@@ -38,6 +38,8 @@ _PUBLISH_EVERY_S = 0.05
 class TokenEvent:
     token_ids: tuple[int, ...]
     finish_reason: str | None  # None while running
+    logprobs: tuple | None = None  # TokenLogprobs per token, when the request asked
+    prompt_logprobs: tuple | None = None  # once, with the first event, when the request asked
 
 
 class ShuttingDown(RuntimeError):
@@ -229,7 +231,8 @@ class EngineBridge:
                     m.itl.observe(now - live.last)
             live.last = now
             live.tokens += len(out.new_token_ids)
-            self._deliver(out.request_id, TokenEvent(out.new_token_ids, out.finish_reason))
+            event = TokenEvent(out.new_token_ids, out.finish_reason, out.logprobs, out.prompt_logprobs)
+            self._deliver(out.request_id, event)
             if out.finished:
                 del self._live[out.request_id]
                 if m is not None:

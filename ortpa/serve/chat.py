@@ -5,7 +5,7 @@ The template comes from ``chat_template.jinja`` beside the model (what transform
 ``default`` is used). It is rendered in jinja2's sandbox with transformers' settings (``trim_blocks``,
 ``lstrip_blocks``, the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a ``tojson``
 that keeps non-ASCII text) and its variables: ``messages``, ``add_generation_prompt`` and the special tokens of
-``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...).
+``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...), and ``tools`` when a request sends tools.
 """
 
 from __future__ import annotations
@@ -32,17 +32,37 @@ class ChatTemplate:
     special_tokens: dict[str, str] = field(default_factory=dict)
     where: str = ""
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> str:
         import jinja2
 
+        extra = {} if tools is None else {"tools": tools}  # unset, not None: templates test `tools is defined`
         try:
             return _compile(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **extra, **self.special_tokens
             )
         except TemplateRenderError:
             raise
         except jinja2.TemplateError as exc:
             raise TemplateRenderError(f"the chat template ({self.where}) failed on these messages: {exc}") from None
+
+    @property
+    def supports_tools(self) -> bool:
+        """The template reads a ``tools`` variable (a template that does not would drop the tools unseen)."""
+        return "tools" in _variables(self.source)
+
+    @property
+    def tool_call_tags(self) -> bool:
+        """The template writes calls as JSON in ``<tool_call>`` tags (Hermes, Qwen), not as bare JSON (Llama 3)."""
+        return "<tool_call>" in self.source
+
+
+@functools.lru_cache(maxsize=8)
+def _variables(source: str) -> frozenset[str]:
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
 
 
 def _raise(message: str) -> None:

@@ -27,16 +27,28 @@ class TextStream:
     """One choice's text. ``push`` tokens as they come, send what it returns; ``finish`` flushes the rest.
 
     ``skip_ids`` (EOS ids) are not decoded: ``ortpa generate`` drops them from its text the same way.
-    ``stopped`` turns true once a stop string matched; later tokens are ignored.
+    ``stopped`` turns true once a stop string matched; later tokens are ignored; a stop string completed
+    within the first ``min_tokens`` tokens is text like any other. ``context``: tokens that come
+    before (the end of an echoed prompt), decoded only as the first window, so that the first delta carries the
+    space a tokenizer puts after them; without it the text is decoded on its own.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        skip_ids: Iterable[int] = (),
+        context: Sequence[int] = (),
+        min_tokens: int = 0,
+    ) -> None:
         self._tok = tokenizer
         self._stop = [s for s in stop if s]
+        self._min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's min_tokens)
+        self._count = 0
         self._skip = frozenset(skip_ids)
-        self._ids: list[int] = []
+        self._ids: list[int] = [t for t in context if t not in self._skip]
         self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens whose text is already in self._text
+        self._read = len(self._ids)  # tokens whose text is already in self._text (the context's is not)
         self._text = ""  # decoded text so far (before stop-string truncation)
         self._sent = 0  # characters of self._text already returned
         self.stopped = False
@@ -50,6 +62,8 @@ class TextStream:
     def push(self, token_ids: Iterable[int]) -> str:
         if self.stopped:
             return ""
+        token_ids = list(token_ids)
+        self._count += len(token_ids)
         self._ids.extend(t for t in token_ids if t not in self._skip)
         window = self._tok.decode(self._ids[self._prefix : self._read])
         full = self._tok.decode(self._ids[self._prefix :])
@@ -68,7 +82,7 @@ class TextStream:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        if not self.stopped and self._stop:
+        if not self.stopped and self._stop and self._count >= self._min_tokens:
             # a stop string can start in held-back text: search from the earliest unsent char it could span
             start = max(0, self._sent - max(len(s) for s in self._stop) + 1)
             hits = [(i, s) for s in self._stop if (i := self._text.find(s, start)) >= 0]

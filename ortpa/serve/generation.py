@@ -4,18 +4,23 @@ text deltas, with stop strings and EOS handled per choice."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ortpa.errors import InvalidRequest, InvalidSamplingParams
-from ortpa.runtime.sampling import SamplingParams
+from ortpa.errors import InvalidRequest
+from ortpa.runtime.constraints import TokenConstraint
 from ortpa.serve.bridge import EngineBridge, Refused, ShuttingDown, TokenEvent
 from ortpa.serve.detokenizer import TextStream
 from ortpa.serve.model import ServingModel
+from ortpa.serve.params import sampling_params
 from ortpa.serve.protocol import ApiError
+from ortpa.serve.tool_calls import ToolCall, ToolCallStream
 
 __all__ = ["Admission", "Choice", "Delta", "Generation", "sampling_params"]
+
+_ECHO_CONTEXT = 6  # prompt tokens an echoed completion is decoded after (vLLM's incremental window)
 
 
 @dataclass(frozen=True)
@@ -23,17 +28,33 @@ class Delta:
     index: int
     text: str
     finish_reason: str | None
+    tool_calls: tuple[tuple[int, ToolCall], ...] = ()  # (call's index within the choice, call)
+    logprobs: tuple = ()  # TokenLogprobs of the tokens this delta covers (when asked)
+    prompt_ids: tuple[int, ...] | None = None  # with the echoed prompt: its ids and log-probabilities
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass
 class Choice:
     index: int
-    prompt_len: int
+    prompt_ids: list[int]
     text: TextStream
+    echo: str | None = None  # the prompt's text, sent before the completion's
     request_id: str | None = None
     tokens: int = 0
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: tuple | None = None
+    started: bool = False
+    tool_stream: ToolCallStream | None = None  # set when the request has tools: calls are read out of the text
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    max_tool_calls: int | None = None  # 1 with parallel_tool_calls false
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def done(self) -> bool:
@@ -63,26 +84,6 @@ class Admission:
         self.in_flight -= n
 
 
-def sampling_params(body: Any, max_tokens: int, choice: int, eos: Sequence[int]) -> SamplingParams:
-    """The engine's parameters for choice ``choice`` of ``body`` (seeds differ per choice so n > 1 differ)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if body.seed is not None and body.seed < 0:
-        raise ApiError(400, f"'seed': expected an integer >= 0, found {body.seed}", param="seed")
-    seed = None if body.seed is None else body.seed + choice
-    try:
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=temperature,
-            top_k=0 if body.top_k == -1 else body.top_k,
-            top_p=body.top_p,
-            seed=seed,
-            stop_token_ids=tuple(eos),
-        )
-    except InvalidSamplingParams as exc:
-        param = {"max_new_tokens": "max_tokens"}.get(exc.name, exc.name)
-        raise ApiError(400, f"'{param}': expected {exc.expected}, found {exc.found!r}", param=param) from None
-
-
 class Generation:
     """The choices of one request: submitted together, streamed as one sequence of :class:`Delta` lists."""
 
@@ -95,20 +96,44 @@ class Generation:
         self._by_id: dict[str, Choice] = {}
         self._admitted = 0
 
-    async def start(self, prompts: list[list[int]], n: int, body: Any, max_tokens: int, stop: list[str]) -> None:
-        """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued."""
+    async def start(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        body: Any,
+        max_tokens: int,
+        stop: list[str],
+        echo: list[str] | None = None,
+        constraints: Sequence[TokenConstraint] | None = None,
+        tools: bool = False,
+    ) -> None:
+        """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued.
+
+        ``echo``: each prompt's text, sent first in its choices' text. ``constraints``: one per choice
+        (prompt-major), each used by that choice alone. ``tools``: read tool calls out of each choice's text
+        (``Choice.tool_calls``, deltas' ``tool_calls``).
+        """
+        # one SamplingParams per choice (a choice's constraint is its own state), all checked before admission
+        vocab, eos = self.served.vocab_size, self.served.eos_token_ids
+        params = [[sampling_params(body, max_tokens, j, eos, vocab) for j in range(n)] for _ in prompts]
         self.admission.take(len(prompts) * n)
         self._admitted = len(prompts) * n
         batch = []
         try:
-            for prompt in prompts:
+            for p, prompt in enumerate(prompts):
                 for j in range(n):
-                    params = sampling_params(body, max_tokens, j, self.served.eos_token_ids)
-                    choice = Choice(
-                        len(self.choices), len(prompt), TextStream(self.served.tokenizer, stop, params.stop_token_ids)
-                    )
+                    # an echoed completion is decoded after the prompt's last tokens: the space between them shows
+                    context = prompt[-_ECHO_CONTEXT:] if echo is not None else ()
+                    one = params[p][j]
+                    if constraints is not None:
+                        one = dataclasses.replace(one, constraint=constraints[len(self.choices)])
+                    stream = TextStream(self.served.tokenizer, stop, one.stop_token_ids, context, one.min_tokens)
+                    choice = Choice(len(self.choices), list(prompt), stream, None if echo is None else echo[p])
+                    if tools:
+                        choice.tool_stream = ToolCallStream()
+                        choice.max_tool_calls = None if getattr(body, "parallel_tool_calls", True) else 1
                     self.choices.append(choice)
-                    batch.append((prompt, params))
+                    batch.append((prompt, one))
             ids = await self.bridge.submit_all(batch, self._sink)
         except ShuttingDown as exc:
             self.close()
@@ -139,7 +164,7 @@ class Generation:
                     d = self._apply(*item)
                     if d is not None:
                         prev = merged.get(d.index)
-                        merged[d.index] = d if prev is None else Delta(d.index, prev.text + d.text, d.finish_reason)
+                        merged[d.index] = d if prev is None else _merge(prev, d)
                 if merged:
                     yield list(merged.values())
         finally:
@@ -168,6 +193,9 @@ class Generation:
         if isinstance(item, BaseException):
             raise item
         choice.tokens += len(item.token_ids)
+        choice.token_ids.extend(item.token_ids)
+        lps = tuple(item.logprobs or ())
+        choice.logprobs.extend(lps)
         text = choice.text.push(item.token_ids)
         reason = item.finish_reason
         if choice.text.stopped:
@@ -175,13 +203,40 @@ class Generation:
             self.bridge.abort(request_id, "stop")
         elif reason is not None:
             text += choice.text.finish()
+        calls: tuple[tuple[int, ToolCall], ...] = ()
+        if choice.tool_stream is not None:
+            text, calls = self._read_calls(choice, choice.tool_stream, text, reason is not None)
+            if choice.tool_calls and reason == "stop":
+                reason = "tool_calls"
+        prompt_ids = prompt_lps = None
+        if not choice.started:  # the first event: the echoed prompt and its log-probabilities go first
+            choice.started = True
+            if choice.echo is not None:
+                text = choice.echo + text
+                prompt_ids = tuple(choice.prompt_ids)
+                choice.prompt_logprobs = prompt_lps = item.prompt_logprobs
         if reason is not None:
             choice.finish_reason = reason
         if text:
             choice.pieces.append(text)
-        if not text and reason is None:
+        if not text and not calls and reason is None and not lps and prompt_ids is None:
             return None
-        return Delta(choice.index, text, reason)
+        return Delta(choice.index, text, reason, calls, lps, prompt_ids, prompt_lps)
+
+    @staticmethod
+    def _read_calls(
+        choice: Choice, stream: ToolCallStream, text: str, final: bool
+    ) -> tuple[str, tuple[tuple[int, ToolCall], ...]]:
+        """The content part of ``text``, and the calls completed by it (numbered within the choice)."""
+        text, found = stream.push(text)
+        if final:
+            more, more_found = stream.finish()
+            text, found = text + more, found + more_found
+        first = len(choice.tool_calls)
+        if choice.max_tool_calls is not None:
+            found = found[: max(0, choice.max_tool_calls - first)]
+        choice.tool_calls.extend(found)
+        return text, tuple(enumerate(found, start=first))
 
     @property
     def prompt_tokens(self) -> int:
@@ -190,3 +245,11 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
+
+
+def _merge(a: Delta, b: Delta) -> Delta:
+    """Two deltas of one choice as one (the first holds the echoed prompt, if any)."""
+    prompt_ids = a.prompt_ids if a.prompt_ids is not None else b.prompt_ids
+    prompt_lps = a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs
+    calls, lps = a.tool_calls + b.tool_calls, a.logprobs + b.logprobs
+    return Delta(a.index, a.text + b.text, b.finish_reason, calls, lps, prompt_ids, prompt_lps)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ortpa.errors import InvalidModel
+from ortpa.errors import InvalidModel, InvalidParameter
 from ortpa.serve.chat import ChatTemplate, load_chat_template
 
 __all__ = ["ServingModel"]
@@ -23,6 +23,19 @@ class ServingModel:
     chat_template: ChatTemplate | None
     max_model_len: int | None  # prompt + generated tokens; None: bounded by the KV pool only
     name: str
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes: its logits' width, else the tokenizer's vocabulary."""
+        return self.engine.io.vocab or self.tokenizer.get_vocab_size()
+
+    def limit_context(self, tokens: int) -> None:
+        """Serve at most ``tokens`` per request (prompt + completion): ``--max-model-len``."""
+        if self.max_model_len is not None and tokens > self.max_model_len:
+            raise InvalidParameter(
+                "ortpa serve", "--max-model-len", f"at most the model's context, {self.max_model_len}", tokens
+            )
+        self.max_model_len = tokens
 
     @classmethod
     def load(

@@ -1,9 +1,11 @@
-"""The OpenAI request bodies ``ortpa serve`` accepts, its error body, and how a body becomes ``SamplingParams``.
+"""The OpenAI request bodies ``ortpa serve`` accepts and its error body.
 
 Bodies are parsed strictly (pydantic strict mode): ``"max_tokens": "5"`` or ``"stream": 1`` is a 400, not a
-silent coercion. Fields OpenAI defines that the engine cannot honour (``logprobs``, ``echo``, ``best_of`` > 1,
-penalties, ``logit_bias``, ``suffix``) are refused with a 400 naming the field when set to anything but their
-neutral value; unknown extra fields are ignored, as OpenAI's own server ignores them.
+silent coercion. Fields OpenAI defines that the engine cannot honour (``best_of`` > 1, ``suffix``, vLLM's
+``guided_grammar`` and ``structural_tag``) are refused with a 400 naming the field when set to anything but their
+neutral value; unknown extra fields are ignored, as OpenAI's own server ignores them. vLLM's extensions ``top_k``,
+``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` and ``add_generation_prompt`` are
+understood. How a body becomes ``SamplingParams``: :mod:`ortpa.serve.params`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputs",
+    "TokenizeRequest",
+    "Tool",
     "error_body",
     "parse_body",
 ]
@@ -61,6 +68,29 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar is enforced either way
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` extra field (one of these at a time; its other keys are refused, not ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
 
 
 class _Sampling(_Strict):
@@ -76,12 +106,22 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    # OpenAI fields the engine cannot honour: accepted only at their neutral value
-    logprobs: Any = None
+    ignore_eos: bool = False  # vLLM's extension (load tools send it for fixed output lengths)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension; 1 disables it
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0  # vLLM's extension
+    stop_token_ids: list[int] | None = None  # vLLM's extension
     user: str | None = None
+    # structured output: OpenAI's response_format and vLLM's guided fields (at most one per request)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_grammar: Any = None  # vLLM's; refused (no EBNF front end here)
+    structural_tag: Any = None  # vLLM's; refused
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -89,28 +129,18 @@ class _Sampling(_Strict):
 
     def unsupported(self) -> list[str]:
         """Names of the fields set to something the engine cannot do."""
-        bad = []
-        if self.logprobs not in (None, False, 0):
-            bad.append("logprobs")
-        if self.presence_penalty != 0.0:
-            bad.append("presence_penalty")
-        if self.frequency_penalty != 0.0:
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return [name for name in ("guided_grammar", "structural_tag") if getattr(self, name) is not None]
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # the chosen token's log-probability and this many alternatives
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.best_of not in (None, 1):
             bad.append("best_of")
         if self.suffix:
@@ -137,10 +167,52 @@ class ChatMessage(_Strict):
         return out
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule for names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extension
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def _describe(exc: ValidationError) -> tuple[str, str | None]:
@@ -177,6 +249,9 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 _UNIONS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string or a list of strings",
+    "logit_bias": "an object of token ids ('42') to numbers",
+    "tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "a JSON schema (an object, or its text)",
 }
 
 

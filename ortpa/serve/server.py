@@ -54,8 +54,9 @@ def run_server(
     max_queue: int = 256,
     drain_s: float = 5.0,
     log_level: str = "warning",
+    access_log: bool = True,
 ) -> None:
-    app = build_app(served, api_key=api_key, max_queue=max_queue)
+    app = build_app(served, api_key=api_key, max_queue=max_queue, access_log=access_log)
     bridge = app.state.ortpa.bridge
     config = uvicorn.Config(
         app,
@@ -64,6 +65,7 @@ def run_server(
         log_level=log_level,
         timeout_graceful_shutdown=int(drain_s) + 2,  # after the bridge's abort has ended every stream
         lifespan="on",
+        access_log=False,  # ours (ortpa.serve.access_log) names the request id and its tokens
     )
     logging.getLogger("ortpa.serve").setLevel(log_level.upper())
     server = _DrainingServer(config, bridge.stop, drain_s)

@@ -23,7 +23,8 @@ from support.genai_env import find_genai_python, run_genai_driver
 from support.tolerances import precision_logit_bound
 
 from ortpa.cli import main
-from ortpa.deploy import GenaiOptions, convert_deployment, portable_info
+from ortpa.conversion import convert_file
+from ortpa.deploy import GenaiOptions, portable_info
 from ortpa.parity.greedy import dense_greedy, open_dense
 from ortpa.runtime.engine import Engine
 from ortpa.runtime.sampling import SamplingParams
@@ -108,7 +109,7 @@ def deployed(tmp_path_factory):
             if case.hf_config is not None:
                 (src / "config.json").write_text(json.dumps(case.hf_config))
             out = tmp_path_factory.mktemp(f"out_{name}") / "model.onnx"
-            convert_deployment(
+            convert_file(
                 src, out, portable=True, genai=GenaiOptions(max_batch_size=MAX_BATCH, max_scheduled_tokens=CHUNK)
             )
             made[name] = out
@@ -117,7 +118,15 @@ def deployed(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# the default tier runs one folder per source of genai_config.json's facts (genai's own config, a Hugging Face
+# config.json, the graph alone) and the split-latent MLA folder; the other formats, in the slow tier, add ~20-45 s
+# each on 2 cores for what those four already check in genai's Engine
+IN_DEFAULT_TIER = {"genai_llama_fp32", "optimum_llama", "onnxexporter_llama", "dsv3_moe"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in IN_DEFAULT_TIER else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)]
+)
 def test_genai_engine_runs_the_portable_folder_as_written(name, deployed, genai_python):
     case = CASES[name]
     model = deployed(name)
@@ -219,7 +228,7 @@ def test_genai_engine_with_convert_options(tmp_path, genai_python):
     folder as written, with ortpa's Engine's tokens on the same file (int8 is checked against the original in
     tests/rewriter/test_kv_quant.py)."""
     out = tmp_path / "model.onnx"
-    convert_deployment(
+    convert_file(
         FIXTURES / "llama_sdpa_op18.onnx",
         out,
         portable=True,

@@ -112,32 +112,35 @@ def test_external_weights_are_not_touched_by_the_lowering(tmp_path):
     assert Engine(out, num_blocks=16).generate(prompts, params) == want
 
 
-def test_dense_export_folder_is_temporary_unless_kept(tmp_path):
-    """`convert HF_DIR OUT` exports into a temporary folder next to OUT, removed when the conversion ends;
-    --keep-dense DIR keeps it (the export itself: tests/test_export.py)."""
-    import argparse
-    import contextlib
+def test_a_checkpoint_is_exported_beside_the_output_and_removed_unless_kept(tmp_path, monkeypatch):
+    """`convert HF_DIR OUT` exports into a temporary folder beside the output's (same disk), removed when the
+    conversion ends; keep_dense (--keep-dense DIR) keeps it (the export itself: tests/test_export.py)."""
+    import ortpa.conversion.orchestrator as orchestrator
 
-    from ortpa.cli.convert import _dense_folder
+    exported: list[Path] = []
 
-    args = argparse.Namespace(output=str(tmp_path / "out" / "model.onnx"), keep_dense=None)
-    with contextlib.ExitStack() as stack:
-        tmp = _dense_folder(args, stack)
-        assert tmp.parent == tmp_path / "out" and tmp.is_dir()
-        (tmp / "model.onnx").write_bytes(b"dense")
-    assert not tmp.exists() and list((tmp_path / "out").iterdir()) == []
-    args.keep_dense = str(tmp_path / "dense")
-    with contextlib.ExitStack() as stack:
-        kept = _dense_folder(args, stack)
-        (kept / "model.onnx").write_bytes(b"dense")
-    assert (tmp_path / "dense" / "model.onnx").read_bytes() == b"dense"
+    def export(model, out_path, options=None, *, random_weights, progress):
+        exported.append(Path(out_path))
+        shutil.copyfile(DSV3, out_path)  # the export's stand-in: a dense model where it was asked for
+
+    monkeypatch.setattr(orchestrator, "export_dense", export)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "torch_dtype": "float32"}))
+    result = ortpa.convert_file(checkpoint, tmp_path / "out" / "model.onnx", verify=False)
+    assert exported[0].parent.parent == tmp_path and not exported[0].exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # nothing else left beside the output
+    assert "config.json" in result.copied and result.paged_attention_nodes == 2
+    kept = tmp_path / "dense"
+    ortpa.convert_file(checkpoint, tmp_path / "out2" / "model.onnx", verify=False, keep_dense=kept)
+    assert exported[1] == kept / "model.onnx" and exported[1].is_file()
 
 
 def test_keep_dense_with_an_onnx_input_is_one_line(tmp_path, capsys):
     out = tmp_path / "out" / "model.onnx"
     assert main(["convert", str(LLAMA), str(out), "--keep-dense", str(tmp_path / "d")]) != 0
     err = capsys.readouterr().err.strip()
-    assert "--keep-dense: expected a Hugging Face checkpoint folder" in err and "\n" not in err, err
+    assert "--keep-dense): expected a Hugging Face checkpoint folder" in err and "\n" not in err, err
     assert not out.exists()
 
 

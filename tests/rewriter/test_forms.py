@@ -29,8 +29,7 @@ def test_form_converts_verified(name, tmp_path):
     heads = config["num_attention_heads"]
     kv_heads = 1 if config.get("multi_query") else heads
     out = tmp_path / "paged.onnx"
-    verified = []
-    ortpa.convert_file(FORMS / f"{name}.onnx", out, on_verified=verified.append)
+    verified = [ortpa.convert_file(FORMS / f"{name}.onnx", out).verification]
     precision = verified[0].verdict.precision
     assert verified[0].ok and verified[0].verdict.structure.twin and precision.tokens_agree == precision.tokens_checked
     nodes = paged_nodes(onnx.load(str(out)))

@@ -14,9 +14,9 @@ import onnx
 import pytest
 from support.parity import FIXTURES, attrs, check_near_miss, near_miss, run_parity
 
+from ortpa.conversion import convert_file
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate_model
-from ortpa.parity.convert_file import convert_file
 from ortpa.rewriter.layer import LayerFailure, MlaLayer
 from ortpa.rewriter.pipeline import convert
 from ortpa.rewriter.recognisers.mla import match_mla_layers
@@ -149,7 +149,7 @@ def test_convert_file_is_atomic(tmp_path):
     out = tmp_path / "sub" / "paged.onnx"
     convert_file(src, out)
     assert hashlib.sha256(src.read_bytes()).hexdigest() == digest
-    assert sorted(p.name for p in out.parent.iterdir()) == ["paged.onnx"]  # no temp files left behind
+    assert sorted(p.name for p in out.parent.iterdir()) == ["genai_config.json", "paged.onnx"]  # no temp files
     assert sum(n.op_type == "PagedAttention" for n in onnx.load(str(out)).graph.node) == 2
     bad = tmp_path / "near_miss.onnx"
     onnx.save(_near_miss(), str(bad))
@@ -167,6 +167,6 @@ def test_external_data_over_threshold(tmp_path, monkeypatch):
     monkeypatch.setattr(model_store, "EXTERNAL_DATA_THRESHOLD", 1)
     out = tmp_path / "paged.onnx"
     convert_file(FIXTURES / "dsv3_sdpa_op18.onnx", out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["paged.onnx", "paged.onnx.data"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["genai_config.json", "paged.onnx", "paged.onnx.data"]
     assert out.stat().st_size < (tmp_path / "paged.onnx.data").stat().st_size
     assert sum(n.op_type == "PagedAttention" for n in onnx.load(str(out)).graph.node) == 2

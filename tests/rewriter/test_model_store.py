@@ -1,4 +1,5 @@
-"""Streaming conversion and sessions from paths (ortpa.rewriter.model_store, ortpa.runtime.ort_session)."""
+"""Streaming conversion and sessions from paths (ortpa.rewriter.model_store, ortpa.conversion.staging,
+ortpa.runtime.ort_session)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 
 import ortpa.ops.validate.model as node_check
 import ortpa.runtime.session as session_module
+from ortpa.conversion import convert_file
 from ortpa.errors import ConversionError
-from ortpa.parity.convert_file import convert_file
 from ortpa.parity.greedy import paged_greedy
 from ortpa.rewriter import model_store, ort_check
 from ortpa.rewriter.pipeline import convert
@@ -44,51 +45,80 @@ def test_external_input_gives_external_output_and_is_not_modified(tmp_path):
     src = _external_copy(tmp_path / "in")
     before = _digests(src.parent)
     out = tmp_path / "out" / "paged.onnx"
-    returned = convert_file(src, out)
+    assert convert_file(src, out).model == out
     assert _digests(src.parent) == before
-    assert sorted(p.name for p in out.parent.iterdir()) == ["paged.onnx", "paged.onnx.data"]
-    # the returned graph references the written data file, which exists: the model is usable after the call
-    locations = {e.value for t in returned.graph.initializer for e in t.external_data if e.key == "location"}
+    assert sorted(p.name for p in out.parent.iterdir()) == ["genai_config.json", "paged.onnx", "paged.onnx.data"]
+    # the written graph references the written data file, which exists
+    header = onnx.load(str(out), load_external_data=False)
+    locations = {e.value for t in header.graph.initializer for e in t.external_data if e.key == "location"}
     assert locations == {"paged.onnx.data"}
-    onnx.load_external_data_for_model(returned, str(out.parent))
-    full = onnx.load(str(out))
-    assert {t.name: t.raw_data for t in returned.graph.initializer} == {
-        t.name: t.raw_data for t in full.graph.initializer
-    }
     # the same conversion of the inline fixture, in memory, gives the same greedy tokens
     assert _tokens(out) == _tokens(convert(FIXTURE))
 
 
-def test_convert_file_return_is_usable_after_the_call(tmp_path, monkeypatch):
-    """The returned model's external references point at files that exist after the call (round trip)."""
+def test_past_the_threshold_weights_go_to_external_data(tmp_path, monkeypatch):
+    """Weights past EXTERNAL_DATA_THRESHOLD go to <out>.data, and the model read back from its path is whole."""
     monkeypatch.setattr(model_store, "EXTERNAL_DATA_THRESHOLD", 1)
     out = tmp_path / "paged.onnx"
-    returned = convert_file(FIXTURE, out)
-    onnx.load_external_data_for_model(returned, str(tmp_path))
-    onnx.checker.check_model(returned)
-    assert _tokens(returned) == _tokens(out)
+    convert_file(FIXTURE, out)
+    assert (tmp_path / "paged.onnx.data").is_file()
+    full = onnx.load(str(out))
+    onnx.checker.check_model(full)
+    assert _tokens(full) == _tokens(out)
 
 
 def test_inline_input_under_threshold_stays_inline(tmp_path):
     out = tmp_path / "paged.onnx"
-    returned = convert_file(FIXTURE, out)
-    assert [p.name for p in tmp_path.iterdir()] == ["paged.onnx"]
-    assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in returned.graph.initializer)
+    convert_file(FIXTURE, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["genai_config.json", "paged.onnx"]
+    written = onnx.load(str(out), load_external_data=False)
+    assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in written.graph.initializer)
 
 
-@pytest.mark.parametrize("where", ["write", "checks", "move"])
-def test_interrupted_conversion_leaves_no_output(tmp_path, monkeypatch, where):
+# a shared folder differs from a new one only in the move: the other stages once, into a new folder
+@pytest.mark.parametrize(
+    ("where", "folder"),
+    [*((w, "new") for w in ("write", "checks", "verify", "deploy", "move")), ("move", "shared")],
+)
+def test_interrupted_conversion_leaves_no_output(tmp_path, monkeypatch, where, folder):
+    """Interrupted anywhere, even inside the move: no model, no half deployment, no temp folder. A new output
+    folder is published by one rename; in a folder shared with other files the model is moved last."""
+    import ortpa.conversion.orchestrator as orchestrator
+    from ortpa.conversion.staging import Staging
+
     src = _external_copy(tmp_path / "in")
     out = tmp_path / "out" / "paged.onnx"
-    target = {"write": "_write", "checks": "check_session_from_path", "move": "_move_into_place"}[where]
+    if folder == "shared":
+        out.parent.mkdir()
+        (out.parent / "notes.txt").write_text("kept")
+    target = {
+        "write": (model_store, "write"),
+        "checks": (model_store, "check_session_from_path"),
+        "verify": (orchestrator, "_verify"),
+        "deploy": (orchestrator, "build_genai_config"),
+        "move": (orchestrator.os, "replace"),  # the first rename of the commit
+    }[where]
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_store, target, interrupt)
+    if where == "move":
+        real_commit = Staging.commit
+
+        def commit(self):
+            monkeypatch.setattr(*target, interrupt)
+            real_commit(self)
+
+        monkeypatch.setattr(Staging, "commit", commit)
+    else:
+        monkeypatch.setattr(*target, interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert_file(src, out)
-    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+    monkeypatch.undo()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == (["in", "out"] if folder == "shared" else ["in"]), left
+    if folder == "shared":
+        assert sorted(p.name for p in out.parent.iterdir()) == ["notes.txt"]
 
 
 def test_refuses_to_replace_the_input_data_file(tmp_path):

@@ -286,19 +286,21 @@ FORMATS = FIXTURES / "formats"
 
 
 @pytest.mark.parametrize(
-    ("path", "moe"),
+    "path",
     [
-        (FORMATS / "genai_qwen3_fp16.onnx", False),  # q/k norms fold heads into the token axis: blocked axes
-        (FORMATS / "optimum_llama.onnx", False),  # RoPE from position_ids through a MatMul with inv_freq
-        (FORMATS / "genai_gptoss_fp32.onnx", False),  # com.microsoft::MoE, sinks
-        (FIXTURES / "dsv3_moe_sdpa_op18.onnx", True),  # MLA + transformers' sort-based MoE dispatch
+        FORMATS / "genai_qwen3_fp16.onnx",  # q/k norms fold heads into the token axis: blocked axes
+        FORMATS / "optimum_llama.onnx",  # RoPE from position_ids through a MatMul with inv_freq
+        FORMATS / "genai_gptoss_fp32.onnx",  # com.microsoft::MoE, sinks
+        FIXTURES / "dsv3_moe_sdpa_op18.onnx",  # MLA + transformers' sort-based MoE dispatch, shown undone
+        FIXTURES / "dsv3_moe3_sdpa_op18.onnx",  # the same in two consecutive layers: routed rows feed attention
+        FIXTURES / "dsv3_moe3_batched_op18.onnx",  # transformers' batched_mm: each row times its expert's matrix
     ],
     ids=lambda x: getattr(x, "stem", str(x)),
 )
-def test_the_flow_reaches_every_sink_per_token(path, moe, monkeypatch):
-    """Every PagedAttention input and the logits come out per token or constant: nothing is lost on the way (the
-    MoE fixture's logits are the regrouped rows the flow takes as undone)."""
+def test_the_flow_reaches_every_sink_per_token(path, monkeypatch):
+    """Every PagedAttention input and the logits come out per token or constant: nothing is lost on the way, and
+    no regrouped row (MoE dispatch) reaches a sink without the flow showing it put back on its own token."""
     seen = record_sink_kinds(monkeypatch)
     convert(path, providers=())
-    assert seen[-1] <= ({"token", "const", "route"} if moe else {"token", "const"}), seen
+    assert seen[-1] <= {"token", "const"}, seen
     assert "token" in seen[-1]

@@ -57,3 +57,37 @@ def test_what_the_flow_cannot_follow_is_refused_not_converted(monkeypatch):
     with pytest.raises(ConversionError, match="cannot be made per sequence") as info:
         convert(_shapeless(), providers=())
     assert any("the flow cannot follow the token axis" in why for _, why in info.value.failures), info.value
+
+
+def test_unknown_dims_are_filled_with_numbers_and_the_inputs_symbols():
+    """optimum's reshapes to targets read with Shape leave ``[None, None, None, None]``: recovery fills the dims
+    (``[batch, seq, 4, 16]``) with numbers and symbols of the graph's inputs only, never ones inference made up."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from ortpa.rewriter.shape_recovery import recover_shapes
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", "seq", 64])
+    inits = [
+        onnx.numpy_helper.from_array(np.array([0, 1], np.int64), "lead"),
+        onnx.numpy_helper.from_array(np.array([4, 16], np.int64), "heads"),
+    ]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "lead"], ["bs"]),
+        helper.make_node("Concat", ["bs", "heads"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+        helper.make_node("NonZero", ["y"], ["nz"]),  # [4, unknown]: inference names that dim itself
+    ]
+    outs = [helper.make_tensor_value_info("nz", onnx.TensorProto.INT64, None)]
+    model = ir.serde.deserialize_model(
+        helper.make_model(helper.make_graph(nodes, "g", [x], outs, inits), opset_imports=[helper.make_opsetid("", 18)])
+    )
+    values = {o.name: o for n in model.graph for o in n.outputs}
+    values["y"].shape = ir.Shape([None, None, None, None])
+    values["nz"].shape = ir.Shape([None, None])
+    assert recover_shapes(model) >= 1
+    y = [d if isinstance(d, int) else d.value for d in values["y"].shape]
+    assert y == ["batch", "seq", 4, 16], y
+    nz = values["nz"].shape
+    assert nz[0] == 4 and not (isinstance(nz[1], ir.SymbolicDim) and nz[1].value), nz

@@ -46,3 +46,24 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.api, api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def structured_folder(tmp_path_factory) -> Path:
+    from serve.structured_fixtures import write_structured_folder
+
+    return write_structured_folder(tmp_path_factory.mktemp("structured"))
+
+
+@pytest.fixture(scope="session")
+def structured_server(structured_folder) -> Iterator[Server]:
+    """A server whose tokenizer can spell JSON and whose template takes tools (structured output, tool calls)."""
+    with serve(structured_folder, "--num-blocks", "256") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def structured_client(structured_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=structured_server.api, api_key="unused", timeout=60, max_retries=0)

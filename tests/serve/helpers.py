@@ -91,13 +91,16 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(folder: Path, *extra: str, startup_s: float = 90.0) -> Iterator[Server]:
+def serve(
+    folder: Path, *extra: str, startup_s: float = 90.0, model: str | None = None, env: dict | None = None
+) -> Iterator[Server]:
+    """``ortpa serve`` on ``folder`` (or ``model``, a repo id, with its log beside ``folder``)."""
     port = free_port()
     log = folder.parent / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "ortpa", "serve", str(folder), "--port", str(port)]
+    cmd = [sys.executable, "-m", "ortpa", "serve", model or str(folder), "--port", str(port)]
     cmd += ["--served-model-name", MODEL_NAME, *extra]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         deadline = time.monotonic() + startup_s

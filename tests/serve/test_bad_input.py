@@ -45,8 +45,29 @@ CASES = {
     "seed negative": ("completions", _with(OK, seed=-1), 400, "seed"),
     "n 0": ("completions", _with(OK, n=0), 400, "n"),
     "n too many": ("completions", _with(OK, n=17), 400, "n"),
-    "logprobs": ("completions", _with(OK, logprobs=2), 400, "logprobs"),
-    "echo": ("completions", _with(OK, echo=True), 400, "echo"),
+    "logprobs too many": ("completions", _with(OK, logprobs=21), 400, "logprobs"),
+    "logprobs negative": ("completions", _with(OK, logprobs=-1), 400, "logprobs"),
+    "logprobs a bool (completions)": ("completions", _with(OK, logprobs=True), 400, "logprobs"),
+    "echo not a bool": ("completions", _with(OK, echo="yes"), 400, "echo"),
+    "echo with max_tokens negative": ("completions", _with(OK, echo=True, max_tokens=-1), 400, "max_tokens"),
+    "best_of": ("completions", _with(OK, best_of=2), 400, "best_of"),
+    "presence_penalty past 2": ("completions", _with(OK, presence_penalty=2.5), 400, "presence_penalty"),
+    "frequency_penalty a string": ("completions", _with(OK, frequency_penalty="x"), 400, "frequency_penalty"),
+    "repetition_penalty 0": ("completions", _with(OK, repetition_penalty=0.0), 400, "repetition_penalty"),
+    "logit_bias not ids": ("completions", _with(OK, logit_bias={"abc": 1}), 400, "logit_bias"),
+    "logit_bias id past vocab": ("completions", _with(OK, logit_bias={"300": 1}), 400, "logit_bias"),
+    "logit_bias past 100": ("completions", _with(OK, logit_bias={"5": 101}), 400, "logit_bias"),
+    "logit_bias ill-typed": ("completions", _with(OK, logit_bias=[5]), 400, "logit_bias"),
+    "min_tokens negative": ("completions", _with(OK, min_tokens=-1), 400, "min_tokens"),
+    "min_tokens past max_tokens": ("completions", _with(OK, min_tokens=3), 400, "min_tokens"),
+    "stop_token_ids past vocab": ("completions", _with(OK, stop_token_ids=[300]), 400, "stop_token_ids"),
+    "stop_token_ids ill-typed": ("completions", _with(OK, stop_token_ids="1"), 400, "stop_token_ids"),
+    "stream_options.include_usage ill-typed": (
+        "completions",
+        _with(OK, stream=True, stream_options={"include_usage": "yes"}),
+        400,
+        "stream_options.include_usage",
+    ),
     "stream_options without stream": (
         "completions",
         _with(OK, stream_options={"include_usage": True}),
@@ -69,6 +90,19 @@ CASES = {
         "messages",
     ),
     "chat: past the context": ("chat/completions", _with(CHAT, max_tokens=CONTEXT), 400, "max_tokens"),
+    "chat: logprobs an int": ("chat/completions", _with(CHAT, logprobs=2), 400, "logprobs"),
+    "chat: top_logprobs without logprobs": ("chat/completions", _with(CHAT, top_logprobs=2), 400, "top_logprobs"),
+    "chat: top_logprobs too many": (
+        "chat/completions",
+        _with(CHAT, logprobs=True, top_logprobs=21),
+        400,
+        "top_logprobs",
+    ),
+    "tokenize: neither prompt nor messages": ("/tokenize", b"{}", 400, "prompt"),
+    "tokenize: prompt ill-typed": ("/tokenize", b'{"prompt": 5}', 400, "prompt"),
+    "tokenize: unknown model": ("/tokenize", b'{"model": "gpt-4", "prompt": "hello"}', 404, "model"),
+    "detokenize: ids past vocab": ("/detokenize", b'{"tokens": [5, 300]}', 400, "tokens"),
+    "detokenize: tokens missing": ("/detokenize", b"{}", 400, "tokens"),
     "chat: unknown model": ("chat/completions", _with(CHAT, model="gpt-4"), 404, "model"),
 }
 
@@ -76,7 +110,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input(server, case):
     route, body, status, param = CASES[case]
-    got, _, raw = request("POST", f"{server.api}/{route}", body)
+    url = server.base + route if route.startswith("/") else f"{server.api}/{route}"
+    got, _, raw = request("POST", url, body)
     assert got == status, raw
     error = json.loads(raw)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error

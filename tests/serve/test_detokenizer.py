@@ -78,6 +78,13 @@ def test_stop_string_spanning_tokens_is_never_sent(word_tokenizer):
     assert not any("world" in d for d in deltas), deltas
 
 
+def test_stop_strings_wait_for_min_tokens(word_tokenizer):
+    stream = TextStream(word_tokenizer, ["world"], min_tokens=3)
+    ids = word_tokenizer.encode("hello world the world paged").ids
+    deltas = [stream.push([t]) for t in ids] + [stream.finish()]
+    assert "".join(deltas) == "hello world the " and stream.stopped  # the second "world" ends it, the first not
+
+
 def test_eos_ids_are_not_decoded(word_tokenizer):
     stream = TextStream(word_tokenizer, skip_ids=[5])  # "hello" plays EOS
     assert stream.push([6, 5]) + stream.finish() == "world"

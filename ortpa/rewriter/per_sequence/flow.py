@@ -13,10 +13,11 @@ op reads the sequence boundaries itself). From them a forward pass over the live
   rows ``0..count-1`` of a constant table): alone, a sequence would see its own indices ``0..len-1``. Used only
   to re-index the tokens themselves (``Gather`` on the token axis of a per-token value) it is exact; used as a
   value (learned absolute positions) :mod:`ortpa.rewriter.per_sequence` makes its sources per sequence;
-* ``route``: elements that each belong to one token but regrouped across the step (``node``: where). MoE dispatch
-  sorts every (token, expert) row (a TopK over the whole token axis) and puts them back with an inverse-permutation
-  gather or a scatter: only such a sort is taken to be undone; any other regrouping that reaches the logits or the
-  caches is refused (:mod:`ortpa.rewriter.per_sequence.segments`);
+* ``route``: rows regrouped across the step (``node``: the sort that regrouped them, ``role``: what the value is to
+  it). MoE dispatch sorts every (token, expert) row of the step and puts the rows back:
+  :mod:`ortpa.rewriter.per_sequence.routes` follows the sorted rows and shows them put back on their own tokens
+  (the kind turns ``token`` again) or names the leak; a regrouping nothing undoes stays ``route`` and is refused
+  where it reaches the logits or a cache (:mod:`ortpa.rewriter.per_sequence.segments`);
 * ``step``: depends on more than one sequence of the step: ``why`` says how, ``node`` where. An op with no rule
   here and a non-constant input gives ``step``: unknown is step-wide. Where only a shape is missing (what
   :mod:`ortpa.rewriter.shape_recovery` could not recover) the value is ``step`` but not ``definite`` (the flow
@@ -34,10 +35,12 @@ from dataclasses import replace
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
+from ortpa.rewriter.per_sequence import routes
 from ortpa.rewriter.per_sequence.kinds import CONST, COUNT, Flow, Kind, unknown_op
 from ortpa.rewriter.per_sequence.kinds import lost as _lost
 from ortpa.rewriter.per_sequence.kinds import norm as _norm
 from ortpa.rewriter.per_sequence.kinds import step as _step
+from ortpa.rewriter.per_sequence.layout import gather_nd as _gather_nd
 from ortpa.rewriter.per_sequence.layout import keep as _keep
 from ortpa.rewriter.per_sequence.layout import reshape as _reshape
 from ortpa.rewriter.per_sequence.layout import squeeze_like as _squeeze_like
@@ -101,8 +104,8 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
         return [steps[0]] * n_out
     if node.domain == "com.microsoft" and op == "PagedAttention":
         q = ins[0]
-        if q.tag == "route":
-            return [_lost(node, "its query's rows are regrouped")] * n_out
+        if q.tag == "route":  # other tokens' rows (or the sort's positions / counts) in a token's place
+            return [_step(node, f"its query's rows are regrouped{_by(q)} and not put back in token order")] * n_out
         if q.tag == "enum":
             return [Kind("enum", flow.rank(node.outputs[0]) or 2, 0, q.sources)] + [CONST] * (n_out - 1)
         return [Kind("token", flow.rank(node.outputs[0]) or 2, q.axis if q.tag == "token" else 0)] + [CONST] * (
@@ -117,14 +120,17 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
         if op in ("Shape", "Size") or any(k.tag == "count" for k in ins):
             return [COUNT] * n_out
         return [CONST] * n_out
+    if "route" in data_tags:
+        return routes.transfer(node, ins, flow, lambda n, k: _token_transfer(n, k, flow))
+    return _token_transfer(node, ins, flow)
+
+
+def _token_transfer(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    """The rules for per-token (and enumeration) inputs, by op."""
+    n_out = len(node.outputs)
+    op = node.op_type
     if op in ("Shape", "Size"):
         return [_shape_kind(node, ins[0], flow)]
-    if "route" in data_tags:
-        origin = next(k.node for k in ins if k.tag == "route")
-        out = _route(node, ins, flow)
-        if out.tag == "route":
-            out = Kind("route", out.rank, node=origin)
-        return [out] * n_out
     handler = _HANDLERS.get(op)
     if handler is not None and node.domain in ("", "ai.onnx", "com.microsoft"):
         return handler(node, ins, flow)
@@ -229,14 +235,6 @@ def _reduction(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
     return replace(k, rank=k.rank - len(set(axes)), axis=k.axis - sum(a < k.axis for a in set(axes)))
 
 
-def _route(node: ir.Node, ins: list[Kind], flow: Flow) -> Kind:
-    """Regrouped rows stay regrouped, except where a scatter puts them back on a per-token tensor's rows (MoE's
-    ``index_add``: each row is added to the token its index names)."""
-    if node.op_type in ("ScatterND", "ScatterElements") and ins[0].tag == "token":
-        return ins[0]
-    return Kind("route", flow.rank(node.outputs[0]))
-
-
 # -- layout ops -------------------------------------------------------------------------------------------------
 
 
@@ -266,26 +264,6 @@ def _gather(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     return [_step(node, "it gathers across tokens")]
 
 
-def _gather_nd(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
-    """GatherND with constant indices (``batch_dims`` 0) over leading axes other than the token axis: a fixed
-    pick per token (e.g. the k and v heads of a fused projection, heads moved to the front); else step-wide."""
-    data, idx = ins[0], ins[1]
-    indices = const_array(node.inputs[1])
-    if data.tag == "const" and idx.tag == "const":
-        return [CONST]
-    if idx.tag != "const" or indices is None or indices.ndim < 1 or int_attr(node, "batch_dims", 0) != 0:
-        return [_step(node, "its indices are not constant (or it has batch dims)")]
-    if data.tag not in ("token", "enum"):
-        return [_step(node, "its data is not per token")]
-    if data.rank is None:
-        return [_lost(node, "ranks unknown")]
-    depth = int(indices.shape[-1])  # how many leading data axes each index row addresses
-    if data.axis < depth:
-        return [_step(node, "it picks fixed tokens of the packed step")]
-    lead = indices.ndim - 1
-    return [replace(data, rank=lead + data.rank - depth, axis=lead + data.axis - depth)]
-
-
 def _is_enumeration(value: ir.Value, kind: Kind) -> bool:
     """``value`` is the output of one of ``kind``'s ``Range(0, count, 1)`` sources, through layout ops only (not
     ``count - 1 - t`` or ``t + 1``, which pick other tokens)."""
@@ -310,7 +288,7 @@ def _matmul(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         out_rank = max(a_rank, b.rank)
         return [replace(b, rank=out_rank, axis=out_rank - 1)]
     if b.tag not in ("const", "count"):
-        return [_step(node, "both of its operands depend on the tokens (a contraction across them)")]
+        return [_batched_matmul(node, a, b)]
     if a.tag not in ("token", "enum") or a.rank is None:
         return [_lost(node, "its operand's token axis is unknown")]
     if a.axis == a.rank - 1:
@@ -318,6 +296,17 @@ def _matmul(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     b_rank = flow.rank(node.inputs[1]) or 2
     out_rank = max(a.rank, b_rank)
     return [replace(a, rank=out_rank, axis=a.axis + (out_rank - a.rank))]
+
+
+def _batched_matmul(node: ir.Node, a: Kind, b: Kind) -> Kind:
+    """Both operands per token: per token when the token axis is one of the batch axes of both, aligned (MoE
+    batched_mm: each row times its own expert's matrix); else a contraction across tokens."""
+    if a.tag != "token" or b.tag != "token" or a.rank is None or b.rank is None or a.block != b.block:
+        return _step(node, "both of its operands depend on the tokens (a contraction across them)")
+    out_rank = max(a.rank, b.rank)
+    if a.axis >= a.rank - 2 or b.axis >= b.rank - 2 or _aligned(a, out_rank) != _aligned(b, out_rank):
+        return _step(node, "both of its operands depend on the tokens (a contraction across them)")
+    return replace(a, rank=out_rank, axis=_aligned(a, out_rank))
 
 
 def _per_token_op(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -349,12 +338,16 @@ def _topk(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     if k.tag not in ("token", "enum") or k.rank is None or ins[1].tag not in ("const", "count"):
         return [_lost(node, "its input or k is not known per token")] * len(node.outputs)
     if _norm(int_attr(node, "axis", -1), k.rank) == k.axis:
-        if ins[1].tag == "count":  # a sort of every row: a permutation of the tokens' rows (MoE dispatch)
-            return [Kind("route", k.rank, node=node)] * len(node.outputs)
+        if ins[1].tag == "count":  # a sort of the rows of the whole step (MoE dispatch) when k keeps them all
+            return routes.sort_kinds(node, k, routes.is_own_length(node.inputs[1], node.inputs[0], k.axis))
         return [_step(node, "TopK picks tokens across the step")] * len(node.outputs)
     if ins[1].tag != "const":
         return [_lost(node, "its k depends on the token count")] * len(node.outputs)
     return [replace(k, sources=k.sources)] * len(node.outputs)
+
+
+def _by(k: Kind) -> str:
+    return f" by {k.node.op_type} node {k.node.name!r}" if k.node is not None else ""
 
 
 def _scatter_elements(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:

@@ -23,6 +23,12 @@ class Kind:
     definite: bool = True  # step: False when the flow only lost track (an unknown op, rank or dim)
     block: int = 1  # token: rows per token on the token axis (a reshape folding [T, heads, d] into [T*heads, d])
     no_rule: bool = False  # step (not definite): an op the flow has no rule for, not merely a shape it cannot read
+    # route (:mod:`ortpa.rewriter.per_sequence.routes`): what the value is to the sort ``node`` that regrouped its
+    # rows ("rows", "perm", "meta", "seg", "segrows", "inverse"; "" for a regrouping nothing shows undone), how
+    # many rows per token the sorted axis holds, and a segment's (start, end) bound values
+    role: str = ""
+    span: int = 1
+    bounds: tuple = ()
 
 
 CONST = Kind("const")

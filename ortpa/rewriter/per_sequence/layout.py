@@ -1,5 +1,6 @@
 """Layout ops for the per-sequence dataflow: where the token axis goes through Reshape (blocked axes included),
-Squeeze / Unsqueeze, Transpose, Concat / Split / Slice / Expand / Tile, and shape vectors read with ``Shape``."""
+Squeeze / Unsqueeze, Transpose, Concat / Split / Slice / Expand / Tile, GatherND with constant indices, and shape
+vectors read with ``Shape``."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence.kinds import Flow, Kind
+from ortpa.rewriter.per_sequence.kinds import CONST, Flow, Kind
 from ortpa.rewriter.per_sequence.kinds import lost as _lost
 from ortpa.rewriter.per_sequence.kinds import norm as _norm
 from ortpa.rewriter.per_sequence.kinds import step as _step
 
-__all__ = ["is_count", "keep", "reshape", "shape_elements", "squeeze_like", "transpose"]
+__all__ = ["gather_nd", "is_count", "keep", "reshape", "shape_elements", "squeeze_like", "static_dims", "transpose"]
 
 
 def reshape(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -28,7 +29,7 @@ def reshape(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
         target_dims = [int(t) for t in target.reshape(-1)]
     if target_dims is None:
         return [_lost(node, "its target shape is neither constant nor read from the tokens")]
-    dims = flow.dims(node.inputs[0]) or [None] * k.rank
+    dims = static_dims(node.inputs[0], flow) or [None] * k.rank
     if len(dims) != k.rank:
         dims = [None] * k.rank
     lead = dims[: k.axis]
@@ -102,6 +103,48 @@ def _blocked(k: Kind, dims: list, target: list, lead_product: int | None) -> Kin
     return replace(k, rank=len(target), axis=j, block=block)
 
 
+def static_dims(value: ir.Value, flow: Flow, depth: int = 0) -> list[int | None] | None:
+    """:meth:`Flow.dims`, with what the graph's own layout ops state where no shape was recovered: a ``Reshape`` to
+    a target built from ``Shape`` reads and constants (TorchScript-era exports: optimum), a ``Slice`` with constant
+    bounds of a known dim, a ``Transpose``. The token count stays None."""
+    known = flow.dims(value)
+    node = value.producer()
+    if (known is not None and None not in known) or node is None or depth > 8:
+        return known
+    derived: list[int | None] | None = None
+    if node.op_type == "Reshape" and node.domain in ("", "ai.onnx"):
+        elems = shape_elements(node.inputs[1], flow)
+        if elems is not None and not int_attr(node, "allowzero", 0) and 0 in elems:
+            inner = static_dims(node.inputs[0], flow, depth + 1)
+            elems = [inner[i] if e == 0 and inner is not None and i < len(inner) else e for i, e in enumerate(elems)]
+        if elems is not None:
+            derived = [e if isinstance(e, int) and e > 0 else None for e in elems]
+    elif node.op_type == "Transpose":
+        inner = static_dims(node.inputs[0], flow, depth + 1)
+        if inner is not None:
+            perm = ints_attr(node, "perm") or list(reversed(range(len(inner))))
+            derived = [inner[p] for p in perm] if len(perm) == len(inner) else None
+    elif node.op_type == "Slice" and len(node.inputs) >= 4:
+        derived = _sliced_dims(node, static_dims(node.inputs[0], flow, depth + 1))
+    if derived is None or (known is not None and len(known) != len(derived)):
+        return known
+    return derived if known is None else [k if k is not None else d for k, d in zip(known, derived, strict=True)]
+
+
+def _sliced_dims(node: ir.Node, inner: list[int | None] | None) -> list[int | None] | None:
+    arrays = [const_array(x) if x is not None else None for x in node.inputs[1:5]]
+    if inner is None or any(a is None for a in arrays[:3]):
+        return None
+    starts, ends, axes = (a.reshape(-1) for a in arrays[:3])
+    steps = arrays[3].reshape(-1) if len(arrays) > 3 and arrays[3] is not None else np.ones_like(starts)
+    out = list(inner)
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=False):
+        a = int(axis) % len(inner)
+        if out[a] is not None:
+            out[a] = len(range(out[a])[slice(int(start), int(min(end, 2**62)), int(step))])
+    return out
+
+
 def shape_elements(value: ir.Value, flow: Flow, depth: int = 0) -> list | None:
     """The elements of a shape vector built from ``Shape`` reads: ints, ``"T"`` (the token count), or None."""
     arr = const_array(value)
@@ -152,6 +195,34 @@ def shape_elements(value: ir.Value, flow: Flow, depth: int = 0) -> list | None:
             return None
         return base[int(bounds[0].reshape(-1)[0]) : int(bounds[1].reshape(-1)[0])]
     return None
+
+
+def gather_nd(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    """GatherND with constant indices (``batch_dims`` 0) over leading axes other than the token axis: a fixed
+    pick per token (e.g. the k and v heads of a fused projection, heads moved to the front); else step-wide."""
+    data, idx = ins[0], ins[1]
+    indices = const_array(node.inputs[1])
+    if data.tag == "const" and idx.tag == "const":
+        return [CONST]
+    if data.tag == "const" and idx.tag == "token" and int_attr(node, "batch_dims", 0) == 0:
+        # a table lookup per token (MoE batched_mm: each (token, expert) row's expert weights)
+        idx_rank, data_rank, depth = idx.rank, flow.rank(node.inputs[0]), (flow.dims(node.inputs[1]) or [None])[-1]
+        if idx_rank is None or data_rank is None or not isinstance(depth, int):
+            return [_lost(node, "ranks unknown")]
+        if idx.axis == idx_rank - 1:
+            return [_step(node, "its index tuples run along the token axis")]
+        return [replace(idx, rank=idx_rank - 1 + data_rank - depth, axis=idx.axis)]
+    if idx.tag != "const" or indices is None or indices.ndim < 1 or int_attr(node, "batch_dims", 0) != 0:
+        return [_step(node, "its indices are not constant (or it has batch dims)")]
+    if data.tag not in ("token", "enum"):
+        return [_step(node, "its data is not per token")]
+    if data.rank is None:
+        return [_lost(node, "ranks unknown")]
+    depth = int(indices.shape[-1])  # how many leading data axes each index row addresses
+    if data.axis < depth:
+        return [_step(node, "it picks fixed tokens of the packed step")]
+    lead = indices.ndim - 1
+    return [replace(data, rank=lead + data.rank - depth, axis=lead + data.axis - depth)]
 
 
 def squeeze_like(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:

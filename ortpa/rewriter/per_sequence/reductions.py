@@ -116,7 +116,8 @@ def _token_reductions(live: Live, axes: TokenAxes) -> list[tuple[ir.Node, str | 
                 found.append((node, "its axes are not constant"))
         elif set(reduced) & set(token):
             found.append((node, None))
-        elif len(reduced) == len(dims) and None in dims and _from_tokens(data, axes):
+        elif len(reduced) == len(dims) and None in dims and node.op_type != "TopK" and _from_tokens(data, axes):
+            # (a TopK the flow follows by kinds: a sort of every row, or a pick of some rows named there)
             found.append((node, "it reduces every axis of values computed from the tokens; which is theirs is unknown"))
     return found
 

@@ -67,10 +67,10 @@ def flow_rewrites(graph: ir.Graph, io: packed.PagedIO, b: Builder, done: list[st
             kind = flow.of(value)
             if kind.tag == "enum":
                 enum_sources |= set(kind.sources)
-            elif kind.tag == "route" and kind.node in io.dense_nodes and kind.node.op_type != "TopK":
-                # rows regrouped by anything but a sort of every row (MoE dispatch, taken to be undone by its
-                # scatter / inverse-permutation gather): other tokens' rows on a token's place
-                steps.setdefault(kind.node, "its rows are regrouped across the step's tokens and not brought back")
+            elif kind.tag == "route" and kind.node is not None:
+                # rows regrouped and not shown put back (per_sequence.routes): other tokens' rows on a token's place
+                what = f" (as {kind.role!r} of that regrouping)" if kind.role not in ("", "rows") else ""
+                steps.setdefault(kind.node, f"its rows are regrouped across the step's tokens and not put back{what}")
             elif kind.tag == "step" and kind.node is not None:
                 # not definite: an op without a rule, or a shape the flow cannot read (what the pipeline's shape
                 # recovery could not find either); unknown is step-wide, never converted on trust

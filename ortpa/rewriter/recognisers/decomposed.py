@@ -50,12 +50,13 @@ def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40)
     """
     seen: set[int] = set()
     queue = deque([query])
+    cut: tuple[int, int] | None = None  # a Slice from the end of the heads axis (Falcon's q = qkv[:, :, :-2])
     while queue and len(seen) < max_nodes:
         node = queue.popleft().producer()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if node.op_type == "Slice" and len(node.inputs) >= 4:
+        if node.op_type == "Slice" and len(node.inputs) >= 4 and cut is None:
             starts, ends, axes = (fold_static(v) for v in node.inputs[1:4])
             if (
                 starts is not None
@@ -66,6 +67,7 @@ def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40)
                 start, end = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
                 if 0 <= start < end < 2**31:
                     return end - start
+                cut = (start, end)  # counted from the end: the fused count is found at the Reshape below
         if node.op_type == "Reshape":
             width = static_width(node.inputs[0])
             target = fold_partial(node.inputs[1]) if len(node.inputs) > 1 else None
@@ -73,10 +75,19 @@ def _heads_from_projection(query: ir.Value, head_size: int, max_nodes: int = 40)
             if target is not None and target.ndim == 1 and target.size == 4 and (target[-1] or 0) > 0:
                 row = int(target[-1])
             if width is not None and width % row == 0:
-                return width // row
+                return _cut_heads(width // row, cut)
+            queue.append(node.inputs[0])  # a reshape of a reshape (Falcon's [B, H, S, D] view of the cut q)
             continue
         queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
     return None
+
+
+def _cut_heads(heads: int, cut: tuple[int, int] | None) -> int | None:
+    """The heads a Slice ``[start:end]`` keeps of ``heads`` (bounds from the end as Python counts them)."""
+    if cut is None:
+        return heads
+    kept = len(range(heads)[slice(*cut)])
+    return kept or None
 
 
 def match_attention_layer(graph: ir.Graph, layer: int) -> AttentionLayer | LayerFailure:

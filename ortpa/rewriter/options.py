@@ -1,0 +1,70 @@
+"""What the rewrite is asked to make: one frozen dataclass, read by every step of :mod:`ortpa.rewriter.pipeline`.
+
+The conversion's other options (where the model must run, verification, ``--portable``, genai's settings) are the
+orchestrator's (:class:`ortpa.conversion.ConvertOptions`, which holds one of these).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ortpa.errors import ConversionError
+from ortpa.rewriter.kv_quant import DEFAULT_MARGIN, KVScaleMode
+from ortpa.rewriter.mla import AbsorbMode
+from ortpa.rewriter.paged_io import LogitsMode, PositionMode
+
+__all__ = ["DType", "RewriteOptions"]
+
+DType = Literal["float16", "bfloat16"]
+
+_CHOICES = {
+    "dtype": (None, "float16", "bfloat16"),
+    "logits": ("last", "all"),
+    "kv_cache_dtype": (None, "float16", "bfloat16", "int8", "float8e4m3fn"),
+    "absorb": ("auto", "fold", "matmul"),
+    "position_ids": ("derive", "input"),
+    "kv_scale": ("per-channel", "per-tensor"),
+}
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """* ``dtype``: convert the whole model to float16/bfloat16; None keeps its precision and casts to the op's
+      half type at the attention boundary.
+    * ``rope_in_op``: move RoPE into the op (``do_rotary=1``, cos/sin caches of ``max_positions`` rows: default
+      the model's ``max_position_embeddings``, else 4096); default keeps the model's own RoPE in the graph.
+    * ``logits``: ``"last"`` one row per sequence (its last new token), ``"all"`` one row per packed token.
+    * ``kv_cache_dtype``: the caches' element type (default the op's float type); ``"int8"`` with static scales
+      (``kv_scale`` per-channel or per-tensor, times ``kv_scale_margin``) calibrated on ``calibration_prompts``
+      (default: seeded random prompts), see :mod:`ortpa.rewriter.kv_quant`.
+    * ``absorb`` (MLA): ``"auto"`` folds W_UK / W_UV into q_proj / o_proj where exact and not larger, ``"fold"``
+      wherever exact, ``"matmul"`` never (per-head MatMuls).
+    * ``attention_metadata``: add the host-side ``attention_metadata`` input; ``position_ids``: ``"derive"``
+      positions in the graph from the sequence lengths, or take an ``"input"``.
+    """
+
+    dtype: DType | None = None
+    rope_in_op: bool = False
+    logits: LogitsMode = "last"
+    kv_cache_dtype: str | None = None
+    absorb: AbsorbMode = "auto"
+    attention_metadata: bool = True
+    position_ids: PositionMode = "derive"
+    max_positions: int | None = None
+    kv_scale: KVScaleMode = "per-channel"
+    kv_scale_margin: float = DEFAULT_MARGIN
+    calibration_prompts: Sequence[Sequence[int]] | None = None
+
+    def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConversionError(f"{name}: expected one of {list(allowed)}, found {getattr(self, name)!r}")
+        if self.max_positions is not None and self.max_positions < 1:
+            raise ConversionError(f"max_positions: expected a positive row count, found {self.max_positions}")
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))

@@ -1,4 +1,4 @@
-"""The one tolerance table and tie rule (``ortpa.tolerances``) and the one dtype table (``ortpa.dtypes``)."""
+"""The one rule's bounds and tie rule (``ortpa.tolerances``) and the one dtype table (``ortpa.dtypes``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import pytest
 
 from ortpa import dtypes
 from ortpa.tolerances import (
-    ACT_INT8_EXTRA_ATOL,
-    KV_INT8_EXTRA_ATOL,
-    SOURCE_INT4_EXTRA_ATOL,
-    logit_tolerance,
     max_tie_flips,
+    precision_kl_bound,
+    precision_logit_bound,
+    precision_ties,
+    structure_bound,
+    structure_tolerance,
     tie_bound,
     tol_for,
+    unit_roundoff,
 )
 
 
@@ -25,13 +27,30 @@ def test_tolerance_follows_the_dtype():
     rtol16, atol16 = tol_for(np.float16)
     rtol_bf, atol_bf = tol_for(ml_dtypes.bfloat16)
     assert rtol_bf > rtol16 and atol_bf > atol16  # 8-bit mantissa against 11
-    assert logit_tolerance("int8") == (rtol16, atol16 + KV_INT8_EXTRA_ATOL)
-    assert logit_tolerance("float16", "gemma2")[1] > atol16 and logit_tolerance("float16", "llama")[1] == atol16
-    # an int4 original: the source-quantisation term on top (at least the activation int8 rounding term)
-    assert logit_tolerance("float16", source_int4=True) == (rtol16, atol16 + SOURCE_INT4_EXTRA_ATOL)
-    assert SOURCE_INT4_EXTRA_ATOL >= ACT_INT8_EXTRA_ATOL
     with pytest.raises(KeyError, match="no tolerance"):
         tol_for(np.int32)
+
+
+def test_the_rule_s_bounds_follow_from_dtypes_alone():
+    """Unit roundoffs from the formats' mantissas (not measured), the structure bound from float32's and the
+    model's sums, the precision bounds from the deployed dtype's."""
+    assert unit_roundoff(np.float32) == np.finfo(np.float32).eps / 2
+    assert unit_roundoff(np.float16) == np.finfo(np.float16).eps / 2
+    assert unit_roundoff(ml_dtypes.bfloat16) == float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps) / 2
+    assert unit_roundoff("int8") == 1 / 254
+    # u * sqrt(n * L) with 4 bits of headroom; grows with the sums, 4x for 16x the width
+    assert structure_tolerance("float32", 64, 2) == pytest.approx(16 * 2**-24 * np.sqrt(128))
+    assert structure_tolerance("float32", 1024, 2) == pytest.approx(4 * structure_tolerance("float32", 64, 2))
+    assert structure_tolerance("float32", 14336, 60) < 1e-3 < structure_tolerance("float16", 64, 2)
+    row = np.array([[0.5, -8.0, 2.0], [0.1, 0.2, -0.3]], np.float32)  # scale max(1, max |row|): 8 and 1
+    expected = np.array([8.0, 1.0]) * structure_tolerance("float32", 64, 2)
+    np.testing.assert_allclose(structure_bound(row, "float32", 64, 2)[:, 0], expected, rtol=1e-6)
+    assert precision_logit_bound("float16") == pytest.approx(2 * 2**-5.5)
+    assert precision_kl_bound("float16") == pytest.approx(precision_logit_bound("float16") ** 2 / 2)
+    assert precision_kl_bound("float16") < precision_kl_bound("bfloat16")
+    assert precision_ties("int8").margin(row[0]) == pytest.approx(2 * precision_logit_bound("int8"))
+    with pytest.raises(KeyError, match="no unit roundoff"):
+        unit_roundoff(np.int32)
 
 
 def test_tie_rule_margin_and_count():

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_providers, add_revision
 from ortpa.cli.export import add_export_options
-from ortpa.tolerances import FAMILY_EXTRA_ATOL
 
 __all__ = ["register", "run"]
 
@@ -54,7 +53,6 @@ def options_from_args(args: argparse.Namespace):
         kv_scale=args.kv_scale,
         providers=args.providers,
         verify=not args.no_verify,
-        family=args.family,
         portable=args.portable,
         genai=_genai_options(args),
         revision=args.revision,
@@ -108,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
         kind = "lowered to standard ONNX ops (--portable)" if result.portable else "PagedAttention node(s)"
         v = result.verification
         check = (
-            f"; verified against the original: max |dlogit| {v.parity.max_abs_logit_error:.2e}"
+            f"; verified against the original (float32 twin: max |d| / scale "
+            f"{v.verdict.structure.max_relative_error:.1e}; {v.verdict.precision.dtype}: KL max "
+            f"{v.verdict.precision.kl_max:.1e}, max |dlogit| {v.max_abs_logit_error:.2e})"
             if v is not None
             else "; NOT verified (--no-verify)"
         )
@@ -208,13 +208,6 @@ def register(sub) -> None:
         help="write the model without running it against the original first. By default the converted model "
         "and the original run a few seeded prompts for a few greedy steps (one model in memory at a time) and "
         "nothing is written on a mismatch; skip it only for a model too large for this machine's memory to run",
-    )
-    p.add_argument(
-        "--family",
-        choices=sorted(FAMILY_EXTRA_ATOL),
-        default=None,
-        help="verification: a model family measured with larger logit error (default: from the input folder's "
-        "config.json)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON (with the verification's figures)")
     p.add_argument(

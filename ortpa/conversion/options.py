@@ -19,7 +19,6 @@ from ortpa.errors import ConversionError
 from ortpa.parity.verify import DEFAULT_STEPS
 from ortpa.rewriter.options import RewriteOptions
 from ortpa.rewriter.ort_check import DEFAULT_PROVIDERS
-from ortpa.tolerances import FAMILY_EXTRA_ATOL
 
 __all__ = ["ConvertOptions", "ExportOptions"]
 
@@ -42,8 +41,8 @@ class ConvertOptions:
     * ``providers``: where the model is meant to run (``"cpu"``, ``"cuda"``): ONNX Runtime must open it on each
       (CUDA where this machine has a device); ``()`` skips the check.
     * ``verify``: run the converted model against its original before it is published (``verify_steps`` greedy
-      steps on seeded prompts; ``family`` adds that family's measured tolerance, default from the original
-      folder's ``config.json``). Skip only for a model this machine cannot run.
+      steps on seeded prompts; one rule for every model, docs/verification.md). Skip only for a model this
+      machine cannot run.
     * ``portable``: lower every PagedAttention node to standard ONNX ops (any execution provider, genai on CPU).
     * ``genai``: ``genai_config.json``'s ``engine.dynamic_batching`` settings.
     * ``revision``: branch, tag or commit when the model is a Hugging Face repo id in the local cache.
@@ -55,7 +54,6 @@ class ConvertOptions:
     providers: tuple[str, ...] = tuple(DEFAULT_PROVIDERS)
     verify: bool = True
     verify_steps: int = DEFAULT_STEPS
-    family: str | None = None
     portable: bool = False
     genai: GenaiOptions = field(default_factory=GenaiOptions)
     revision: str | None = None
@@ -88,7 +86,5 @@ class ConvertOptions:
                 "--portable cannot honour --kv-cache-dtype float8e4m3fn: ONNX Gather/ScatterND have no float8 form; "
                 "use float16, bfloat16 or int8"
             )
-        if self.family is not None and self.family not in FAMILY_EXTRA_ATOL:
-            raise ConversionError(f"family: expected one of {sorted(FAMILY_EXTRA_ATOL)}, found {self.family!r}")
         if self.verify_steps < 1:
             raise ConversionError(f"verify_steps: expected >= 1, found {self.verify_steps}")

@@ -36,7 +36,6 @@ from ortpa.extras import require_extra
 from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, copy_companion_files, locate_model
 from ortpa.progress import Progress, Stage, report, reporter
 from ortpa.rewriter import model_store, pipeline
-from ortpa.tolerances import FP16_WEIGHTS_EXTRA_ATOL
 
 if TYPE_CHECKING:
     from ortpa.export.hf import ExportInfo
@@ -192,19 +191,9 @@ def export_dense(
 
 def _verify(original: Path, converted: Path, opts: ConvertOptions, progress: Progress | None) -> Verification:
     """The converted model against its original: the one call into :mod:`ortpa.parity.verify`."""
-    from ortpa.parity.verify import family_of, verify_conversion
+    from ortpa.parity.verify import verify_conversion
 
-    family = opts.family if opts.family is not None else family_of(original)
-    # float16 weights add their rounding to the float16 attention's (measured: ortpa.tolerances)
-    extra = FP16_WEIGHTS_EXTRA_ATOL if opts.rewrite.dtype == "float16" else 0.0
-    return verify_conversion(
-        original,
-        converted,
-        steps=opts.verify_steps,
-        family=family,
-        extra_atol=extra,
-        progress=reporter(progress, Stage.VERIFY),
-    )
+    return verify_conversion(original, converted, steps=opts.verify_steps, progress=reporter(progress, Stage.VERIFY))
 
 
 def _deploy(

@@ -1,22 +1,25 @@
 """The conversion's own proof: a converted model against its original, before the converted model is written.
 
-:func:`verify_conversion` runs the converted model (batched, :func:`~ortpa.parity.greedy.paged_greedy`) and the
-original (alone, in its own format, :func:`~ortpa.parity.greedy.dense_greedy`) on a few seeded prompts — a short
-one, a longer one, and one past every length threshold of the original (:func:`ortpa.formats.length_thresholds`)
-— for a few greedy steps, and compares them with :func:`~ortpa.parity.check.compare_runs` within the one tolerance
-table (:mod:`ortpa.tolerances`). The original follows the converted run's tokens (teacher forcing), so a greedy
-tie (two tokens within the bound of each other, :func:`ortpa.tolerances.tie_bound`) neither fails the check nor
-makes the later steps incomparable; ties past :func:`ortpa.tolerances.max_tie_flips` fail it.
+:func:`verify_conversion` runs the original alone, in its own format (:func:`~ortpa.parity.greedy.dense_greedy`),
+on a few seeded prompts — a short one, a longer one, and one past every length threshold of the original
+(:func:`ortpa.formats.length_thresholds`) — for a few greedy steps; then the converted model batched
+(:func:`~ortpa.parity.greedy.paged_greedy`), and its float32 twin (:mod:`ortpa.parity.twin`: the same rewrite with
+attention and caches in float32), both teacher-forced on the original's tokens. The one rule
+(:mod:`ortpa.parity.rule`, bounds in :mod:`ortpa.tolerances`) decides: *structure* on the twin at a float32
+bound relative to each logits row's scale, *precision* of the deployed model by token agreement under the tie
+rule, top-k overlap and KL divergence within a bound derived from its dtype. No bound depends on the model's
+size, depth or family.
 
-On a mismatch the error names the first layer whose output diverges: both graphs get, for each layer, the first
-value after its attention that keeps its name through the rewrite (the output projection's output; the residual
-sum where MLA absorption folded the projection) as an extra graph output (temporary header copies; the weights
-stay in their files), one prompt's prefill runs on each, and the first layer past the bound is the cause
-reported. Comparing there rather than only the logits points at the layer, not at the end of the model.
+On a structural mismatch the error names the first layer whose output diverges: both graphs get, for each
+layer, the first value after its attention that keeps its name through the rewrite (the output projection's
+output; the residual sum where MLA absorption folded the projection) as an extra graph output (temporary header
+copies; the weights stay in their files), one prompt's prefill runs on each, and the first layer past the
+structure bound is the cause reported. Comparing there rather than only the logits points at the layer, not at
+the end of the model.
 
-Memory: the two sessions open from their paths one after the other (the converted first, then the original), with
-ONNX Runtime's weight prepacking off, so the weights stay memory-mapped from their files (read, not copied into
-private memory) and convert's memory bound holds with verification.
+Memory: the sessions open from their paths one after the other (the original, the converted model, its twin),
+with ONNX Runtime's weight prepacking off, so the weights stay memory-mapped from their files (read, not copied
+into private memory) and convert's memory bound holds with verification. The twin changes the graph header only.
 """
 
 from __future__ import annotations
@@ -25,18 +28,26 @@ import gc
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
 
 from ortpa.errors import ConversionError, InvalidModel
-from ortpa.parity.check import ParityResult, compare_runs
+from ortpa.model.file import LoadedModel
 from ortpa.parity.greedy import dense_greedy, paged_greedy
+from ortpa.parity.rule import Verdict, judge
+from ortpa.parity.twin import float32_twin, source_arithmetic
 from ortpa.providers import CPU
-from ortpa.tolerances import FAMILY_EXTRA_ATOL, logit_tolerance
+from ortpa.tolerances import UNIT_ROUNDOFF, structure_tolerance
 
-__all__ = ["DEFAULT_STEPS", "Verification", "verification_prompts", "verify_conversion"]
+__all__ = [
+    "DEFAULT_STEPS",
+    "Verification",
+    "first_diverging_layer",
+    "run_rule",
+    "verification_prompts",
+    "verify_conversion",
+]
 
 DEFAULT_STEPS = 3  # greedy steps: the prefill and two decodes (the first decode reads the cache the prefill wrote)
 _BLOCK_SIZE = 16
@@ -44,40 +55,38 @@ _BLOCK_SIZE = 16
 
 @dataclass
 class Verification:
-    """What :func:`verify_conversion` found: the parity verdict, the tie flips it allowed, the cost."""
+    """What :func:`verify_conversion` found: the rule's verdict (structure and precision), the cost."""
 
-    parity: ParityResult
-    tie_flips: int
+    verdict: Verdict
     seconds: float
     steps: int
     prompt_lengths: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.parity.ok
+        return self.verdict.ok
+
+    @property
+    def max_abs_logit_error(self) -> float:
+        return self.verdict.precision.max_abs_logit_error
 
     def summary(self) -> dict:
         """The figures for the ``--json`` result and the model's metadata."""
         return {
-            "ok": self.ok,
-            "max_abs_logit_error": self.parity.max_abs_logit_error,
-            "atol": self.parity.atol,
-            "rtol": self.parity.rtol,
+            **self.verdict.to_dict(),
+            "max_abs_logit_error": self.max_abs_logit_error,
+            "tie_flips": self.verdict.precision.ties,
             "prompt_lengths": self.prompt_lengths,
             "steps": self.steps,
-            "tie_flips": self.tie_flips,
             "seconds": round(self.seconds, 3),
         }
 
     def metadata(self) -> dict[str, str]:
-        s = self.summary()
         return {
             "ortpa.verified": "1",
-            "ortpa.verify.max_abs_logit_error": f"{s['max_abs_logit_error']:.3e}",
-            "ortpa.verify.tolerance": f"atol {s['atol']:g} + rtol {s['rtol']:g} * |original|",
-            "ortpa.verify.prompt_lengths": ",".join(str(n) for n in s["prompt_lengths"]),
-            "ortpa.verify.steps": str(s["steps"]),
-            "ortpa.verify.tie_flips": str(s["tie_flips"]),
+            **self.verdict.metadata(),
+            "ortpa.verify.prompt_lengths": ",".join(str(n) for n in self.prompt_lengths),
+            "ortpa.verify.steps": str(self.steps),
         }
 
 
@@ -139,28 +148,39 @@ def verify_conversion(
     converted: str | os.PathLike,
     *,
     steps: int = DEFAULT_STEPS,
-    family: str | None = None,
-    extra_atol: float = 0.0,
     progress: Callable[[str], None] | None = None,
 ) -> Verification:
-    """Run ``converted`` against ``original`` (paths); raise :class:`ConversionError` naming the first diverging
-    layer when they disagree, else return the figures. ``extra_atol`` adds to the tolerance table's bound (a
-    whole-model float16 conversion: :data:`ortpa.tolerances.FP16_WEIGHTS_EXTRA_ATOL`)."""
+    """Run ``converted`` and its float32 twin against ``original`` (paths); raise :class:`ConversionError`
+    (naming the first diverging layer where the structure differs) when the rule refuses, else return the
+    figures."""
     import time
 
     from ortpa.formats.detect import length_thresholds
     from ortpa.model.file import read_model
-    from ortpa.runtime.session import PagedSession
 
     start = time.perf_counter()
     thresholds = length_thresholds(read_model(original, load_external_data=False).proto)
     prompts = verification_prompts(thresholds)
     if progress is not None:
         progress(f"verifying against the original ({len(prompts)} prompts, {steps} greedy steps)")
+    session, interface = _open_original(original)
+    want = dense_greedy(session, prompts, steps, interface=interface)
+    del session
+    gc.collect()
     blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
+    verdict, twin_model = run_rule(original, converted, prompts, want, blocks)
+    verification = Verification(verdict, time.perf_counter() - start, steps, [len(p) for p in prompts])
+    if not verdict.ok:
+        raise _refusal(original, converted, twin_model, prompts, want, verdict)
+    return verification
+
+
+def _paged(model, blocks: int):
+    from ortpa.runtime.session import PagedSession
+
     try:
-        paged = PagedSession(
-            converted,
+        return PagedSession(
+            model,
             num_blocks=blocks,
             block_size=_BLOCK_SIZE,
             providers=[CPU],
@@ -175,54 +195,79 @@ def verify_conversion(
             "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
             [("session (CPU)", str(exc)[-300:])],
         ) from None
+
+
+def _coarsest(*arithmetic: str) -> str:
+    """The arithmetic of largest unit roundoff among ``arithmetic`` (names of :data:`UNIT_ROUNDOFF`)."""
+    return max(arithmetic, key=lambda a: UNIT_ROUNDOFF[a])
+
+
+def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None):
+    """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (or
+    ``deployed_session``, a :class:`~ortpa.runtime.session.PagedSession` of it) and then its float32 twin, each
+    teacher-forced on ``want``'s tokens. Returns the :class:`~ortpa.parity.rule.Verdict` and the twin that was
+    judged (a :class:`~ortpa.model.file.LoadedModel`; None where the deployed model was its own twin)."""
+    from ortpa.model.file import read_model
+
+    steps = max(len(t) for t in want.tokens)
+    paged = deployed_session if deployed_session is not None else _paged(converted, blocks)
     cache_dtype = _cache_dtype(paged)
-    got = paged_greedy(paged, prompts, steps)
+    got = paged_greedy(paged, prompts, steps, follow=want.tokens)
     del paged
     gc.collect()
-    session, interface = _open_original(original)
-    want = dense_greedy(session, prompts, steps, follow=got.tokens, interface=interface)
-    del session
-    gc.collect()
-    rtol, atol = logit_tolerance(cache_dtype, family)
-    atol += extra_atol
-    # the original followed the converted tokens: every step compares the same inputs, and a flip is judged by
-    # the one tie rule of compare_runs
-    result = compare_runs(want, got, rtol=rtol, atol=atol)
-    flips = result.ties
-    verification = Verification(result, flips, time.perf_counter() - start, steps, [len(p) for p in prompts])
-    if not result.ok:
-        raise _mismatch(original, converted, prompts, got, want, result, flips, rtol, atol)
-    return verification
+    source = source_arithmetic(read_model(original, load_external_data=False).proto)
+    twin = float32_twin(converted)
+    twin_run = None
+    if twin.model is not None:
+        twin_session = _paged(twin.model, blocks)
+        twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
+        del twin_session
+        gc.collect()
+    # without a separate twin the deployed model is judged as its own, in its own arithmetic (a --portable file,
+    # a dtype= conversion: T throughout)
+    arithmetic = (
+        _coarsest(source, "float32") if twin.model is not None else _coarsest(source, twin.arithmetic, cache_dtype)
+    )
+    # the deployed T's rounding feeds whatever the original quantizes (int8 activations): judged at the coarser
+    precision = _coarsest(cache_dtype, source)
+    verdict = judge(
+        want,
+        got,
+        precision,
+        twin=twin_run,
+        arithmetic=arithmetic,
+        accumulation=twin.accumulation,
+        layers=twin.layers,
+        reason=twin.reason,
+    )
+    return verdict, twin.model
 
 
 # ------------------------------------------------------------------------------------------ the first layer
-def _mismatch(original, converted, prompts, got, want, result, flips, rtol, atol) -> ConversionError:
-    """The error for a failed verification: the figures, and the first diverging layer where it can be found."""
-    bad = next(
-        (
-            p
-            for p in range(len(prompts))
-            if not np.allclose(got.logits[p], want.logits[p][: len(got.logits[p])], rtol=rtol, atol=atol)
-        ),
-        0,
-    )
-    step = next((s.step for s in result.steps if s.max_abs_logit_error > atol), 0)
-    details = [
-        ("logits", f"max |dlogit| {result.max_abs_logit_error:.3e} (atol {atol:g} + rtol {rtol:g} * |original|)"),
-        ("first differing step", f"{step} (prompt {bad}, {len(prompts[bad])} tokens)"),
-    ]
-    if flips:
-        details.append(("tie flips", f"{flips}"))
-    try:
-        where = first_diverging_layer(original, converted, prompts[bad], rtol, atol)
-    except Exception as exc:  # the diagnosis must never hide the verdict
-        where = f"not located ({type(exc).__name__}: {str(exc)[:200]})"
-    details.insert(0, ("first diverging layer", where))
-    return ConversionError(
-        "the converted model does not match the original; nothing was written (pass --no-verify / verify=False "
-        "to write it anyway)",
-        details,
-    )
+def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -> ConversionError:
+    """The error for a refused verification: the figures, and the first diverging layer where the structure
+    differs."""
+    st, pr = verdict.structure, verdict.precision
+    details = [("structure", verdict.format().splitlines()[0]), ("precision", verdict.format().splitlines()[1])]
+    if not st.ok:
+        prompt, step = st.first_failure or (0, 0)
+        details.insert(0, ("first differing step", f"{step} (prompt {prompt}, {len(prompts[prompt])} tokens)"))
+        # the prompt and the original's tokens up to the step: one prefill reaches what the decode steps did
+        tokens = list(prompts[prompt]) + list(want.tokens[prompt][:step])
+        try:
+            where = first_diverging_layer(
+                original, twin_model if twin_model is not None else converted, tokens, st.tolerance
+            )
+        except Exception as exc:  # the diagnosis must never hide the verdict
+            where = f"not located ({type(exc).__name__}: {str(exc)[:200]})"
+        details.insert(0, ("first diverging layer", where))
+        what = "the converted model does not match the original (structure)"
+    else:
+        what = (
+            f"the converted model matches the original in float32, but its {pr.dtype} precision costs more than "
+            "the rule allows"
+        )
+    return ConversionError(f"{what}; nothing was written (pass --no-verify / verify=False to write it anyway)", details)
 
 
 def _layer_outputs(proto: onnx.ModelProto, known: set[str]) -> list[tuple[int, str]]:
@@ -234,7 +279,7 @@ def _layer_outputs(proto: onnx.ModelProto, known: set[str]) -> list[tuple[int, s
         for i in n.input:
             consumers.setdefault(i, []).append(n)
     found = []
-    for index, node in enumerate(n for n in proto.graph.node if n.op_type == "PagedAttention"):
+    for index, node in enumerate(n for n in proto.graph.node if _is_attention(n)):
         value = node.output[0]
         for _ in range(12):  # Reshape / Cast / the projection(s) / the residual Add
             nexts = consumers.get(value, [])
@@ -245,6 +290,15 @@ def _layer_outputs(proto: onnx.ModelProto, known: set[str]) -> list[tuple[int, s
                 found.append((index, value))
                 break
     return found
+
+
+def _is_attention(node: onnx.NodeProto) -> bool:
+    """A PagedAttention node, or its portable function call (the float32 twin's), not the step's plan call."""
+    from ortpa.ops.portable import FUNCTION_DOMAIN
+
+    if node.op_type == "PagedAttention":
+        return True
+    return node.domain == FUNCTION_DOMAIN and node.op_type.startswith("PagedAttention_")
 
 
 def _probe(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
@@ -272,16 +326,22 @@ def _probe(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
 
 
 def first_diverging_layer(
-    original: str | os.PathLike, converted: str | os.PathLike, prompt: Sequence[int], rtol: float, atol: float
+    original: str | os.PathLike,
+    converted: str | os.PathLike | LoadedModel,
+    prompt: Sequence[int],
+    tolerance: float | None = None,
 ) -> str:
     """``"layer i (value): max |d| x"`` for the first layer whose attention block output (its o_proj) differs
-    past ``atol + rtol * |original|`` on ``prompt``'s prefill; a sentence saying why when none is found."""
+    past ``tolerance`` (default: :func:`ortpa.tolerances.structure_tolerance` of float32) of each token row's
+    scale on ``prompt``'s prefill; a sentence saying why when none is found. ``converted``: a converted model's
+    path, or a model already read (the float32 twin)."""
     from ortpa.formats.detect import dense_interface
-    from ortpa.model.file import LoadedModel, read_model
+    from ortpa.model.file import read_model
     from ortpa.runtime.kv import PagedKVCache
     from ortpa.runtime.session import InferenceSession, PagedSession
 
-    paged_file = read_model(converted, load_external_data=False)
+    tol = structure_tolerance("float32") if tolerance is None else tolerance  # an error when no sizes are known
+    paged_file = converted if isinstance(converted, LoadedModel) else read_model(converted, load_external_data=False)
     dense_file = read_model(original, load_external_data=False)
     dense_names = {v for n in dense_file.proto.graph.node for v in n.output}
     layers = _layer_outputs(paged_file.proto, dense_names)
@@ -328,25 +388,7 @@ def first_diverging_layer(
         if a.shape != b.shape:
             return f"not located: layer {layer}'s {name} is {a.shape} converted, {b.shape} original"
         err = float(np.abs(a - b).max())
-        if not bool((np.abs(a - b) <= atol + rtol * np.abs(b)).all()):
-            return f"layer {layer} ({name}): max |d| {err:.3e} after its attention"
-    return f"none of {len(layers)} layers' attention outputs differs past the bound on the prefill; later steps do"
-
-
-def family_of(original: str | os.PathLike) -> str | None:
-    """A model family of :data:`ortpa.tolerances.FAMILY_EXTRA_ATOL` the original declares: its folder's
-    ``config.json`` ``model_type`` (``gemma2``), and ``-genai`` when onnxruntime-genai built it."""
-    import json
-
-    folder = Path(original).parent
-    try:
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(model_type, str):
-        return None
-    genai = (folder / "genai_config.json").is_file()
-    for name in (f"{model_type}-genai" if genai else None, model_type):
-        if name in FAMILY_EXTRA_ATOL:
-            return name
-    return None
+        scale = np.maximum(1.0, np.abs(b).max(axis=-1, keepdims=True))
+        if not bool((np.abs(a - b) <= tol * scale).all()):
+            return f"layer {layer} ({name}): max |d| {err:.3e} after its attention (bound {tol:.1e} of its scale)"
+    return f"none of {len(layers)} layers' attention outputs differs past the bound on a prefill of these tokens"

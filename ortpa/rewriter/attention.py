@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import Builder
@@ -42,7 +43,7 @@ from ortpa.rewriter.layer import AttentionLayer, PagedAttentionInputs
 from ortpa.rewriter.packed import PagedIO
 from ortpa.rewriter.per_sequence import rope_choice
 
-__all__ = ["rewrite_attention_layer", "rope_in_op_problems"]
+__all__ = ["op_constant", "rewrite_attention_layer", "rope_in_op_problems"]
 
 
 def rope_in_op_problems(m: AttentionLayer) -> list[str]:
@@ -74,8 +75,21 @@ def _source_rotary_tables(b: Builder, m: AttentionLayer, op_dtype: ir.DataType) 
         array = table.const_value.numpy() if table.const_value is not None else None
         if array is None:
             raise ValueError(f"layer {m.layer}: the {what} of the source op is not a constant ({table.name})")
-        out.append(b.initializer(array.astype(op_dtype.numpy()), what))
+        out.append(op_constant(b, array, what, op_dtype))
     return out[0], out[1]
+
+
+def op_constant(b: Builder, array: np.ndarray, hint: str, op_dtype: ir.DataType) -> ir.Value:
+    """A constant input of the op (RoPE tables, q/k-norm weights, sinks) in the op's type T: stored in the
+    source's own precision and cast in the graph (ONNX Runtime folds the Cast at session start) where that
+    precision is wider than T, so that verification's float32 twin (:mod:`ortpa.parity.twin`) reads the exact
+    values by retargeting the Cast."""
+    source = np.asarray(array)
+    if source.dtype == op_dtype.numpy() or source.dtype.kind != "f" or source.dtype.itemsize <= 2:
+        return b.initializer(source.astype(op_dtype.numpy()), hint)
+    value = b.op("Cast", [b.initializer(source, hint)], {"to": op_dtype}, hint=f"{hint}_to_T")
+    value.shape, value.type = ir.Shape(source.shape), ir.TensorType(op_dtype)
+    return value
 
 
 def rewrite_attention_layer(
@@ -119,8 +133,8 @@ def rewrite_attention_layer(
     elif rope_in_op and m.q_norm is not None and m.k_norm is not None:
         query = _packed(b, m.q_norm.input, h, d, bshd=True)
         key = _packed(b, m.k_norm.input, kvh, d, bshd=True)
-        q_norm_w = b.initializer(m.q_norm.weight.astype(op_dtype.numpy()), "q_norm_weight")
-        k_norm_w = b.initializer(m.k_norm.weight.astype(op_dtype.numpy()), "k_norm_weight")
+        q_norm_w = op_constant(b, m.q_norm.weight, "q_norm_weight", op_dtype)
+        k_norm_w = op_constant(b, m.k_norm.weight, "k_norm_weight", op_dtype)
     elif rope_in_op:
         assert m.query_raw is not None and m.key_raw is not None
         query, key = _packed(b, m.query_raw, h, d), _packed(b, m.key_raw, kvh, d)
@@ -165,7 +179,7 @@ def rewrite_attention_layer(
             assert m.q_norm is not None
             attrs["qk_norm_epsilon"] = float(m.q_norm.epsilon)
     sink = getattr(m, "head_sink", None)  # recognisers.gqa.SinkAttentionLayer: attention sinks
-    head_sink = None if sink is None else b.initializer(sink.astype(op_dtype.numpy()), "head_sink")
+    head_sink = None if sink is None else op_constant(b, sink, "head_sink", op_dtype)
     inputs: list[ir.Value | None] = [
         query,
         key,

@@ -25,7 +25,8 @@ from ortpa.model.ref import resolve_any
 from ortpa.progress import LayerStarted, Progress, Stage, report
 from ortpa.rewriter import kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter._fold import fold_shape_values
-from ortpa.rewriter.attention import rewrite_attention_layer, rope_in_op_problems
+from ortpa.rewriter._graph import Builder
+from ortpa.rewriter.attention import op_constant, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.layer import AttentionLayer, LayerFailure, MlaLayer
 from ortpa.rewriter.mla import rewrite_mla_layer
@@ -320,7 +321,5 @@ def _layer(progress: Progress | None, index: int, total: int, layer: int, messag
 
 
 def _const(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
-    tensor = ir.tensor(array.astype(dtype.numpy()), name=name)
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(dtype), const_value=tensor)
-    graph.register_initializer(value)
-    return value
+    """The cos/sin tables in the op's type: float32, cast in the graph (see :func:`attention.op_constant`)."""
+    return op_constant(Builder(graph, "/rope"), np.asarray(array, np.float32), name, dtype)

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 from support.genai_env import find_genai_python, run_genai_driver
-from support.tolerances import ACT_INT8_EXTRA_ATOL
+from support.tolerances import precision_logit_bound
 
 from ortpa.cli import main
 from ortpa.conversion import convert_file
@@ -62,7 +62,7 @@ CASES = {
         f"genai_llama_{p}": Case(
             FORMATS / f"genai_llama_{p}.onnx",
             FORMATS / f"genai_llama_{p}.genai_config.json",
-            near_tie_atol=ACT_INT8_EXTRA_ATOL if p == "int4" else 0.0,
+            near_tie_atol=precision_logit_bound("int8") if p == "int4" else 0.0,
         )
         for p in ("fp32", "fp16", "int4")
     },

@@ -16,7 +16,6 @@ import numpy as np
 import onnx
 import pytest
 from support.parity import paged_nodes, run_parity
-from support.tolerances import ACT_INT8_EXTRA_ATOL, FAMILY_EXTRA_ATOL
 
 from ortpa.errors import ConversionError
 from ortpa.ops.validate import validate
@@ -24,24 +23,25 @@ from ortpa.rewriter.pipeline import convert
 
 FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
 
-# fixture -> (recogniser that must have described its layers, extra logit tolerance)
+# fixture -> (recogniser that must have described its layers, the deployed precision: the cache's float16, or
+# int8 where the original quantizes activations to int8 and the float16 rounding feeds that quantizer)
 CASES = {
-    "genai_llama_fp32": ("GroupQueryAttention", 0.0),
-    "genai_qwen3_fp32": ("GroupQueryAttention", 0.0),
-    "genai_llama_fp16": ("MultiHeadAttention", 0.0),
-    "genai_qwen3_fp16": ("MultiHeadAttention", 0.0),
-    "genai_llama_int4": ("GroupQueryAttention", ACT_INT8_EXTRA_ATOL),
-    "genai_qwen3_int4": ("GroupQueryAttention", ACT_INT8_EXTRA_ATOL),
-    "genai_gemma2_fp32": ("GroupQueryAttention", FAMILY_EXTRA_ATOL["gemma2-genai"]),
-    "optimum_llama": ("decomposed", 0.0),
-    "optimum_qwen3": ("decomposed", 0.0),
-    "onnxexporter_llama": ("decomposed", 0.0),
+    "genai_llama_fp32": ("GroupQueryAttention", "float16"),
+    "genai_qwen3_fp32": ("GroupQueryAttention", "float16"),
+    "genai_llama_fp16": ("MultiHeadAttention", "float16"),
+    "genai_qwen3_fp16": ("MultiHeadAttention", "float16"),
+    "genai_llama_int4": ("GroupQueryAttention", "int8"),
+    "genai_qwen3_int4": ("GroupQueryAttention", "int8"),
+    "genai_gemma2_fp32": ("GroupQueryAttention", "float16"),
+    "optimum_llama": ("decomposed", "float16"),
+    "optimum_qwen3": ("decomposed", "float16"),
+    "onnxexporter_llama": ("decomposed", "float16"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_format_converts_with_parity(name, tmp_path):
-    source_op, extra = CASES[name]
+    source_op, precision = CASES[name]
     paged = convert(FORMATS / f"{name}.onnx")
     nodes = paged_nodes(paged)
     assert len(nodes) == 2
@@ -53,9 +53,9 @@ def test_format_converts_with_parity(name, tmp_path):
         original = onnx.load(str(FORMATS / f"{name}.onnx"))
         count = sum(n.op_type == "MatMulNBits" for n in original.graph.node)
         assert count and sum(n.op_type == "MatMulNBits" for n in paged.graph.node) == count
-    result = run_parity(paged, FORMATS / f"{name}.onnx", steps=8, extra_atol=extra)
+    result = run_parity(paged, FORMATS / f"{name}.onnx", steps=8, dtype=precision)
     assert result.tokens_checked == 24 and result.max_context >= 18
-    if extra == 0.0:
+    if precision == "float16":
         assert result.near_ties <= 2, f"{result.near_ties} greedy steps within the tie margin"
     assert source_op  # documented per case: which recogniser applies (checked in test_recogniser_per_format)
 

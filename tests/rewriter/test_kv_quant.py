@@ -2,9 +2,10 @@
 
 One MLA fixture (LATENT: one ``k_scale`` over the ``[latent | k_pe]`` row) and one GQA fixture (SEPARATE:
 ``k_scale`` and ``v_scale``). The converted node must pass ortpa's CUDA validation, the caches must be int8
-graph inputs, and the model must track the dense export within :data:`tolerances.KV_INT8_EXTRA_ATOL` through
-:func:`parity.run_parity` and generate the dense model's greedy tokens through the Engine. Expected scale
-shapes and values come from the dense model's own I/O, run here independently of the calibration code.
+graph inputs, and the model must track the dense export within the int8 precision rule
+(:func:`ortpa.tolerances.precision_kl_bound`) through :func:`parity.run_parity` and generate the dense model's
+greedy tokens through the Engine. Expected scale shapes and values come from the dense model's own I/O, run here
+independently of the calibration code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import numpy as np
 import onnx
 import pytest
 from support.parity import FIXTURES, DenseModel, attrs, paged_nodes, run_parity
-from support.tolerances import KV_INT8_EXTRA_ATOL
 
 from ortpa.cli import main
 from ortpa.errors import ConversionError
@@ -136,10 +136,8 @@ def test_scales_are_calibrated_cache_maxima(fixture: str) -> None:
 
 @pytest.mark.parametrize("fixture", [MLA, GQA])
 def test_int8_parity(fixture: str) -> None:
-    """Continuous batching vs the dense export within KV_INT8_EXTRA_ATOL; MLA keeps every greedy token."""
-    result = run_parity(
-        _int8(fixture), FIXTURES / f"{fixture}.onnx", extra_atol=KV_INT8_EXTRA_ATOL, allow_ties=fixture != MLA
-    )
+    """Continuous batching vs the dense export within the int8 precision rule; MLA keeps every greedy token."""
+    result = run_parity(_int8(fixture), FIXTURES / f"{fixture}.onnx", dtype="int8", allow_ties=fixture != MLA)
     assert result.tokens_checked == 24
     assert result.max_abs_error > 1e-3  # really quantized: a float cache is ~30x closer
 
@@ -154,7 +152,7 @@ def test_scales_matter(factor: float) -> None:
         if init.name.startswith("kv_quant."):
             init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * factor, init.name))
     with pytest.raises(AssertionError):
-        run_parity(model, FIXTURES / f"{GQA}.onnx", extra_atol=KV_INT8_EXTRA_ATOL)
+        run_parity(model, FIXTURES / f"{GQA}.onnx", dtype="int8")
 
 
 @pytest.mark.parametrize("fixture", [MLA, GQA])

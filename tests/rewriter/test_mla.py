@@ -101,8 +101,10 @@ def test_rope_in_op_attributes():
     node = next(n for n in converted.graph.node if n.op_type == "PagedAttention")
     a = attrs(node)
     assert (a["do_rotary"], a["rotary_offset"], a["rotary_interleaved"]) == (1, 64, 1)
-    cos = next(i for i in converted.graph.initializer if i.name == node.input[8])
-    assert list(cos.dims) == [128, 16]
+    cast = next(n for n in converted.graph.node if n.output[0] == node.input[8])  # float32, cast to T in the graph
+    assert cast.op_type == "Cast" and attrs(cast)["to"] == onnx.TensorProto.FLOAT16
+    cos = next(i for i in converted.graph.initializer if i.name == cast.input[0])
+    assert list(cos.dims) == [128, 16] and cos.data_type == onnx.TensorProto.FLOAT
     assert "position_ids" not in {i.name for i in converted.graph.input}
     assert not any(n.op_type in ("Cos", "Sin") for n in converted.graph.node)  # the graph's RoPE is gone
 

@@ -10,7 +10,6 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from support.parity import FIXTURES, paged_nodes, run_parity
-from support.tolerances import ACT_INT8_EXTRA_ATOL
 
 from ortpa.rewriter.pipeline import convert
 
@@ -66,8 +65,8 @@ def test_mla_with_quantized_kv_b_proj(accuracy_level, tmp_path: Path):
     before = sum(n.op_type == "MatMulNBits" for n in original.graph.node)
     after = sum(n.op_type == "MatMulNBits" for n in paged.graph.node)
     assert len(paged_nodes(paged)) == 2 and after == before - 2  # only the two kv_b_proj
-    extra = ACT_INT8_EXTRA_ATOL if accuracy_level else 0.0
-    result = run_parity(paged, path, steps=8, extra_atol=extra)
+    # accuracy_level 4 quantizes activations to int8: the coarsest arithmetic the float16 rounding feeds
+    result = run_parity(paged, path, steps=8, dtype="int8" if accuracy_level else np.float16)
     assert result.tokens_checked == 24
     if not accuracy_level:
         assert result.near_ties <= 2

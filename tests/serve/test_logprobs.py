@@ -24,7 +24,7 @@ def _ref_logprobs(dense, tokens: list[int]) -> tuple[np.ndarray, float]:
     """Raw log-probabilities ``[len(tokens), vocab]`` of the dense original, and the float16 cache's bound."""
     logits = dense_forward(dense.session, tokens, interface=dense.interface).astype(np.float64)
     shifted = logits - logits.max(axis=1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)), logprob_bound(logits, "float16")
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)), logprob_bound("float16")
 
 
 def test_echo_with_max_tokens_0_scores_each_prompt_token(client, dense, tokenizer):

@@ -239,12 +239,16 @@ def layer_call(
     *,
     fused: bool = True,
     constants: Collection[str] = (),
+    configure: Callable[[PortableConfig], PortableConfig] | None = None,
 ) -> LayerCall:
     """``node`` as a call of its layer function: its present inputs in schema order, its present outputs
     (``fused``, ``constants``: see :func:`portable_config`). ``folded``
     (:func:`ortpa.ops.trailing_write.trailing_writes`): a LATENT node whose ``key_cache_out`` gets more rows by a
-    ``ScatterND`` writes them itself, and its call outputs that ``ScatterND``'s output."""
+    ``ScatterND`` writes them itself, and its call outputs that ``ScatterND``'s output. ``configure`` maps the
+    validated configuration to the one the function is built with (see :func:`lower_to_portable`)."""
     cfg = portable_config(node, types, opset, fused=fused, constants=constants)
+    if configure is not None:
+        cfg = configure(cfg)
     inputs = [node.input[_INDEX[name]] for name in cfg.present_inputs]
     call = LayerCall(node, cfg, inputs, [o for o in node.output if o])
     scatter = (folded or {}).get(node.output[1]) if len(node.output) > 1 else None
@@ -308,6 +312,7 @@ def lower_to_portable(
     *,
     types: Mapping[str, onnx.TypeProto] | None = None,
     fused: bool = True,
+    configure: Callable[[PortableConfig], PortableConfig] | None = None,
 ) -> onnx.ModelProto:
     """A copy of ``model`` whose (selected) PagedAttention nodes call portable local functions.
 
@@ -316,7 +321,9 @@ def lower_to_portable(
     ``model`` is never mutated. ``types`` (:func:`value_types` of the model after shape inference) spares a
     second shape inference when the caller ran one. ``fused`` (default): decodes attend through ONNX Runtime's
     ``com.microsoft::MultiHeadAttention`` where it computes the op's semantics (see :func:`portable_config`);
-    ``False`` emits standard ONNX ops only.
+    ``False`` emits standard ONNX ops only. ``configure`` maps each node's validated configuration to
+    the one its function is built with (verification's float32 twin, :mod:`ortpa.parity.twin`: T and caches in
+    float32, which the op's own type rules do not allow and the portable graph computes anyway).
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -339,7 +346,7 @@ def lower_to_portable(
     def make_call(_: int, node: onnx.NodeProto) -> LayerCall | None:
         if wanted is not None and node.name not in wanted:
             return None
-        return layer_call(node, types, fn_opset, folded, fused=fused, constants=constants)
+        return layer_call(node, types, fn_opset, folded, fused=fused, constants=constants, configure=configure)
 
     lower_nodes(out, make_call, types)
     if wanted is not None:

@@ -1,0 +1,185 @@
+"""Verification's float32 twin: the converted model with its attention and caches in float32.
+
+A converted model whose original computes in float32 casts q/k/v (and the op's constant inputs: RoPE tables,
+q/k-norm weights, sinks) to the op's type T just before each PagedAttention node and its output back after it
+(:func:`ortpa.rewriter.attention.op_constant`). :func:`float32_twin` retargets those casts to float32, declares
+the caches float32 (an int8 cache's quantization is dropped with it) and lowers every node to the portable op
+built for float32 (:func:`ortpa.ops.portable.lower_to_portable`'s ``configure``; the op's own type rules allow
+only float16/bfloat16, the portable graph computes in float32 anyway). What is left is the same rewrite, in the
+original's arithmetic: it differs from the original only by reordered float32 sums, so it can be compared at a
+float32 bound (:func:`ortpa.tolerances.structure_bound`) where any structural mistake shows by orders of
+magnitude.
+
+Where the converted model computes in T itself (a float16 original, a ``dtype=`` conversion) no cast marks the
+boundary and there is nothing wider to run: the deployed model is its own twin, judged at T's bound
+(:attr:`Twin.arithmetic`). The twin shares the rewrite and the weights: only the graph header is changed (in the
+one copy :func:`ortpa.model.file.read_model` returns), the weights stay in the converted model's files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import onnx
+
+from ortpa.dtypes import dtype_name
+from ortpa.model.file import LoadedModel
+
+__all__ = ["Twin", "accumulation_length", "float32_twin", "source_arithmetic"]
+
+_HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+# the op's inputs a cast to T may feed (schema indices): query, key, value, cos, sin, head_sink, q/k-norm weights
+_CAST_SLOTS = (0, 1, 2, 8, 9, 11, 12, 13)
+_CACHE_SLOTS = (3, 4)
+
+
+@dataclass
+class Twin:
+    """``model``: the float32 twin to open (None: the deployed model is its own twin); ``arithmetic``: the
+    precision its attention runs in (``"float32"``, or the deployed model's T); ``reason``: why there is none."""
+
+    model: LoadedModel | None
+    arithmetic: str
+    reason: str = ""
+    accumulation: int = 1  # the longest sum of products in the model (ortpa.tolerances.structure_tolerance)
+    layers: int = 1  # attention layers: the residual stream adds one rounding per layer
+
+
+def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
+    """The float32 twin of ``converted`` (a path, or a model :func:`~ortpa.model.file.read_model` read)."""
+    from ortpa.model.file import read_model
+    from ortpa.ops.portable import lower_to_portable, value_types
+    from ortpa.ops.shape_inference import infer_shapes
+    from ortpa.ops.spec import DOMAIN, OP_TYPE
+    from ortpa.runtime.ort_session import external_initializers
+
+    loaded = converted if isinstance(converted, LoadedModel) else read_model(converted, load_external_data=False)
+    proto = loaded.proto
+    graph = proto.graph
+    nodes = [n for n in graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
+    if not nodes:
+        return Twin(None, "float32", "no PagedAttention node")
+    sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
+    own = source_arithmetic(proto)
+    if own != "float32":  # a dtype= conversion: its weights and activations are T, attention in float32 adds nothing
+        return Twin(None, own, f"the converted model computes in {own} throughout", **sizes)
+    producers = {o: n for n in graph.node for o in n.output}
+    # readers of each value other than the op (the RoPE tables of rope_in_op feed every layer's node)
+    other_readers: dict[str, int] = {}
+    for n in graph.node:
+        if n.op_type == OP_TYPE and n.domain == DOMAIN:
+            continue
+        for i in n.input:
+            other_readers[i] = other_readers.get(i, 0) + 1
+    graph_inputs = {i.name: i for i in graph.input}
+    casts: set[str] = set()
+    caches: set[str] = set()
+    t_dtype = ""
+    for node in nodes:
+        for slot in _CAST_SLOTS:
+            name = node.input[slot] if slot < len(node.input) else ""
+            if not name:
+                continue
+            cast = producers.get(name)
+            to = next((a.i for a in cast.attribute if a.name == "to"), None) if cast is not None else None
+            if cast is None or cast.op_type != "Cast" or to not in _HALF:
+                what = "a graph input or constant" if cast is None else f"{cast.op_type} '{cast.name}'"
+                arithmetic = t_dtype or _declared_t(loaded, node.input[0])
+                reason = f"'{node.name}' input {slot} comes from {what}, not a cast to T"
+                return Twin(None, arithmetic, reason, **sizes)
+            if other_readers.get(name, 0):
+                reason = f"the cast to T of '{node.name}' input {slot} has other readers"
+                return Twin(None, dtype_name(to), reason, **sizes)
+            casts.add(cast.output[0])
+            t_dtype = t_dtype or dtype_name(to)
+        for slot in _CACHE_SLOTS:
+            if slot < len(node.input) and node.input[slot] in graph_inputs:
+                caches.add(node.input[slot])
+    outputs = {i: o for n in nodes for i, o in zip(n.input[3:5], n.output[1:3], strict=False) if i in caches}
+
+    # the op's validated configuration comes from the model as written; only the function is built for float32
+    header, _ = external_initializers(proto, loaded.base_dir)  # weight-free: large tensors as references
+    types = value_types(infer_shapes(header))
+    lowered = lower_to_portable(header, types=types, configure=_float32)
+
+    del graph.node[:]
+    graph.node.extend(lowered.graph.node)
+    for node in graph.node:
+        if node.op_type == "Cast" and node.output[0] in casts:
+            for a in node.attribute:
+                if a.name == "to":
+                    a.i = onnx.TensorProto.FLOAT
+    proto.functions.extend(lowered.functions)
+    have = {o.domain for o in proto.opset_import}
+    proto.opset_import.extend(o for o in lowered.opset_import if o.domain not in have)
+    for value in [*graph.input, *graph.output]:
+        if value.name in caches or value.name in outputs.values():
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    # the written types of what now is float32 (the op's outputs, the casts) would contradict the twin
+    stale = casts | caches | {o for n in nodes for o in n.output}
+    kept = [vi for vi in graph.value_info if vi.name not in stale]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
+    return Twin(twin, "float32", **sizes)
+
+
+def accumulation_length(proto: onnx.ModelProto) -> int:
+    """The longest dot product of ``proto``: the largest contracted dimension of a MatMul / Gemm weight (the
+    MLP's intermediate size in a transformer), read from the initializers' declared dims; 1 when none is found."""
+    dims = {i.name: list(i.dims) for i in proto.graph.initializer}
+    longest = 1
+    for node in proto.graph.node:
+        if node.op_type == "MatMul" and len(node.input) > 1 and len(dims.get(node.input[1], [])) == 2:
+            longest = max(longest, dims[node.input[1]][0])
+        elif node.op_type == "Gemm" and len(node.input) > 1 and len(dims.get(node.input[1], [])) == 2:
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            longest = max(longest, dims[node.input[1]][1 if trans_b else 0])
+        elif node.op_type == "MatMulNBits":
+            longest = max(longest, next((a.i for a in node.attribute if a.name == "K"), 1))
+    return longest
+
+
+def _float32(cfg):
+    """The portable configuration of a float32 twin: T and caches float32, no cache quantization."""
+    import onnx_ir as ir
+
+    scales = ("k_scale", "v_scale")
+    return dataclasses.replace(
+        cfg,
+        act_dtype=int(ir.DataType.FLOAT),
+        cache_dtype=int(ir.DataType.FLOAT),
+        k_quant="NONE",
+        v_quant="NONE",
+        present_inputs=tuple(x for x in cfg.present_inputs if x not in scales),
+    )
+
+
+def _declared_t(loaded: LoadedModel, query: str) -> str:
+    for vi in [*loaded.proto.graph.value_info, *loaded.proto.graph.input]:
+        if vi.name == query:
+            return dtype_name(vi.type.tensor_type.elem_type)
+    return "float16"
+
+
+def source_arithmetic(proto: onnx.ModelProto) -> str:
+    """The coarsest arithmetic an original model performs outside attention, read from its graph: ``"int8"``
+    where its projections quantize activations (MatMulNBits ``accuracy_level=4``, dynamic quantization), else the
+    element type of its largest float weight (``"float32"``, ``"float16"``, ``"bfloat16"``)."""
+    for node in proto.graph.node:
+        if node.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "MatMulInteger"):
+            return "int8"
+        if node.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute):
+            return "int8"
+    floats = (onnx.TensorProto.FLOAT, *_HALF)
+    best, size = onnx.TensorProto.FLOAT, -1
+    for init in proto.graph.initializer:
+        if init.data_type in floats:
+            n = 1
+            for d in init.dims:
+                n *= d
+            if n > size:
+                best, size = init.data_type, n
+    return dtype_name(best)

@@ -33,6 +33,8 @@ _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # the op's inputs a cast to T may feed (schema indices): query, key, value, cos, sin, head_sink, q/k-norm weights
 _CAST_SLOTS = (0, 1, 2, 8, 9, 11, 12, 13)
 _CACHE_SLOTS = (3, 4)
+# ops that select or reshape rows of a value without changing its type
+_ROW_OPS = ("Gather", "Unsqueeze", "Squeeze", "Reshape")
 
 
 @dataclass
@@ -66,14 +68,27 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     if own != "float32":  # a dtype= conversion: its weights and activations are T, attention in float32 adds nothing
         return Twin(None, own, f"the converted model computes in {own} throughout", **sizes)
     producers = {o: n for n in graph.node for o in n.output}
-    # readers of each value other than the op (the RoPE tables of rope_in_op feed every layer's node)
-    other_readers: dict[str, int] = {}
-    for n in graph.node:
-        if n.op_type == OP_TYPE and n.domain == DOMAIN:
-            continue
-        for i in n.input:
-            other_readers[i] = other_readers.get(i, 0) + 1
     graph_inputs = {i.name: i for i in graph.input}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    cache_outputs = {o for n in nodes for o in n.output[1:3] if o}
+
+    def feeds_attention_only(value: str) -> bool:
+        """Every reader of ``value`` is an attention node, a row selection / reshape whose result is, or the
+        write of graph-computed rows into an attention node's cache output (the expanded MLA prefill's fresh
+        rows): retargeted to float32 together, these stay consistent in the twin."""
+        for r in readers.get(value, []):
+            if r.op_type == OP_TYPE and r.domain == DOMAIN:
+                continue
+            if r.op_type in _ROW_OPS and r.input[0] == value and feeds_attention_only(r.output[0]):
+                continue
+            if r.op_type == "ScatterND" and r.input[2] == value and r.input[0] in cache_outputs:
+                continue
+            return False
+        return True
+
     casts: set[str] = set()
     caches: set[str] = set()
     t_dtype = ""
@@ -83,13 +98,15 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
             if not name:
                 continue
             cast = producers.get(name)
+            while cast is not None and cast.op_type == "Gather":  # a row selection (the absorbed rows) keeps T
+                cast = producers.get(cast.input[0])
             to = next((a.i for a in cast.attribute if a.name == "to"), None) if cast is not None else None
             if cast is None or cast.op_type != "Cast" or to not in _HALF:
                 what = "a graph input or constant" if cast is None else f"{cast.op_type} '{cast.name}'"
                 arithmetic = t_dtype or _declared_t(loaded, node.input[0])
                 reason = f"'{node.name}' input {slot} comes from {what}, not a cast to T"
                 return Twin(None, arithmetic, reason, **sizes)
-            if other_readers.get(name, 0):
+            if not feeds_attention_only(cast.output[0]):
                 reason = f"the cast to T of '{node.name}' input {slot} has other readers"
                 return Twin(None, dtype_name(to), reason, **sizes)
             casts.add(cast.output[0])
@@ -98,6 +115,12 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
             if slot < len(node.input) and node.input[slot] in graph_inputs:
                 caches.add(node.input[slot])
     outputs = {i: o for n in nodes for i, o in zip(n.input[3:5], n.output[1:3], strict=False) if i in caches}
+    # a cache output that gets the graph's own rows afterwards (the expanded MLA prefill): the write's output is
+    # the graph's present cache
+    written = {
+        r.input[0]: r.output[0] for o in outputs.values() for r in readers.get(o, []) if r.op_type == "ScatterND"
+    }
+    outputs = {i: written.get(o, o) for i, o in outputs.items()}
 
     # the op's validated configuration comes from the model as written; only the function is built for float32
     header, _ = external_initializers(proto, loaded.base_dir)  # weight-free: large tensors as references
@@ -118,8 +141,9 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
         if value.name in caches or value.name in outputs.values():
             value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
     # the written types of what now is float32 (the op's outputs, the casts) would contradict the twin
+    # (and every half-typed value: in a float32 model those are the conversion's boundary, now float32)
     stale = casts | caches | {o for n in nodes for o in n.output}
-    kept = [vi for vi in graph.value_info if vi.name not in stale]
+    kept = [vi for vi in graph.value_info if vi.name not in stale and vi.type.tensor_type.elem_type not in _HALF]
     del graph.value_info[:]
     graph.value_info.extend(kept)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")

@@ -281,7 +281,7 @@ def _layer_outputs(proto: onnx.ModelProto, known: set[str]) -> list[tuple[int, s
     found = []
     for index, node in enumerate(n for n in proto.graph.node if _is_attention(n)):
         value = node.output[0]
-        for _ in range(12):  # Reshape / Cast / the projection(s) / the residual Add
+        for _ in range(64):  # Reshape / Cast / the projection(s) / the merge of the expanded prefill / the residual Add
             nexts = consumers.get(value, [])
             if len(nexts) != 1 or not nexts[0].output:
                 break
@@ -333,7 +333,8 @@ def first_diverging_layer(
 ) -> str:
     """``"layer i (value): max |d| x"`` for the first layer whose attention block output (its o_proj) differs
     past ``tolerance`` (default: :func:`ortpa.tolerances.structure_tolerance` of float32) of each token row's
-    scale on ``prompt``'s prefill; a sentence saying why when none is found. ``converted``: a converted model's
+    scale on ``prompt`` (its first token prefilled, the rest a chunk over it, so both of MLA's attention forms
+    run); a sentence saying why when none is found. ``converted``: a converted model's
     path, or a model already read (the float32 twin)."""
     from ortpa.formats.detect import dense_interface
     from ortpa.model.file import read_model
@@ -363,14 +364,21 @@ def first_diverging_layer(
     )
     kv = PagedKVCache(paged.num_blocks, paged.block_size)
     kv.add_sequence(0)
-    step = kv.plan_step([(0, len(prompt))])
     declared = {i.name for i in paged.session.get_inputs()}
-    feed = step.model_feeds(
-        np.array(list(prompt), np.int64),
-        attention_metadata="attention_metadata" in declared,
-        position_ids="position_ids" in declared,
-    )
-    got = paged.run(feed, names)
+    # the first token as a fresh prefill, the rest as a chunk over it: a model with two attention forms (MLA's
+    # expanded prefill, the absorbed node for rows with a cached prefix) is located in both
+    parts: list[list[np.ndarray]] = [[] for _ in names]
+    for chunk in [prompt[:1], prompt[1:]] if len(prompt) > 1 else [prompt]:
+        step = kv.plan_step([(0, len(chunk))])
+        feed = step.model_feeds(
+            np.array(list(chunk), np.int64),
+            attention_metadata="attention_metadata" in declared,
+            position_ids="position_ids" in declared,
+        )
+        out = paged.run(feed, names)
+        for k, name in enumerate(names):
+            parts[k].append(np.asarray(out[name], np.float32).reshape(len(chunk), -1))
+    got = {name: np.concatenate(parts[k]) for k, name in enumerate(names)}
     del paged
     gc.collect()
     dense_probe = LoadedModel(

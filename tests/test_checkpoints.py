@@ -1,7 +1,7 @@
 """Checkpoints as they ship: bfloat16 and FP8 block-quantized folders converted with no flags run on CPU with
 PyTorch's tokens; the conversion's ONNX Runtime check refuses what cannot run where the model is meant to.
 
-Folders are written from tiny configs in the shipped layouts (:mod:`support.checkpoint_fixtures`). The bfloat16 case of
+Folders are written from tiny configs in the shipped layouts (:mod:`ortpa.testing.checkpoints`). The bfloat16 case of
 the default run is ``test_export.py::test_convert_hf_folder_then_generate_text``; here the FP8 one, the check,
 quiet output, and (``slow``) every MLA family in both stored dtypes.
 """
@@ -20,7 +20,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from support.checkpoint_fixtures import _dequantize, fp8_reference_folder, save_checkpoint, save_fp8_checkpoint
+from ortpa.testing.checkpoints import _dequantize, fp8_reference_folder, save_checkpoint, save_fp8_checkpoint
 from support.parity import FIXTURES, run_parity
 from support.tolerances import FP16_WEIGHTS_EXTRA_ATOL
 from support.torch_reference import TorchModel

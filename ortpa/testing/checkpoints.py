@@ -65,10 +65,12 @@ def _dequantize(q: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.
     return out
 
 
-def save_fp8_checkpoint(model: torch.nn.Module, folder: Path, block: tuple[int, int] = (128, 128)) -> int:
-    """``model`` saved as a bf16 checkpoint, then every FP8 weight rewritten with its scales, shard by shard.
-    Returns how many weights are FP8."""
-    save_checkpoint(model, folder, torch.bfloat16)
+def save_fp8_checkpoint(
+    model: torch.nn.Module, folder: Path, block: tuple[int, int] = (128, 128), shard: str = "100KB"
+) -> int:
+    """``model`` saved as a bf16 checkpoint (shards of at most ``shard``), then every FP8 weight rewritten with
+    its scales, shard by shard. Returns how many weights are FP8."""
+    save_checkpoint(model, folder, torch.bfloat16, shard)
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     count = 0

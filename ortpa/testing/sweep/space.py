@@ -97,7 +97,8 @@ def _rope(rng: random.Random, kinds: tuple[str, ...], head_dim: int, window: int
         half = head_dim // 2
         short = [1.0 + 0.05 * rng.random() * i for i in range(half)]
         long = [1.0 + 0.5 * rng.random() * i for i in range(half)]
-        return {"rope_type": "longrope", "rope_theta": theta, "short_factor": short, "long_factor": long}, "rope:longrope"
+        params = {"rope_type": "longrope", "rope_theta": theta}
+        return {**params, "short_factor": short, "long_factor": long}, "rope:longrope"
     raise ValueError(f"unknown RoPE kind {kind!r}")
 
 
@@ -182,8 +183,7 @@ def _gemma3(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
     cfg.update(
         sliding_window=window,
         layer_types=[
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(cfg["num_hidden_layers"])
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg["num_hidden_layers"])
         ],
         query_pre_attn_scalar=cfg["head_dim"],
         rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},

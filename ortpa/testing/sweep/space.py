@@ -74,10 +74,11 @@ def _heads(rng: random.Random, *, max_ratio: int = 8, kv: tuple[int, ...] = (1, 
             return kv_heads * ratio, kv_heads, head_dim
 
 
-def _rope(rng: random.Random, kinds: tuple[str, ...], head_dim: int, window: int = 32) -> tuple[dict, str]:
-    """A ``rope_parameters`` dict of one of ``kinds``; scalings that switch at a length switch at ``window``
-    positions, which the sweep's long prompt crosses."""
-    kind = rng.choice(kinds)
+def _rope(rng: random.Random, kinds: tuple[str, ...], head_dim: int, seed: int, window: int = 32) -> tuple[dict, str]:
+    """A ``rope_parameters`` dict of one of ``kinds``, each within the first few seeds (crossed with the
+    checkpoint dtypes); scalings that switch at a length switch at ``window`` positions, which the sweep's long
+    prompt crosses."""
+    kind = kinds[(seed + seed // len(_DTYPES)) % len(kinds)]
     theta = rng.choice((10000.0, 500000.0))
     if kind == "default":
         return {"rope_type": "default", "rope_theta": theta}, "rope"
@@ -119,19 +120,19 @@ def _dense(rng: random.Random, model_type: str, *, max_ratio: int = 8, kv: tuple
     }
 
 
-def _llama(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _llama(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = _dense(rng, "llama")
-    cfg["rope_parameters"], note = _rope(rng, ("default", "linear", "dynamic", "yarn", "llama3"), cfg["head_dim"])
+    cfg["rope_parameters"], note = _rope(rng, ("default", "linear", "dynamic", "yarn", "llama3"), cfg["head_dim"], seed)
     return cfg, (note,), "sdpa"
 
 
-def _qwen3(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _qwen3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = _dense(rng, "qwen3")
-    cfg["rope_parameters"], note = _rope(rng, ("default", "linear", "yarn"), cfg["head_dim"])
+    cfg["rope_parameters"], note = _rope(rng, ("default", "linear", "yarn"), cfg["head_dim"], seed)
     return cfg, ("q/k-norm", note), "sdpa"
 
 
-def _mistral(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _mistral(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = _dense(rng, "mistral", kv=(1,))  # MQA
     window = rng.choice((4, 8, 16))
     cfg["sliding_window"] = window
@@ -139,27 +140,27 @@ def _mistral(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
     return cfg, ("MQA", f"window {window}"), "sdpa"
 
 
-def _qwen2(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _qwen2(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = _dense(rng, "qwen2")
     window = rng.choice((4, 8, 16))
     full = rng.randint(1, cfg["num_hidden_layers"] - 1)
     cfg.update(use_sliding_window=True, sliding_window=window, max_window_layers=full)
-    cfg["rope_parameters"], note = _rope(rng, ("default", "yarn"), cfg["head_dim"])
+    cfg["rope_parameters"], note = _rope(rng, ("default", "yarn"), cfg["head_dim"], seed)
     return cfg, (f"window {window} past layer {full}", note), "sdpa"
 
 
-def _phi3(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _phi3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = _dense(rng, "phi3", kv=(2, 4))
     # Phi-3 has no head_dim of its own: hidden / heads
     cfg["num_attention_heads"] = max(cfg["hidden_size"] // cfg.pop("head_dim"), cfg["num_key_value_heads"])
     cfg["num_key_value_heads"] = min(cfg["num_key_value_heads"], cfg["num_attention_heads"])
     cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     cfg.update(original_max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg["rope_parameters"], note = _rope(rng, ("default", "longrope"), cfg["head_dim"])
+    cfg["rope_parameters"], note = _rope(rng, ("default", "longrope"), cfg["head_dim"], seed)
     return cfg, (note,), "sdpa"
 
 
-def _gemma2(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _gemma2(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = _dense(rng, "gemma2")
     cfg["num_hidden_layers"] = max(cfg["num_hidden_layers"], 3)  # alternating windows: at least two of a kind
     window = rng.choice((4, 8, 16))
@@ -174,12 +175,12 @@ def _gemma2(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
     return cfg, (f"window {window} alternating", f"softcap {attn_cap:g}/{final_cap}"), "eager"
 
 
-def _gemma3(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _gemma3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = _dense(rng, "gemma3_text")
     cfg["num_hidden_layers"] = max(cfg["num_hidden_layers"], 3)
     window = rng.choice((4, 8, 16))
     pattern = rng.choice((2, 3))
-    full, note = _rope(rng, ("default", "linear", "yarn"), cfg["head_dim"])
+    full, note = _rope(rng, ("default", "linear", "yarn"), cfg["head_dim"], seed)
     cfg.update(
         sliding_window=window,
         layer_types=[
@@ -231,17 +232,17 @@ def _moe(rng: random.Random, cfg: dict) -> list[str]:
     return [f"MoE x{cfg['num_hidden_layers'] - 1} ({experts} experts, {groups} groups)"]
 
 
-def _deepseek_v3(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _deepseek_v3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = {"model_type": "deepseek_v3", **_mla_dims(rng), "num_mtp_layers": 0}
     notes = _moe(rng, cfg)
     cfg["rope_interleave"] = rng.random() < 0.7
-    cfg["rope_parameters"], note = _rope(rng, ("default", "yarn"), cfg["qk_rope_head_dim"])
+    cfg["rope_parameters"], note = _rope(rng, ("default", "yarn"), cfg["qk_rope_head_dim"], seed)
     if note == "rope:yarn":
         cfg["rope_parameters"].update(mscale=1.0, mscale_all_dim=1.0)
     return cfg, (*notes, note), "sdpa"
 
 
-def _deepseek_v2(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _deepseek_v2(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = {"model_type": "deepseek_v2", **_mla_dims(rng)}
     notes = _moe(rng, cfg)
     grouped = cfg.pop("n_group") > 1
@@ -249,11 +250,11 @@ def _deepseek_v2(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
     cfg["topk_method"] = "group_limited_greedy" if grouped else "greedy"
     if grouped:
         cfg.update(n_group=2, topk_group=1)
-    cfg["rope_parameters"], note = _rope(rng, ("default", "yarn"), cfg["qk_rope_head_dim"])
+    cfg["rope_parameters"], note = _rope(rng, ("default", "yarn"), cfg["qk_rope_head_dim"], seed)
     return cfg, (*notes, cfg["topk_method"], note), "sdpa"
 
 
-def _minicpm3(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
+def _minicpm3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg = {"model_type": "minicpm3", **_mla_dims(rng)}
     cfg.pop("moe_intermediate_size")
     cfg["q_lora_rank"] = cfg["q_lora_rank"] or 32
@@ -262,7 +263,7 @@ def _minicpm3(rng: random.Random) -> tuple[dict, tuple[str, ...], str]:
 
 
 # family -> the sampler; DeepSeek-V3 also draws FP8 checkpoints (its shipped layout)
-FAMILIES: dict[str, Callable[[random.Random], tuple[dict, tuple[str, ...], str]]] = {
+FAMILIES: dict[str, Callable[[random.Random, int], tuple[dict, tuple[str, ...], str]]] = {
     "llama": _llama,
     "qwen3": _qwen3,
     "mistral": _mistral,
@@ -282,7 +283,7 @@ def draw(family: str, seed: int) -> Draw:
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
     rng = random.Random(f"{family}:{seed}")
-    config, notes, attn = FAMILIES[family](rng)
+    config, notes, attn = FAMILIES[family](rng, seed)
     dtypes = _DTYPES + (("fp8",) if family in _FP8 else ())
     source = dtypes[seed % len(dtypes)]  # every dtype within the first few seeds
     return Draw(family, seed, config, source, attn, notes)

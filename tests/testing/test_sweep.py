@@ -1,0 +1,131 @@
+"""The seeded config sweep (:mod:`ortpa.testing.sweep`): its draws cover the space the issue names, its judge
+catches a wrong conversion, its refusals are sorted by what they name, and a few seeds per family convert
+correctly (the whole sweep: ``python -m ortpa.testing.sweep``, table in ``docs/sweep.md``)."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from support.parity import FIXTURES
+
+from ortpa.errors import ConversionError
+from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, judge_conversion, run_draw, sweep_prompts
+from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER
+
+SEEDS = range(12)
+MOE = ("deepseek_v2", "deepseek_v3")
+ALTERNATING = ("gemma2", "gemma3")
+
+
+def test_a_seed_draws_the_same_config_every_time():
+    for family in FAMILIES:
+        assert draw(family, 3) == draw(family, 3)
+        assert draw(family, 3).config != draw(family, 4).config, family
+
+
+def test_the_draws_cover_the_space():
+    """Across a dozen seeds: depth 2-6, widths 64-1024, head dims 32-128, ratios 1-8, vocab 256-32k, every
+    checkpoint dtype (FP8 for DeepSeek-V3), MoE in consecutive layers, alternating windows over >= 3 layers."""
+    draws = [draw(f, s) for f in FAMILIES for s in SEEDS]
+    cfgs = [d.config for d in draws]
+    assert {c["num_hidden_layers"] for c in cfgs} == {2, 3, 4, 5, 6}
+    assert {c["hidden_size"] for c in cfgs} == {64, 128, 256, 512, 1024}
+    dense = [c for c in cfgs if "head_dim" in c and c["model_type"] != "phi3"]
+    assert {c["head_dim"] for c in dense} == {32, 64, 128}
+    assert {c["num_attention_heads"] // c["num_key_value_heads"] for c in dense} == {1, 2, 4, 8}
+    assert min(c["vocab_size"] for c in cfgs) == 256 and max(c["vocab_size"] for c in cfgs) == 32000
+    assert {d.source_dtype for d in draws} == {"float32", "float16", "bfloat16", "fp8"}
+    assert {d.family for d in draws if d.source_dtype == "fp8"} == {"deepseek_v3"}
+    ropes = {n for d in draws for n in d.notes if n.startswith("rope:")}
+    assert ropes >= {"rope:linear", "rope:dynamic", "rope:yarn", "rope:llama3", "rope:longrope"}
+    for d in draws:
+        c = d.config
+        if d.family in MOE:  # MoE in every layer past the first: at least two consecutive MoE layers
+            assert c["first_k_dense_replace"] == 1 and c["num_hidden_layers"] >= 3, d
+        if d.family in ALTERNATING or d.family in MOE:
+            assert c["num_hidden_layers"] >= 3, d
+        if d.family == "mistral":
+            assert c["num_key_value_heads"] == 1 and c["sliding_window"] > 0
+        embed = c["vocab_size"] * c["hidden_size"]
+        assert embed <= 1 << 21, d  # small enough to export in seconds
+
+
+def test_prompts_pass_every_threshold():
+    prompts = sweep_prompts(1000, [4, 32], seed=0)
+    assert len({len(p) for p in prompts}) == len(prompts) and max(len(p) for p in prompts) > 32
+    assert all(0 <= t < 1000 for p in prompts for t in p)
+
+
+def test_refusals_are_sorted_by_what_they_name():
+    flow = "values computed over the whole packed step (every sequence's tokens) cannot be made per sequence"
+    leak = ConversionError(flow, [("node '/m/ReduceMax'", "reduces across the tokens of every sequence in the step")])
+    gap = ConversionError(
+        flow, [("PagedAttention node 'x'", "the flow cannot follow the token axis here; rows (unknown is step-wide)")]
+    )
+    regrouped = ConversionError(flow, [("node 'y'", "its rows are regrouped across the step's tokens")])
+    mismatch = ConversionError("the converted model does not match the original", [("layer 1", "max |dlogit| 0.02")])
+    assert classify_refusal(leak)[0] == LEAK
+    assert classify_refusal(gap)[0] == OTHER
+    assert classify_refusal(regrouped)[0] == OTHER
+    assert classify_refusal(mismatch)[0] == OTHER
+    outcome, reason = classify_refusal(ValueError("boom\nmore"))
+    assert outcome == ERROR and reason == "ValueError: boom"
+    assert "ReduceMax" in classify_refusal(leak)[1]  # the reason names where
+
+
+def _converted(tmp_path, scale_factor: float | None):
+    """The Llama fixture converted unverified, with every PagedAttention scale multiplied by ``scale_factor``."""
+    from ortpa.rewriter.pipeline import convert
+
+    model = convert(str(FIXTURES / "llama_sdpa_op18.onnx"))
+    head_dim = json.loads((FIXTURES / "llama_sdpa_op18.json").read_text())["config"]["head_dim"]
+    if scale_factor is not None:
+        nodes = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+        assert nodes
+        for node in nodes:  # the op's default scale is 1/sqrt(head size); state it, times the factor
+            kept = [a for a in node.attribute if a.name != "scale"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("scale", scale_factor / head_dim**0.5)])
+    path = tmp_path / f"paged_{scale_factor}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def test_judge_passes_the_true_conversion_and_fails_a_tampered_one(tmp_path):
+    """The judge can fail: the same conversion with its softmax scale tripled gives other tokens."""
+    dense = FIXTURES / "llama_sdpa_op18.onnx"
+    prompts = sweep_prompts(256, [], seed=1)
+    good = judge_conversion(dense, _converted(tmp_path, None), prompts, steps=4)
+    assert good.correct, good.reason
+    assert good.max_abs_logit_error < 0.05 and good.tokens == 4 * len(prompts)
+    bad = judge_conversion(dense, _converted(tmp_path, 3.0), prompts, steps=4)
+    assert not bad.correct and "outside the tie rule" in bad.reason
+    assert bad.max_abs_logit_error > 10 * good.max_abs_logit_error
+
+
+# A few seeds per family in CI (each one export, ~15-25 s on 2 idle cores); the rest of the families: slow.
+CI = [("llama", 0), ("gemma2", 1), ("deepseek_v3", 0)]
+SLOW = [(f, 0) for f in FAMILIES if f not in {f for f, _ in CI}] + [(f, 3) for f in MOE]
+
+
+def _check(family: str, seed: int, tmp_path) -> None:
+    outcome = run_draw(draw(family, seed), tmp_path)
+    assert outcome.outcome in OUTCOMES
+    assert outcome.outcome in (CORRECT, LEAK), (
+        f"{outcome.config}: {outcome.outcome} at {outcome.stage}: {outcome.reason}"
+    )
+
+
+@pytest.mark.export
+@pytest.mark.parametrize(("family", "seed"), CI)
+def test_sweep_seed(family, seed, tmp_path):
+    _check(family, seed, tmp_path)
+
+
+@pytest.mark.export
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "seed"), SLOW)
+def test_sweep_seed_slow(family, seed, tmp_path):
+    _check(family, seed, tmp_path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -40,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.jsonl:
                 with open(args.jsonl, "a", encoding="utf-8") as f:
                     f.write(json.dumps(outcome.to_dict()) + "\n")
-    shown = " ".join(sys.argv[1:] if argv is None else argv)
-    Path(args.out).write_text(markdown(outcomes, args=shown, when=time.strftime("%Y-%m-%d")), encoding="utf-8")
+    Path(args.out).write_text(markdown(outcomes, when=time.strftime("%Y-%m-%d")), encoding="utf-8")
     bad = [o for o in outcomes if o.outcome not in ("converted-and-correct", "refused-with-a-named-leak")]
     print(f"{len(outcomes)} configs, {len(bad)} not correct; wrote {args.out}")
     return 1 if bad else 0

@@ -5,14 +5,15 @@ correctly (the whole sweep: ``python -m ortpa.testing.sweep``, table in ``docs/s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import onnx
 import pytest
 from support.parity import FIXTURES
 
 from ortpa.errors import ConversionError
-from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, judge_conversion, run_draw, sweep_prompts
-from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER
+from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, run_draw, sweep_prompts
+from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, WRONG, convert_and_judge
 
 SEEDS = range(12)
 MOE = ("deepseek_v2", "deepseek_v3")
@@ -75,11 +76,11 @@ def test_refusals_are_sorted_by_what_they_name():
     assert "ReduceMax" in classify_refusal(leak)[1]  # the reason names where
 
 
-def _converted(tmp_path, scale_factor: float | None):
-    """The Llama fixture converted unverified, with every PagedAttention scale multiplied by ``scale_factor``."""
+def _paged(dense: str, out: str, scale_factor: float | None) -> None:
+    """``dense`` converted unverified into ``out``, every PagedAttention scale times ``scale_factor``."""
     from ortpa.rewriter.pipeline import convert
 
-    model = convert(str(FIXTURES / "llama_sdpa_op18.onnx"))
+    model = convert(dense)
     head_dim = json.loads((FIXTURES / "llama_sdpa_op18.json").read_text())["config"]["head_dim"]
     if scale_factor is not None:
         nodes = [n for n in model.graph.node if n.op_type == "PagedAttention"]
@@ -88,21 +89,34 @@ def _converted(tmp_path, scale_factor: float | None):
             kept = [a for a in node.attribute if a.name != "scale"]
             del node.attribute[:]
             node.attribute.extend([*kept, onnx.helper.make_attribute("scale", scale_factor / head_dim**0.5)])
-    path = tmp_path / f"paged_{scale_factor}.onnx"
-    onnx.save(model, str(path))
-    return path
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, out)
 
 
-def test_judge_passes_the_true_conversion_and_fails_a_tampered_one(tmp_path):
-    """The judge can fail: the same conversion with its softmax scale tripled gives other tokens."""
+def test_the_sweep_records_a_wrong_conversion_as_wrong(tmp_path):
+    """The classifier can fail: a convert that writes the model with its softmax scale tripled is `wrong`, the
+    true conversion is correct, and a refusal of a correct model is `refused-other` with a second opinion
+    saying its unverified tokens were the original's."""
     dense = FIXTURES / "llama_sdpa_op18.onnx"
     prompts = sweep_prompts(256, [], seed=1)
-    good = judge_conversion(dense, _converted(tmp_path, None), prompts, steps=4)
-    assert good.correct, good.reason
-    assert good.max_abs_logit_error < 0.05 and good.tokens == 4 * len(prompts)
-    bad = judge_conversion(dense, _converted(tmp_path, 3.0), prompts, steps=4)
-    assert not bad.correct and "outside the tie rule" in bad.reason
-    assert bad.max_abs_logit_error > 10 * good.max_abs_logit_error
+
+    def tampered(src, out, **_):
+        _paged(src, out, 3.0)
+
+    def true(src, out, **_):
+        _paged(src, out, None)
+
+    def refusing(src, out, verify=True, **_):
+        if verify:
+            raise ConversionError("the converted model does not match the original", [("layer 0", "max |d| 0.1")])
+        _paged(src, out, None)
+
+    outcome, reason, err_bad = convert_and_judge(dense, tmp_path / "a.onnx", prompts, steps=4, convert=tampered)
+    assert outcome == WRONG and "outside the tie rule" in reason
+    outcome, reason, err = convert_and_judge(dense, tmp_path / "b.onnx", prompts, steps=4, convert=true)
+    assert outcome == CORRECT and not reason and err_bad > 10 * err
+    outcome, reason, _ = convert_and_judge(dense, tmp_path / "c.onnx", prompts, steps=4, convert=refusing)
+    assert outcome == OTHER and "unverified: written, greedy tokens the original's" in reason
 
 
 def _smallest_seed(family: str, seeds: range = range(8)) -> int:

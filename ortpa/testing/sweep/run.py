@@ -21,13 +21,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ortpa.testing.sweep.judge import judge_conversion, sweep_prompts
 from ortpa.testing.sweep.space import Draw
 
-__all__ = ["OUTCOMES", "Outcome", "classify_refusal", "run_draw"]
+__all__ = ["OUTCOMES", "Outcome", "classify_refusal", "convert_and_judge", "run_draw"]
 
 CORRECT, LEAK, OTHER, WRONG, ERROR = (
     "converted-and-correct",
@@ -100,6 +101,46 @@ def _save_checkpoint(draw: Draw, folder: Path) -> None:
         model.to(getattr(torch, draw.source_dtype)).save_pretrained(folder, max_shard_size=shard)
 
 
+def convert_and_judge(
+    dense: Path,
+    out: Path,
+    prompts: list[list[int]],
+    *,
+    steps: int = 6,
+    convert: Callable[..., object] | None = None,
+) -> tuple[str, str, float | None]:
+    """``(outcome, reason, max |dlogit|)`` of converting ``dense`` into ``out`` with the default options.
+
+    A refusal that is not a named leak gets a second opinion: the same conversion unverified
+    (``verify=False``), judged like any other, so the table says whether a correct model was refused (its
+    tokens are the original's) or a wrong one (they are not). ``convert``: :func:`ortpa.convert` unless given
+    (tests hand in a deliberately wrong one)."""
+    if convert is None:
+        import ortpa
+
+        convert = ortpa.convert
+    try:
+        convert(str(dense), str(out))
+    except Exception as exc:  # a refusal (or a crash): which kind is the point of the sweep
+        outcome, reason = classify_refusal(exc)
+        if outcome == OTHER:
+            reason = f"{reason} -- unverified: {_second_opinion(dense, out, prompts, steps, convert)}"
+        return outcome, reason, None
+    verdict = judge_conversion(dense, out, prompts, steps=steps)
+    return (CORRECT if verdict.correct else WRONG), verdict.reason, verdict.max_abs_logit_error
+
+
+def _second_opinion(dense: Path, out: Path, prompts: list[list[int]], steps: int, convert: Callable) -> str:
+    try:
+        convert(str(dense), str(out), verify=False)
+        verdict = judge_conversion(dense, out, prompts, steps=steps)
+    except Exception as exc:  # what the unverified path says is information, never the sweep's end
+        return f"not written ({_first_line(exc, 200)})"
+    if verdict.correct:
+        return f"written, greedy tokens the original's (max |dlogit| {verdict.max_abs_logit_error:.2e})"
+    return f"written, WRONG: {verdict.reason}"
+
+
 def run_draw(draw: Draw, workdir: str | Path | None = None, *, steps: int = 6) -> Outcome:
     """Build, save, export, convert (verification on) and judge ``draw``; never raises for the config's sake.
 
@@ -114,7 +155,6 @@ def run_draw(draw: Draw, workdir: str | Path | None = None, *, steps: int = 6) -
         return Outcome(draw.family, draw.seed, draw.summary(), outcome, reason, round(seconds, 1), stage, err)
 
     try:
-        import ortpa
         from ortpa.export.hf import export_hf
 
         folder, dense, out = root / "ckpt", root / "dense" / "model.onnx", root / "paged" / "model.onnx"
@@ -122,17 +162,10 @@ def run_draw(draw: Draw, workdir: str | Path | None = None, *, steps: int = 6) -
         stage = "export"
         export_hf(folder, dense, random_weights=False, attn_implementation=draw.attn_implementation)
         stage = "convert"
-        try:
-            ortpa.convert(str(dense), str(out))
-        except Exception as exc:  # a refusal (or a crash): which kind is the point of the sweep
-            return done(*classify_refusal(exc))
-        stage = "judge"
         prompts = sweep_prompts(draw.config["vocab_size"], _thresholds(draw.config), draw.seed)
-        verdict = judge_conversion(dense, out, prompts, steps=steps)
+        outcome, reason, err = convert_and_judge(dense, out, prompts, steps=steps)
         stage = "done"
-        if verdict.correct:
-            return done(CORRECT, "", verdict.max_abs_logit_error)
-        return done(WRONG, verdict.reason, verdict.max_abs_logit_error)
+        return done(outcome, reason, err)
     except Exception as exc:  # the sweep goes on: the class and first line are the record
         return done(ERROR, _first_line(exc))
     finally:

@@ -19,13 +19,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--out", default="docs/sweep.md", help="the markdown report (default docs/sweep.md)")
     ap.add_argument("--jsonl", default=None, help="also append each outcome as a JSON line here, as it comes")
-    ap.add_argument("--from-jsonl", default=None, help="write the report from a --jsonl file of an earlier run")
+    ap.add_argument(
+        "--from-jsonl",
+        nargs="+",
+        default=None,
+        help="write the report from --jsonl files of earlier runs (a later line replaces an earlier one of the same "
+        "family and seed)",
+    )
     args = ap.parse_args(argv)
     families = args.family or list(FAMILIES)
     outcomes: list[Outcome] = []
     if args.from_jsonl:  # a sweep cut short still has its outcomes, one line each
-        lines = Path(args.from_jsonl).read_text(encoding="utf-8").splitlines()
-        outcomes = [Outcome(**json.loads(line)) for line in lines if line.strip()]
+        latest: dict[tuple[str, int], Outcome] = {}
+        for path in args.from_jsonl:
+            for line in Path(path).read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    outcome = Outcome(**json.loads(line))
+                    latest[outcome.family, outcome.seed] = outcome
+        outcomes = list(latest.values())
         args.seeds = 0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for family in families:  # seed-major: a cut-short sweep still covers every family

@@ -20,7 +20,6 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from ortpa.testing.checkpoints import _dequantize, fp8_reference_folder, save_checkpoint, save_fp8_checkpoint
 from support.parity import FIXTURES, run_parity
 from support.tolerances import FP16_WEIGHTS_EXTRA_ATOL
 from support.torch_reference import TorchModel
@@ -30,6 +29,7 @@ from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
 from ortpa.export.fp8 import dequantize_blocks, fp8_spec
 from ortpa.export.hf import build_model
 from ortpa.rewriter.dtype import convert_float_type
+from ortpa.testing.checkpoints import _dequantize, fp8_reference_folder, save_checkpoint, save_fp8_checkpoint
 
 pytestmark = pytest.mark.export
 

@@ -1,7 +1,7 @@
 """Checkpoints as they ship: bfloat16 and FP8 block-quantized folders converted with no flags run on CPU with
 PyTorch's tokens; the conversion's ONNX Runtime check refuses what cannot run where the model is meant to.
 
-Folders are written from tiny configs in the shipped layouts (:mod:`support.checkpoint_fixtures`). The bfloat16 case of
+Folders are written from tiny configs in the shipped layouts (:mod:`ortpa.testing.checkpoints`). The bfloat16 case of
 the default run is ``test_export.py::test_convert_hf_folder_then_generate_text``; here the FP8 one, the check,
 quiet output, and (``slow``) every MLA family in both stored dtypes.
 """
@@ -20,7 +20,6 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from support.checkpoint_fixtures import _dequantize, fp8_reference_folder, save_checkpoint, save_fp8_checkpoint
 from support.parity import FIXTURES, run_parity
 from support.torch_reference import TorchModel
 
@@ -29,6 +28,7 @@ from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
 from ortpa.export.fp8 import dequantize_blocks, fp8_spec
 from ortpa.export.hf import build_model
 from ortpa.rewriter.dtype import convert_float_type
+from ortpa.testing.checkpoints import _dequantize, fp8_reference_folder, save_checkpoint, save_fp8_checkpoint
 
 pytestmark = pytest.mark.export
 

@@ -1,0 +1,156 @@
+"""The seeded config sweep (:mod:`ortpa.testing.sweep`): its draws cover the space the issue names, its judge
+catches a wrong conversion, its refusals are sorted by what they name, and a few seeds per family convert
+correctly (the whole sweep: ``python -m ortpa.testing.sweep``, table in ``docs/sweep.md``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from support.parity import FIXTURES
+
+from ortpa.errors import ConversionError
+from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, run_draw, sweep_prompts
+from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, WRONG, convert_and_judge
+
+SEEDS = range(12)
+MOE = ("deepseek_v2", "deepseek_v3")
+ALTERNATING = ("gemma2", "gemma3")
+
+
+def test_a_seed_draws_the_same_config_every_time():
+    for family in FAMILIES:
+        assert draw(family, 3) == draw(family, 3)
+        assert draw(family, 3).config != draw(family, 4).config, family
+
+
+def test_the_draws_cover_the_space():
+    """Across a dozen seeds: depth 2-6, widths 64-1024, head dims 32-128, ratios 1-8, vocab 256-32k, every
+    checkpoint dtype (FP8 for DeepSeek-V3), MoE in consecutive layers, alternating windows over >= 3 layers."""
+    draws = [draw(f, s) for f in FAMILIES for s in SEEDS]
+    cfgs = [d.config for d in draws]
+    assert {c["num_hidden_layers"] for c in cfgs} == {2, 3, 4, 5, 6}
+    assert {c["hidden_size"] for c in cfgs} == {64, 128, 256, 512, 1024}
+    dense = [c for c in cfgs if "head_dim" in c and c["model_type"] != "phi3"]
+    assert {c["head_dim"] for c in dense} == {32, 64, 128}
+    assert {c["num_attention_heads"] // c["num_key_value_heads"] for c in dense} == {1, 2, 4, 8}
+    assert min(c["vocab_size"] for c in cfgs) == 256 and max(c["vocab_size"] for c in cfgs) == 32000
+    assert {d.source_dtype for d in draws} == {"float32", "float16", "bfloat16", "fp8"}
+    assert {d.family for d in draws if d.source_dtype == "fp8"} == {"deepseek_v3"}
+    ropes = {n for d in draws for n in d.notes if n.startswith("rope:")}
+    assert ropes >= {"rope:linear", "rope:dynamic", "rope:yarn", "rope:llama3", "rope:longrope"}
+    for d in draws:
+        c = d.config
+        if d.family in MOE:  # MoE in every layer past the first: at least two consecutive MoE layers
+            assert c["first_k_dense_replace"] == 1 and c["num_hidden_layers"] >= 3, d
+        if d.family in ALTERNATING or d.family in MOE:
+            assert c["num_hidden_layers"] >= 3, d
+        if d.family == "mistral":
+            assert c["num_key_value_heads"] == 1 and c["sliding_window"] > 0
+        embed = c["vocab_size"] * c["hidden_size"]
+        assert embed <= 1 << 21, d  # small enough to export in seconds
+
+
+def test_prompts_pass_every_threshold():
+    prompts = sweep_prompts(1000, [4, 32], seed=0)
+    assert len({len(p) for p in prompts}) == len(prompts) and max(len(p) for p in prompts) > 32
+    assert all(0 <= t < 1000 for p in prompts for t in p)
+
+
+def test_refusals_are_sorted_by_what_they_name():
+    flow = "values computed over the whole packed step (every sequence's tokens) cannot be made per sequence"
+    leak = ConversionError(flow, [("node '/m/ReduceMax'", "reduces across the tokens of every sequence in the step")])
+    gap = ConversionError(
+        flow, [("PagedAttention node 'x'", "the flow cannot follow the token axis here; rows (unknown is step-wide)")]
+    )
+    regrouped = ConversionError(flow, [("node 'y'", "its rows are regrouped across the step's tokens")])
+    mismatch = ConversionError("the converted model does not match the original", [("layer 1", "max |dlogit| 0.02")])
+    assert classify_refusal(leak)[0] == LEAK
+    assert classify_refusal(gap)[0] == OTHER
+    assert classify_refusal(regrouped)[0] == OTHER
+    assert classify_refusal(mismatch)[0] == OTHER
+    outcome, reason = classify_refusal(ValueError("boom\nmore"))
+    assert outcome == ERROR and reason == "ValueError: boom"
+    assert "ReduceMax" in classify_refusal(leak)[1]  # the reason names where
+
+
+def _paged(dense: str, out: str, scale_factor: float | None) -> None:
+    """``dense`` converted unverified into ``out``, every PagedAttention scale times ``scale_factor``."""
+    from ortpa.rewriter.pipeline import convert
+
+    model = convert(dense)
+    head_dim = json.loads((FIXTURES / "llama_sdpa_op18.json").read_text())["config"]["head_dim"]
+    if scale_factor is not None:
+        nodes = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+        assert nodes
+        for node in nodes:  # the op's default scale is 1/sqrt(head size); state it, times the factor
+            kept = [a for a in node.attribute if a.name != "scale"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("scale", scale_factor / head_dim**0.5)])
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, out)
+
+
+def test_the_sweep_records_a_wrong_conversion_as_wrong(tmp_path):
+    """The classifier can fail: a convert that writes the model with its softmax scale tripled is `wrong`, the
+    true conversion is correct, and a refusal of a correct model is `refused-other` with a second opinion
+    saying its unverified tokens were the original's."""
+    dense = FIXTURES / "llama_sdpa_op18.onnx"
+    prompts = sweep_prompts(256, [], seed=1)
+
+    def tampered(src, out, **_):
+        _paged(src, out, 3.0)
+
+    def true(src, out, **_):
+        _paged(src, out, None)
+
+    def refusing(src, out, verify=True, **_):
+        if verify:
+            raise ConversionError("the converted model does not match the original", [("layer 0", "max |d| 0.1")])
+        _paged(src, out, None)
+
+    outcome, reason, err_bad = convert_and_judge(dense, tmp_path / "a.onnx", prompts, steps=4, convert=tampered)
+    assert outcome == WRONG and "outside the tie rule" in reason
+    outcome, reason, err = convert_and_judge(dense, tmp_path / "b.onnx", prompts, steps=4, convert=true)
+    assert outcome == CORRECT and not reason and err_bad > 10 * err
+    outcome, reason, _ = convert_and_judge(dense, tmp_path / "c.onnx", prompts, steps=4, convert=refusing)
+    assert outcome == OTHER and "unverified: written, greedy tokens the original's" in reason
+
+
+def _smallest_seed(family: str, seeds: range = range(8)) -> int:
+    """The seed among ``seeds`` whose draw has the fewest weights (export time grows with depth and width)."""
+
+    def size(c: dict) -> int:
+        width = c["hidden_size"] * (c["hidden_size"] + c.get("intermediate_size", 0))
+        return c["num_hidden_layers"] * width + c["vocab_size"] * c["hidden_size"]
+
+    return min(seeds, key=lambda s: size(draw(family, s).config))
+
+
+# In CI the smallest of the first eight draws of three families (GQA with a window, alternating windows and
+# softcaps, MoE in consecutive layers): one export each. The rest: seed 0 of every family, with ORTPA_SLOW=1.
+CI = [(f, _smallest_seed(f)) for f in ("mistral", "gemma2", "deepseek_v3")]
+SLOW = [(f, 0) for f in FAMILIES]
+
+
+def _check(family: str, seed: int, tmp_path) -> None:
+    outcome = run_draw(draw(family, seed), tmp_path)
+    assert outcome.outcome in OUTCOMES
+    assert outcome.outcome in (CORRECT, LEAK), (
+        f"{outcome.config}: {outcome.outcome} at {outcome.stage}: {outcome.reason}"
+    )
+
+
+@pytest.mark.export
+@pytest.mark.parametrize(("family", "seed"), CI)
+def test_sweep_seed(family, seed, tmp_path):
+    _check(family, seed, tmp_path)
+
+
+@pytest.mark.export
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "seed"), SLOW)
+def test_sweep_seed_slow(family, seed, tmp_path):
+    _check(family, seed, tmp_path)

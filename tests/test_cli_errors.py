@@ -78,7 +78,7 @@ def test_parity_with_the_models_swapped_or_both_paged(converted, capsys):
 def test_parity_quiet_prints_only_the_verdict(converted, capsys):
     assert main(["parity", str(DENSE), str(converted["paged"]), "--quiet", "--max-new-tokens", "2"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert out.strip().splitlines() == [out.strip()] and out.startswith("PARITY OK"), out
+    assert out.strip().splitlines() == [out.strip()] and out.startswith("VERIFIED"), out
 
 
 def test_serve_on_a_busy_port_fails_at_once_with_exit_3(tmp_path, capsys):

@@ -17,6 +17,7 @@ from support.tolerances import assert_close
 
 from ortpa.errors import ConversionError
 from ortpa.rewriter.mla_expanded import Composite, attention_flops_per_token
+from ortpa.rewriter.options import RewriteOptions
 from ortpa.rewriter.per_sequence.flow import Kind, analyse
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.kv import PagedKVCache
@@ -85,12 +86,14 @@ def _schedule(tokens: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[
 
 
 def test_structure_and_default(models):
-    """Expanded is the default; each layer keeps one LATENT node (for the absorbed rows) whose cache output gets
-    the fresh rows by one ScatterND before it becomes the graph output; the absorbed conversion has none."""
+    """Absorbed is the default (expanded is opt-in); expanded keeps one LATENT node per layer (for the absorbed
+    rows) whose cache output gets the fresh rows by one ScatterND before it becomes the graph output; the
+    absorbed conversion has none."""
     exp, absd = models["expanded"], models["absorbed"]
     meta = lambda m: {p.key: p.value for p in m.metadata_props}  # noqa: E731
     assert meta(exp)["ortpa.mla_prefill"] == "expanded"
     assert meta(absd)["ortpa.mla_prefill"] == "absorbed"
+    assert RewriteOptions().mla_prefill == "absorbed"
     for model, writes in ((exp, 2), (absd, 0)):
         paged = [n for n in model.graph.node if n.op_type == "PagedAttention"]
         assert len(paged) == 2
@@ -101,7 +104,7 @@ def test_structure_and_default(models):
         assert sorted(s.output[0] for s in scatters) == (["present.0.key", "present.1.key"] if writes else [])
 
 
-def test_default_conversion_is_expanded_and_portable_write_is_folded(models):
+def test_expanded_conversion_portable_write_is_folded(models):
     from ortpa.ops.portable import lower_to_portable
 
     lowered = lower_to_portable(models["expanded"])

@@ -33,6 +33,7 @@ packed int4 (uint8) caches, and head sizes or rotary widths that are not static 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -295,6 +296,8 @@ def lower_nodes(
             )
         )
         calls.append(call)
+    if any(c.extra for c in calls):  # a folded write's rows are computed after the node it joins
+        nodes = _topological(nodes)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     model.functions.extend(functions.values())
@@ -420,3 +423,44 @@ def _plan_key(plan: PlanConfig, inputs: list[str], types: Mapping[str, onnx.Type
             return (plan, node)  # unknown: this layer's own plan
         dims.append(sym)
     return (plan, tuple(inputs[2:]), tuple(dims))
+
+
+def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` in an order where each comes after the producers of what it reads (subgraphs' outer values
+    included), otherwise in their given order (Kahn's algorithm, the lowest index first)."""
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    needs: list[set[int]] = []
+    for k, n in enumerate(nodes):
+        deps = {producer[i] for i in _reads(n) if i in producer}
+        deps.discard(k)
+        needs.append(deps)
+    users: dict[int, list[int]] = {}
+    for k, deps in enumerate(needs):
+        for d in deps:
+            users.setdefault(d, []).append(k)
+    waiting = [len(deps) for deps in needs]
+    ready = [k for k, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order: list[onnx.NodeProto] = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(nodes[k])
+        for u in users.get(k, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):  # a cycle: leave the graph as it was for the checker to name
+        return nodes
+    return order
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The values ``node`` reads: its inputs, and what its subgraphs read from outside them."""
+    names = {i for i in node.input if i}
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            inner = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+            inner |= {i.name for i in graph.initializer}
+            for n in graph.node:
+                names |= _reads(n) - inner
+    return names

@@ -3,7 +3,7 @@
 The model is built from the draw's config with seeded random weights and saved as a Hugging Face checkpoint in
 the draw's dtype (FP8 block-quantized in DeepSeek-V3's layout for ``fp8``). The checkpoint is exported as
 ``ortpa convert HF_DIR`` exports it (:func:`ortpa.export.hf.export_hf`, its default dtype: float16 for bfloat16
-and FP8 folders), converted by :func:`ortpa.convert` with its default options (verification on), and the written
+and FP8 folders), converted by :func:`ortpa.convert_file` with its default options (verification on), and the written
 model judged against that export (:mod:`ortpa.testing.sweep.judge`). Outcomes:
 
 * ``converted-and-correct``: written, and its greedy tokens batched and alone are the original's (tie rule);
@@ -70,7 +70,7 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def classify_refusal(exc: BaseException) -> tuple[str, str]:
-    """``(outcome, reason)`` for an exception ``ortpa.convert`` raised: a named leak only when the per-sequence
+    """``(outcome, reason)`` for an exception ``ortpa.convert_file`` raised: a named leak only when the per-sequence
     pass refused and every failure it lists is definite (no "cannot follow", no op without a rule)."""
     from ortpa.errors import ConversionError
 
@@ -113,12 +113,12 @@ def convert_and_judge(
 
     A refusal that is not a named leak gets a second opinion: the same conversion unverified
     (``verify=False``), judged like any other, so the table says whether a correct model was refused (its
-    tokens are the original's) or a wrong one (they are not). ``convert``: :func:`ortpa.convert` unless given
+    tokens are the original's) or a wrong one (they are not). ``convert``: :func:`ortpa.convert_file` unless given
     (tests hand in a deliberately wrong one)."""
     if convert is None:
         import ortpa
 
-        convert = ortpa.convert
+        convert = ortpa.convert_file
     try:
         convert(str(dense), str(out))
     except Exception as exc:  # a refusal (or a crash): which kind is the point of the sweep

@@ -169,7 +169,7 @@ def test_cache_written_by_expanded_prefill_equals_absorbed(models):
 
 
 def test_expanded_not_applied_says_why(dense_path):
-    model = convert(str(dense_path), rope_in_op=True)
+    model = convert(str(dense_path), rope_in_op=True, mla_prefill="expanded")
     reason = {p.key: p.value for p in model.metadata_props}["ortpa.mla_prefill"]
     assert reason.startswith("absorbed: ") and "rope_in_op" in reason
     with pytest.raises(ConversionError, match="mla_prefill"):

@@ -18,20 +18,16 @@ engine alone (``Engine.generate``, no HTTP). Modes are interleaved and the best 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
 
+from ortpa.bench._server import live_server
 from ortpa.testing.byte_tokenizer import write_byte_tokenizer
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
 
@@ -64,36 +60,6 @@ def _write_folder(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": CONFIG.max_positions}))
-
-
-@contextlib.contextmanager
-def _server(folder: Path) -> Iterator[str]:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "ortpa", "serve", str(folder), "--port", str(port), "--served-model-name", NAME]
-    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ortpa serve exited: {proc.stderr.read().decode(errors='replace')}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("ortpa serve did not become healthy in 120 s")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 async def _wall_per_token(api: str, mode: str, requests: int, concurrency: int) -> tuple[float, int]:
@@ -270,7 +236,7 @@ def run(quick: bool = False) -> list[dict]:
         folder = Path(tmp)
         _write_folder(folder)
         rows = _engine_rows(folder, quick)
-        with _server(folder) as base:
+        with live_server(folder, NAME) as base:
             return rows + _structured_rows(base + "/v1", quick) + _load_rows(base, folder, quick)
 
 

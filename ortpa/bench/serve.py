@@ -14,15 +14,11 @@ Wall-clock times (a server is measured as its clients see it); the server runs o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +26,7 @@ import onnx
 
 from ortpa.bench import format_table
 from ortpa.bench._serve_overhead import overhead_rows
+from ortpa.bench._server import live_server
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
 
 EXTRAS = ("serve", "test")  # the server, and the openai client that drives it
@@ -61,39 +58,6 @@ def _workload(n: int, seed: int = 0) -> list[tuple[str, int]]:
         ids = rng.integers(0, CONFIG.vocab - 1, size=int(rng.integers(8, 129)))
         out.append((" ".join(f"w{i}" for i in ids), int(rng.integers(8, 49))))
     return out
-
-
-@contextlib.contextmanager
-def _server(folder: Path):
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "ortpa", "serve", str(folder), "--port", str(port), "--served-model-name", NAME]
-    # one ONNX Runtime thread, as the engine benchmark: client and server share the cores, and a spinning
-    # thread pool would take them from the event loop and the client (3x slower steps measured on 2 busy cores)
-    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet", "--no-access-log"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ortpa serve exited: {proc.stderr.read().decode(errors='replace')}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                raise RuntimeError("ortpa serve did not become healthy in 120 s")
-            time.sleep(0.2)
-        yield base + "/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 async def _level(api: str, work: list[tuple[str, int]], concurrency: int, seed: int) -> dict:
@@ -150,7 +114,8 @@ def run(quick: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="ortpa-bench-serve-") as tmp:
         folder = Path(tmp)
         _write_folder(folder)
-        with _server(folder) as api:
+        with live_server(folder, NAME) as url:
+            api = url + "/v1"
             asyncio.run(_level(api, work[:4], 4, seed=99))  # warm-up: first-run allocations, connections
             results = {c: asyncio.run(_level(api, work, c, seed=c)) for c in CONCURRENCY}
             prompts = [p for p, _ in work[: 16 if quick else 32]]

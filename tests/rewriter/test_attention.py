@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from support.configs import TINY_LLAMA
 from support.parity import FIXTURES, attrs, check_near_miss, near_miss, paged_nodes, run_parity
 
 from ortpa.errors import ConversionError
@@ -167,18 +168,7 @@ def test_live_export_converts(tmp_path):
     Needs the `export` extra, which CI installs: fails (never skips) without it."""
     from ortpa.export.hf import export_hf
 
-    cfg = {
-        "model_type": "llama",
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": False,
-    }
+    cfg = dict(TINY_LLAMA)
     path = tmp_path / "llama.onnx"
     export_hf(cfg, path, opset=18)
     result = run_parity(convert(str(path)), path)

@@ -41,11 +41,15 @@ def server(model_folder) -> Iterator[Server]:
         yield s
 
 
-@pytest.fixture(scope="session")
-def client(server):
+def _openai(server: Server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.api, api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return _openai(server)
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +68,4 @@ def structured_server(structured_folder) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def structured_client(structured_server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=structured_server.api, api_key="unused", timeout=60, max_retries=0)
+    return _openai(structured_server)

@@ -10,24 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.configs import TINY_LLAMA
 
 from ortpa.tolerances import logprob_bound
 from serve.helpers import EOS, MODEL_NAME, request, serve, write_tokenizer
 
 pytestmark = pytest.mark.slow  # a checkpoint export (~25 s on 2 cores) and the harness (~15 s)
 
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
+LLAMA = TINY_LLAMA
 DOCS = [
     {"context": "hello world the", "continuation": " paged cache", "answer": "paged"},
     {"context": "the latent cache world hello the paged", "continuation": " latent world hello", "answer": "x"},

@@ -71,8 +71,12 @@ def run_guidellm(
         "TRANSFORMERS_OFFLINE": "1",
         "GUIDELLM__MAX_WORKER_PROCESSES": "1",
         "GUIDELLM__MP_CONTEXT_TYPE": "forkserver",
+        # every level waits this long for its worker before the first request (default 1 s): one local worker
+        # is ready sooner, and a short test sweep would spend most of its time waiting
+        "GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED": "0.2",
     }
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    # run in the report's folder: guidellm reads a `.env` from its working directory and writes defaults there
+    done = subprocess.run(cmd, env=env, cwd=report.parent, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0 or not report.is_file():
         raise RuntimeError(f"guidellm exited with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
     return read_report(report)

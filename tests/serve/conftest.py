@@ -4,6 +4,7 @@ chat template) and a live ``ortpa serve`` subprocess on 127.0.0.1, torn down by 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,11 +15,19 @@ from serve.helpers import CHAT_TEMPLATE, CONTEXT, EOS, SOURCE, Server, serve, wr
 
 
 @pytest.fixture(scope="session")
-def model_folder(tmp_path_factory) -> Path:
+def converted(tmp_path_factory) -> Path:
+    """The Llama fixture converted once per session (a conversion costs seconds); the served folders link it."""
     import ortpa
 
+    path = tmp_path_factory.mktemp("converted") / "model.onnx"
+    onnx.save(ortpa.convert(onnx.load(str(SOURCE))), str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory, converted) -> Path:
     folder = tmp_path_factory.mktemp("served")
-    onnx.save(ortpa.convert(onnx.load(str(SOURCE))), str(folder / "model.onnx"))
+    os.link(converted, folder / "model.onnx")
     write_tokenizer(folder / "tokenizer.json")
     config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -53,10 +62,10 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def structured_folder(tmp_path_factory) -> Path:
+def structured_folder(tmp_path_factory, converted) -> Path:
     from serve.structured_fixtures import write_structured_folder
 
-    return write_structured_folder(tmp_path_factory.mktemp("structured"))
+    return write_structured_folder(tmp_path_factory.mktemp("structured"), converted)
 
 
 @pytest.fixture(scope="session")

@@ -4,12 +4,11 @@ tokenizer that can spell JSON (the word-level one of ``helpers`` cannot), and a 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import onnx
-
 from ortpa.testing.byte_tokenizer import write_byte_tokenizer as _write
-from serve.helpers import CONTEXT, EOS, SOURCE, VOCAB
+from serve.helpers import CONTEXT, EOS, VOCAB
 
 __all__ = ["TOOL_TEMPLATE", "write_byte_tokenizer", "write_structured_folder"]
 
@@ -32,10 +31,9 @@ def write_byte_tokenizer(path: Path):
     return _write(path, VOCAB)
 
 
-def write_structured_folder(folder: Path) -> Path:
-    import ortpa
-
-    onnx.save(ortpa.convert(onnx.load(str(SOURCE))), str(folder / "model.onnx"))
+def write_structured_folder(folder: Path, converted: Path) -> Path:
+    """``folder`` served with ``converted`` (the Llama fixture converted), linked, not copied."""
+    os.link(converted, folder / "model.onnx")
     write_byte_tokenizer(folder / "tokenizer.json")
     config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TOOL_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))

@@ -38,7 +38,7 @@ from ortpa.serve.protocol import (
 from ortpa.serve.request_checks import check_common, completion_prompts, max_tokens_for
 from ortpa.serve.structured import Grammars, GuidedGrammar, guided_grammar
 from ortpa.serve.tokenize import add_tokenizer_routes
-from ortpa.serve.tool_calls import forced_call_grammar, template_messages
+from ortpa.serve.tool_requests import forced_call_grammar, template_messages
 
 __all__ = ["ServerState", "build_app"]
 
@@ -160,9 +160,7 @@ def build_app(
         if not ids:
             raise ApiError(400, "the messages render to an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _respond(
-            state, request, body, [ids], max_tokens, chat=True, guided=guided, tools=tools is not None
-        )
+        return await _respond(state, request, body, [ids], max_tokens, chat=True, guided=guided, tools=tools)
 
     add_tokenizer_routes(app, served, check_key)
     return app
@@ -236,7 +234,7 @@ async def _respond(
     chat: bool,
     echo: list[str | None] | None = None,
     guided: GuidedGrammar | None = None,
-    tools: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Response:
     served = state.served
     max_tokens = max_tokens_for(requested, prompts, served, chat, echo is not None)
@@ -248,7 +246,8 @@ async def _respond(
         count = len(prompts) * body.n
         constraints = await asyncio.to_thread(lambda: [state.grammars.constraint(guided) for _ in range(count)])
     gen = Generation(served, state.bridge, state.admission)
-    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings(), echo, constraints=constraints, tools=tools)
+    names = None if tools is None else [t["function"]["name"] for t in tools]
+    await gen.start(prompts, body.n, body, max_tokens, body.stop_strings(), echo, constraints, tool_names=names)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     usage = lambda: {  # noqa: E731
@@ -377,6 +376,6 @@ def _message(choice: Any) -> dict[str, Any]:
 
 def _chat_delta(d: Any) -> dict[str, Any]:
     delta: dict[str, Any] = {"content": d.text} if d.text else {}
-    if d.tool_calls:  # OpenAI's shape: each call's index, id, type and function; arguments whole, in one piece
-        delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in d.tool_calls]
+    if d.tool_calls:  # OpenAI's shape: a call's index, id, type and name first, then its arguments' fragments
+        delta["tool_calls"] = [call.as_openai() for call in d.tool_calls]
     return delta

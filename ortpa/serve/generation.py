@@ -16,7 +16,7 @@ from ortpa.serve.detokenizer import TextStream
 from ortpa.serve.model import ServingModel
 from ortpa.serve.params import sampling_params
 from ortpa.serve.protocol import ApiError
-from ortpa.serve.tool_calls import ToolCall, ToolCallStream
+from ortpa.serve.tool_calls import ToolCall, ToolCallDelta, ToolCallStream, join_call_deltas
 
 __all__ = ["Admission", "Choice", "Delta", "Generation", "sampling_params"]
 
@@ -28,7 +28,7 @@ class Delta:
     index: int
     text: str
     finish_reason: str | None
-    tool_calls: tuple[tuple[int, ToolCall], ...] = ()  # (call's index within the choice, call)
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of the choice's calls (one entry per call)
     logprobs: tuple = ()  # TokenLogprobs of the tokens this delta covers (when asked)
     prompt_ids: tuple[int, ...] | None = None  # with the echoed prompt: its ids and log-probabilities
     prompt_logprobs: tuple | None = None
@@ -49,8 +49,10 @@ class Choice:
     prompt_logprobs: tuple | None = None
     started: bool = False
     tool_stream: ToolCallStream | None = None  # set when the request has tools: calls are read out of the text
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    max_tool_calls: int | None = None  # 1 with parallel_tool_calls false
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [] if self.tool_stream is None else self.tool_stream.calls
 
     @property
     def prompt_len(self) -> int:
@@ -105,13 +107,13 @@ class Generation:
         stop: list[str],
         echo: list[str] | None = None,
         constraints: Sequence[TokenConstraint] | None = None,
-        tools: bool = False,
+        tool_names: Sequence[str] | None = None,
     ) -> None:
         """Admit and submit ``n`` choices per prompt; on any refusal, nothing stays queued.
 
         ``echo``: each prompt's text, sent first in its choices' text. ``constraints``: one per choice
-        (prompt-major), each used by that choice alone. ``tools``: read tool calls out of each choice's text
-        (``Choice.tool_calls``, deltas' ``tool_calls``).
+        (prompt-major), each used by that choice alone. ``tool_names``: the request's tools, whose calls are read
+        out of each choice's text (``Choice.tool_calls``, deltas' ``tool_calls``).
         """
         # one SamplingParams per choice (a choice's constraint is its own state), all checked before admission
         vocab, eos = self.served.vocab_size, self.served.eos_token_ids
@@ -129,9 +131,9 @@ class Generation:
                         one = dataclasses.replace(one, constraint=constraints[len(self.choices)])
                     stream = TextStream(self.served.tokenizer, stop, one.stop_token_ids, context, one.min_tokens)
                     choice = Choice(len(self.choices), list(prompt), stream, None if echo is None else echo[p])
-                    if tools:
-                        choice.tool_stream = ToolCallStream()
-                        choice.max_tool_calls = None if getattr(body, "parallel_tool_calls", True) else 1
+                    if tool_names is not None:
+                        one_call = not getattr(body, "parallel_tool_calls", True)
+                        choice.tool_stream = ToolCallStream(frozenset(tool_names), 1 if one_call else None)
                     self.choices.append(choice)
                     batch.append((prompt, one))
             ids = await self.bridge.submit_all(batch, self._sink)
@@ -203,9 +205,13 @@ class Generation:
             self.bridge.abort(request_id, "stop")
         elif reason is not None:
             text += choice.text.finish()
-        calls: tuple[tuple[int, ToolCall], ...] = ()
+        calls: tuple[ToolCallDelta, ...] = ()
         if choice.tool_stream is not None:
-            text, calls = self._read_calls(choice, choice.tool_stream, text, reason is not None)
+            text, found = choice.tool_stream.push(text)
+            if reason is not None:
+                more, more_found = choice.tool_stream.finish()
+                text, found = text + more, found + more_found
+            calls = join_call_deltas((), tuple(found))
             if choice.tool_calls and reason == "stop":
                 reason = "tool_calls"
         prompt_ids = prompt_lps = None
@@ -223,21 +229,6 @@ class Generation:
             return None
         return Delta(choice.index, text, reason, calls, lps, prompt_ids, prompt_lps)
 
-    @staticmethod
-    def _read_calls(
-        choice: Choice, stream: ToolCallStream, text: str, final: bool
-    ) -> tuple[str, tuple[tuple[int, ToolCall], ...]]:
-        """The content part of ``text``, and the calls completed by it (numbered within the choice)."""
-        text, found = stream.push(text)
-        if final:
-            more, more_found = stream.finish()
-            text, found = text + more, found + more_found
-        first = len(choice.tool_calls)
-        if choice.max_tool_calls is not None:
-            found = found[: max(0, choice.max_tool_calls - first)]
-        choice.tool_calls.extend(found)
-        return text, tuple(enumerate(found, start=first))
-
     @property
     def prompt_tokens(self) -> int:
         return sum(c.prompt_len for c in self.choices)
@@ -251,5 +242,5 @@ def _merge(a: Delta, b: Delta) -> Delta:
     """Two deltas of one choice as one (the first holds the echoed prompt, if any)."""
     prompt_ids = a.prompt_ids if a.prompt_ids is not None else b.prompt_ids
     prompt_lps = a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs
-    calls, lps = a.tool_calls + b.tool_calls, a.logprobs + b.logprobs
+    calls, lps = join_call_deltas(a.tool_calls, b.tool_calls), a.logprobs + b.logprobs
     return Delta(a.index, a.text + b.text, b.finish_reason, calls, lps, prompt_ids, prompt_lps)

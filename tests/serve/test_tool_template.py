@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ortpa.serve.chat import ChatTemplate
-from ortpa.serve.tool_calls import template_messages
+from ortpa.serve.tool_requests import template_messages
 
 QWEN = (
     "{%- if tools %}\n"

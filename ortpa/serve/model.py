@@ -33,7 +33,7 @@ class ServingModel:
         """Serve at most ``tokens`` per request (prompt + completion): ``--max-model-len``."""
         if self.max_model_len is not None and tokens > self.max_model_len:
             raise InvalidParameter(
-                "ortpa serve", "--max-model-len", f"at most the model's context, {self.max_model_len}", tokens
+                self.name, "--max-model-len", f"at most the model's context, {self.max_model_len}", tokens
             )
         self.max_model_len = tokens
 

@@ -120,6 +120,13 @@ class GrammarConstraint:
         mask[:n] = bits[:n].astype(bool)
         return mask
 
+    def can_start(self, vocab_size: int) -> bool:
+        """A token other than EOS is allowed first, or the grammar accepts the empty output. (A grammar whose first
+        character no token can write leaves llguidance in an error state whose mask allows only EOS.)"""
+        mask = self.allowed_mask(vocab_size)
+        mask[[t for t in self._eos if t < vocab_size]] = False
+        return bool(mask.any()) or (not self._matcher.is_error() and bool(self._matcher.is_accepting()))
+
     def advance(self, token_id: int) -> None:
         if not self._matcher.consume_token(int(token_id)):  # its own mask allowed it: a grammar engine fault
             _log.warning("structured output: token %d left the grammar: %s", token_id, self._matcher.get_error())
@@ -192,7 +199,7 @@ class Grammars:
         """A fresh grammar state for one choice; a grammar llguidance refuses, or one no token can start, is a 400."""
         tok = self._ll_tokenizer(guided.param)
         constraint = GrammarConstraint(self._matcher(guided), self._eos, tok.vocab_size)
-        if not constraint.allowed_mask(tok.vocab_size).any():
+        if not constraint.can_start(tok.vocab_size):
             raise ApiError(
                 400,
                 f"'{guided.param}': this model cannot produce the output asked for (no token of its vocabulary "

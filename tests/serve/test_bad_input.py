@@ -74,6 +74,13 @@ CASES = {
         400,
         "stream_options",
     ),
+    "stream_options.continuous_usage_stats ill-typed": (
+        "completions",
+        _with(OK, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": 1}),
+        400,
+        "stream_options.continuous_usage_stats",
+    ),
+    "suffix": ("completions", _with(OK, suffix="world"), 400, "suffix"),
     "unknown model": ("completions", _with(OK, model="gpt-4"), 404, "model"),
     "chat: messages missing": ("chat/completions", _with(CHAT, messages=_DROP), 400, "messages"),
     "chat: no messages": ("chat/completions", _with(CHAT, messages=[]), 400, "messages"),
@@ -101,7 +108,14 @@ CASES = {
     "tokenize: neither prompt nor messages": ("/tokenize", b"{}", 400, "prompt"),
     "tokenize: prompt ill-typed": ("/tokenize", b'{"prompt": 5}', 400, "prompt"),
     "tokenize: unknown model": ("/tokenize", b'{"model": "gpt-4", "prompt": "hello"}', 404, "model"),
+    "tokenize: both prompt and messages": (
+        "/tokenize",
+        b'{"prompt": "hello", "messages": [{"role": "user", "content": "hello"}]}',
+        400,
+        "prompt",
+    ),
     "detokenize: ids past vocab": ("/detokenize", b'{"tokens": [5, 300]}', 400, "tokens"),
+    "detokenize: unknown model": ("/detokenize", b'{"model": "gpt-4", "tokens": [5]}', 404, "model"),
     "detokenize: tokens missing": ("/detokenize", b"{}", 400, "tokens"),
     "chat: unknown model": ("chat/completions", _with(CHAT, model="gpt-4"), 404, "model"),
 }

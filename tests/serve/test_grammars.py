@@ -64,3 +64,12 @@ def test_a_bad_grammar_is_refused_every_time(tokenizer):
         with pytest.raises(ApiError, match="thing") as info:
             grammars.constraint(guided)
         assert info.value.status == 400 and info.value.param == "guided_json"
+
+
+def test_a_grammar_no_token_can_start_is_a_400(tokenizer):
+    """The fixture's byte-level vocabulary holds printable ASCII only: a choice of 'é' cannot be written."""
+    grammars = Grammars(tokenizer, [1])
+    with pytest.raises(ApiError, match="no token of its vocabulary") as info:
+        grammars.constraint(choice_grammar(["é"], "guided_choice"))
+    assert (info.value.status, info.value.param, info.value.code) == (400, "guided_choice", "invalid_grammar")
+    assert grammars.constraint(choice_grammar(["e"], "guided_choice")).allowed_mask(256).any()

@@ -131,3 +131,45 @@ def test_serve_a_repo_id_with_max_model_len_and_no_access_log(hub_entry, tmp_pat
         log = server.output()
         assert "using the conversion of tiny-org/tiny-llama cached in" in log, log  # the fixture converted it
         assert "POST /v1/completions" not in log, log
+
+
+@pytest.mark.slow  # a checkpoint export (~25 s on 2 cores) on top of the conversion
+def test_serve_a_checkpoint_repo_id_from_the_hub_cache(tmp_path):
+    """``ortpa serve ORG/NAME`` where the local hub cache holds a transformers checkpoint (safetensors and
+    config.json): exported, converted, served; greedy tokens equal PyTorch's on the checkpoint's weights."""
+    import numpy as np
+    import torch
+    from support.configs import TINY_LLAMA
+
+    from ortpa.export.hf import build_model
+    from ortpa.tolerances import precision_ties
+
+    src = tmp_path / "src"
+    model = build_model(dict(TINY_LLAMA), seed=7)
+    model.save_pretrained(src)
+    write_tokenizer(src / "tokenizer.json")
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    repo = "tiny-org/tiny-llama-hf"
+    snapshot = tmp_path / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots" / COMMIT
+    shutil.copytree(src, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    prompt = [5, 6, 7, 8, 9, 10]
+    ties = precision_ties("float16")
+    want: list[int] = []
+    with torch.no_grad():
+        for _ in range(6):
+            row = model(torch.tensor([prompt + want])).logits[0, -1].numpy()
+            token = int(row.argmax())
+            if row[token] - float(np.sort(row)[-2]) <= ties.margin(row) or token == EOS:
+                break  # past a near-tie of float16 either token is right: compare up to here
+            want.append(token)
+    assert want, "PyTorch's first greedy token is a near-tie: pick another prompt"
+    extra = ("--cache-dir", str(tmp_path / "cache"), "--num-blocks", "64")
+    with serve(tmp_path / "log", *extra, model=repo, env={"HF_HUB_CACHE": str(tmp_path / "hub")}, startup_s=600) as s:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": len(want), "temperature": 0, "logprobs": 0}
+        status, _, raw = request("POST", s.api + "/completions", json.dumps(body).encode())
+        assert status == 200, raw
+        tokens = json.loads(raw)["choices"][0]["logprobs"]["tokens"]
+        assert "converting it once" in s.output(), s.output()
+    assert tokens == [write_tokenizer(tmp_path / "tok.json").id_to_token(t) for t in want], (tokens, want)

@@ -34,7 +34,16 @@ def run(args: argparse.Namespace) -> int:
     from ortpa.extras import require_extra
 
     require_extra("serve", "ortpa serve")
-    _check_port_free(args.host, args.port)  # before the model loads (or converts), not seconds later from uvicorn
+    # bound before the model loads (or converts), and held: a taken port is said at once, and no other process
+    # can take it while the model loads; --port 0 takes a free one
+    sock = _bind(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock) -> int:
     from ortpa.cli.serve_source import serving_source
     from ortpa.serve.model import ServingModel
     from ortpa.serve.server import run_server
@@ -60,41 +69,34 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.max_model_len is not None:
         served.limit_context(args.max_model_len)
-    if not args.quiet:
+    port = sock.getsockname()[1]
+    if not args.quiet or args.port == 0:  # a port the system picked is the one thing a caller must learn
         print(
-            f"ortpa serve: {served.name!r} on http://{args.host}:{args.port}/v1 ({served.engine.num_blocks} KV blocks "
+            f"ortpa serve: {served.name!r} on http://{args.host}:{port}/v1 ({served.engine.num_blocks} KV blocks "
             f"of {args.block_size}, context {served.max_model_len or 'bounded by the pool'}, "
             f"chat template: {'yes' if served.chat_template else 'no'})",
             file=sys.stderr,
             flush=True,
         )
-    try:
-        run_server(
-            served,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            max_queue=args.max_queue,
-            drain_s=args.drain_timeout,
-            log_level=log_level,
-            access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
-        )
-    except SystemExit as exc:  # uvicorn exits 3 when it cannot bind: taken since the check above
-        if exc.code != _UVICORN_STARTUP_FAILURE:
-            raise
-        raise Unavailable(_port_message(args.host, args.port, "was taken while the model loaded")) from None
+    run_server(
+        served,
+        sock=sock,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        drain_s=args.drain_timeout,
+        log_level=log_level,
+        access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
+    )
     return EXIT_OK
-
-
-_UVICORN_STARTUP_FAILURE = 3
 
 
 def _port_message(host: str, port: int, what: str) -> str:
     return f"--port {port}: {host}:{port} {what} (another server?); stop it, or pass another --port"
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """:class:`~ortpa.errors.Unavailable` when ``host:port`` cannot be bound (bound the way uvicorn binds it)."""
+def _bind(host: str, port: int):
+    """A socket bound to ``host:port`` as uvicorn binds one (``SO_REUSEADDR``), for the server to listen on;
+    :class:`~ortpa.errors.Unavailable` when it cannot be bound."""
     import errno
     import socket
 
@@ -103,16 +105,18 @@ def _check_port_free(host: str, port: int) -> None:
     except OSError as exc:
         raise InvalidParameter("ortpa serve", "--host", "an address of this machine", host) from exc
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise Unavailable(_port_message(host, port, "is already in use")) from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise InvalidParameter("ortpa serve", "--host", "an address of this machine", host) from None
-            raise Unavailable(_port_message(host, port, f"cannot be bound: {exc.strerror}")) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise Unavailable(_port_message(host, port, "is already in use")) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise InvalidParameter("ortpa serve", "--host", "an address of this machine", host) from None
+        raise Unavailable(_port_message(host, port, f"cannot be bound: {exc.strerror}")) from None
+    return sock
 
 
 def register(sub) -> None:
@@ -137,7 +141,12 @@ def register(sub) -> None:
     )
     add_revision(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=_bounded(int, 1, 65535, "a port number 1..65535"), default=8000)
+    p.add_argument(
+        "--port",
+        type=_bounded(int, 0, 65535, "a port number 0..65535"),
+        default=8000,
+        help="0: a free port the system picks, printed in the 'on http://...' line (also with --quiet)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
     p.add_argument("--tokenizer", default=None, help="folder with the tokenizer files (default: the model's)")
     p.add_argument("--provider", choices=["cpu", "cuda"], default=None, help="default: CUDA if present, else CPU")

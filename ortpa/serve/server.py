@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -50,12 +51,14 @@ def run_server(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
+    sock: socket.socket | None = None,
     api_key: str | None = None,
     max_queue: int = 256,
     drain_s: float = 5.0,
     log_level: str = "warning",
     access_log: bool = True,
 ) -> None:
+    """Serve until SIGTERM; on ``sock`` (bound, not yet listening) when given, else on ``host:port``."""
     app = build_app(served, api_key=api_key, max_queue=max_queue, access_log=access_log)
     bridge = app.state.ortpa.bridge
     config = uvicorn.Config(
@@ -69,4 +72,4 @@ def run_server(
     )
     logging.getLogger("ortpa.serve").setLevel(log_level.upper())
     server = _DrainingServer(config, bridge.stop, drain_s)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -94,21 +96,24 @@ class Server:
 def serve(
     folder: Path, *extra: str, startup_s: float = 90.0, model: str | None = None, env: dict | None = None
 ) -> Iterator[Server]:
-    """``ortpa serve`` on ``folder`` (or ``model``, a repo id, with its log beside ``folder``)."""
-    port = free_port()
-    log = folder.parent / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "ortpa", "serve", model or str(folder), "--port", str(port)]
+    """``ortpa serve`` on ``folder`` (or ``model``, a repo id, with its log beside ``folder``), on a port the system
+    picks (``--port 0``, read from its "on http://..." line): parallel test workers never race for one."""
+    log = Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=folder.parent)[1])
+    cmd = [sys.executable, "-m", "ortpa", "serve", model or str(folder), "--port", "0"]
     cmd += ["--served-model-name", MODEL_NAME, *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    server = Server(proc, "", log)
     try:
         deadline = time.monotonic() + startup_s
         while True:
             if proc.poll() is not None:
                 raise AssertionError(f"ortpa serve exited with {proc.returncode}:\n{server.output()}")
+            if not server.base:
+                found = re.search(r" on (http://127\.0\.0\.1:\d+)/v1 ", server.output())
+                server.base = found.group(1) if found else ""
             with contextlib.suppress(OSError):
-                if get(server.base + "/health", timeout=2)[0] == 200:
+                if server.base and get(server.base + "/health", timeout=2)[0] == 200:
                     break
             if time.monotonic() > deadline:
                 raise AssertionError(f"ortpa serve not healthy after {startup_s} s:\n{server.output()}")

@@ -282,7 +282,7 @@ class ToolCallStream:
             if head.startswith(_OPEN):
                 self._state, self._held = "tagged", head
             elif head.startswith(("{", "[", _PYTHON_TAG)):
-                self._state, self._held, self._form = "json", head.removeprefix(_PYTHON_TAG), "json"
+                self._state, self._form = "json", "json"  # held whole: if no call, it is content as written
             else:
                 self._state = "text"
             return True
@@ -299,7 +299,11 @@ class ToolCallStream:
             return True
         if state in ("tagged", "json"):
             self._form = state
-            body = self._held[len(_OPEN) :] if state == "tagged" else self._held
+            if state == "tagged":
+                body = self._held[len(_OPEN) :]
+            else:
+                body = self._held.lstrip()
+                body = body[len(_PYTHON_TAG) :] if body.startswith(_PYTHON_TAG) else body
             found, name, at = _header(body, self._names)
             if found == "match":
                 call_id = _new_id()

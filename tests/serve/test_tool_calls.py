@@ -38,6 +38,8 @@ CASES = {
     ),
     "plain text": ("The weather is fine.", "The weather is fine.", []),
     "a brace that is not a call": ('{"answer": 42}', '{"answer": 42}', []),
+    "an indented brace that is not a call": (' \n {"answer": 42}', ' \n {"answer": 42}', []),
+    "llama 3 json after blanks": (" " + json.dumps({"name": "get_time", "parameters": {}}), None, [TIME]),
     "broken JSON in tags stays content": ("<tool_call>{nope}</tool_call>", "<tool_call>{nope}</tool_call>", []),
     "cut short (length)": ('<tool_call>{"name": "get_weather", "argu', '<tool_call>{"name": "get_weather", "argu', []),
     "a tag-like word in text": ("use <tool> here", "use <tool> here", []),

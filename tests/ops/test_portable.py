@@ -357,9 +357,9 @@ def test_invalid_sequence_zero_output_others_unaffected(dtype) -> None:
 @pytest.mark.parametrize("latent", [False, True], ids=["separate", "latent"])
 @pytest.mark.parametrize("unmapped", [False, True], ids=["well_formed", "unmapped_page"])
 def test_ragged_decodes_never_read_foreign_nan(latent: bool, unmapped: bool) -> None:
-    """Decodes of different lengths pad to the longest; the padding reads the sequence's own last row (no zeroing
-    pass) and an unmapped page inside a live range takes the zeroing branch. Either way NaN in blocks no sequence
-    owns never reaches an output, and the outputs match the oracle."""
+    """Decodes of different lengths pad to the longest; the padding, and an unmapped page inside a live range,
+    read a row the decode attends (no zeroing pass). Either way NaN in blocks no sequence owns never reaches an
+    output, and the outputs match the oracle."""
     rng = np.random.default_rng(11)
     kw = dict(latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=48) if latent else {}
     case = make_case(rng, np.float16, q_lens=(1, 1, 1), pasts=(40, 3, 17), spare_blocks=4, **kw)

@@ -24,7 +24,7 @@ PLAN_OUTPUTS = (
     "any_prefill",  # bool scalar: the prefill group is not empty
     "out_row",  # [T] each token's row in Concat(decode output, prefill output, one zero row)
     "d_query",  # [D] the decoding sequences' tokens
-    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H]); an unattended one reads an attended
+    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H]); one not live reads an attended one
     "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
     "d_mask",  # [D, kv_d] int32: d_allowed as the key_padding_mask of com.microsoft::MultiHeadAttention
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)

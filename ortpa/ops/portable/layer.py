@@ -356,8 +356,8 @@ class _Body(GraphTracer):
         qd = op.Reshape(qd, self.ints([0, g, kvh * h]))
         kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
         vf = self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h)
-        # every masked key is a copy of an attended row (the plan's d_row): the op adds -inf to a masked score,
-        # and NaN - inf would be NaN, so a masked row must never hold another block's NaN
+        # every padding or unmapped key is a copy of an attended row (the plan's d_row): the op adds -inf to a
+        # masked score, and NaN - inf would be NaN, so a masked row must never hold another block's NaN
         o = op.MultiHeadAttention(
             qd,
             kf,
@@ -390,8 +390,8 @@ class _Body(GraphTracer):
     def weighted_sum(self, p, values, g_: str):
         """``P @ V`` where V's rows outside a sequence's live range (padding, unmapped pages) count as 0.
 
-        Decodes need no care: each of their unattended rows is a copy of an attended one (the plan's ``d_row``).
-        For prompt chunks:
+        Decodes need no care: each of their padding or unmapped rows is a copy of an attended one (the plan's
+        ``d_row``). For prompt chunks:
 
         Those rows read some other block (page 0), which may belong to another sequence or hold garbage: a
         NaN or Inf there would reach this output through ``0 * NaN`` (keys need no such care: their masked

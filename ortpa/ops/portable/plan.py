@@ -262,11 +262,12 @@ class _Plan(GraphTracer):
     def decode_group(self, sel, count, c_lo, past, j, live, slot_j) -> dict:
         """The decodes' rows and masks: one query each, at position ``past``, so ``j < kvlen`` is the causal mask.
 
-        Every position a decode does not attend (padding, an unmapped page, outside the window) reads a row it
-        does attend (any one: the largest such slot), so the gathered K and V hold only values that reach its
-        output anyway: NaN or Inf in another sequence's blocks or in never-written memory cannot leak in, and no
-        zeroing pass (nor an ``If`` choosing one) is needed. A decode that attends nothing reads slot 0 and takes
-        the zero row (the plan's ``out_row``).
+        Every position of a decode that is not live (padding, an unmapped page) reads a row it attends (any one:
+        the largest such slot), so the gathered K and V hold only the sequence's own rows: NaN or Inf in another
+        sequence's blocks or in never-written memory cannot leak in, and no zeroing pass (nor an ``If`` choosing
+        one) is needed. Live rows outside the window keep their own slot: the oracle multiplies them by a zero
+        probability, so what they hold reaches its output as it does here. A decode that attends nothing reads
+        slot 0 and takes the zero row (the plan's ``out_row``).
         """
         op, p = self.op, self.p
         allowed = live
@@ -275,7 +276,7 @@ class _Plan(GraphTracer):
             allowed = op.And(live, near)
         # ReduceMax over an empty key axis (no decode has a key) is INT64_MIN: clamped to slot 0 like -1
         some = op.Max(op.ReduceMax(op.Where(allowed, slot_j, -1), [1], keepdims=1), 0)  # [S, 1]
-        row = self.kv_rows(op.Where(allowed, slot_j, some))
+        row = self.kv_rows(op.Where(live, slot_j, some))
         return {
             "query": c_lo,
             "row": row,

@@ -222,8 +222,7 @@ class Engine:
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples and c.request.sampler.params.max_new_tokens > 0]
         reqs = [plan.chunks[i].request for i in sampling]
         contexts = [RowContext(r.sampler.params, r.tokens, r.prompt_len) for r in reqs]
-        picked_rows = rows if len(sampling) == len(rows) else rows[sampling]  # every row sampled (decodes): no copy
-        chosen = iter(sample_rows(picked_rows, [r.sampler for r in reqs], contexts) if sampling else ())
+        chosen = iter(sample_rows(rows[sampling], [r.sampler for r in reqs], contexts) if sampling else ())
         outputs = []
         for chunk in plan.chunks:
             if not chunk.samples:

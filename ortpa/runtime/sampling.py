@@ -176,7 +176,7 @@ def sample_rows(logits: np.ndarray, samplers: Sequence[Sampler], rows: Sequence[
     processed = process_logits(x, rows)
     tokens = np.argmax(processed, axis=1)
     # a row that allows nothing (every logit -inf): no token, the engine ends the request
-    empty = processed[np.arange(len(tokens)), tokens] == -np.inf  # each row's max, without a second pass
+    empty = processed.max(axis=1) == -np.inf
     hot = [i for i, s in enumerate(samplers) if not s.params.greedy and not empty[i]]
     if hot:
         tokens[hot] = _draw(processed[hot], [samplers[i].params for i in hot], [samplers[i].rng for i in hot])

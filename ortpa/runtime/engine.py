@@ -208,9 +208,7 @@ class Engine:
             return []
         inputs = plan.inputs
         self.session.copy_blocks(self.kv.take_pending_copies())
-        ids = np.concatenate(
-            [np.asarray(c.request.tokens[c.start : c.start + c.num_tokens], np.int64) for c in plan.chunks]
-        )
+        ids = np.array([t for c in plan.chunks for t in c.request.tokens[c.start : c.start + c.num_tokens]], np.int64)
         feeds = inputs.model_feeds(
             ids, attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids
         )

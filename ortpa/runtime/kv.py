@@ -381,12 +381,12 @@ class PagedKVCache:
                 )
             width = block_table_width
 
-        past = np.array([s.num_tokens for s in seqs], dtype=np.int32)
-        slots = []
+        past = [s.num_tokens for s in seqs]
+        slots: list[int] = []
         for seq, n in zip(seqs, news, strict=True):  # cannot fail now: the dry run reserved enough blocks
             start = seq.num_tokens
             self._grow(seq, n)
-            slots.append(self._slots(seq, start, seq.num_tokens))
+            slots += self._slot_list(seq, start, seq.num_tokens)
         return self._emit(seqs, news, past, slots, width)
 
     # -- internals -----------------------------------------------------------------------------------
@@ -420,29 +420,34 @@ class PagedKVCache:
             seq.blocks[-1] = dst
             self._pending_copies.append((src, dst))
         seq.num_tokens += n
-        seq.blocks += self.pool.allocate(-(-seq.num_tokens // bs) - len(seq.blocks), what=f"sequence {seq.seq_id!r}")
+        more = -(-seq.num_tokens // bs) - len(seq.blocks)
+        if more:  # most decode steps stay inside the last block
+            seq.blocks += self.pool.allocate(more, what=f"sequence {seq.seq_id!r}")
 
     def _slots(self, seq: KVSequence, start: int, stop: int) -> np.ndarray:
-        pos = np.arange(start, stop, dtype=np.int64)
-        blocks = np.asarray(seq.blocks, dtype=np.int64)
-        return (blocks[pos // self.block_size] * self.block_size + pos % self.block_size).astype(np.int32)
+        return np.array(self._slot_list(seq, start, stop), dtype=np.int32)
 
-    def _emit(self, seqs, news, past, slots, width) -> StepInputs:
-        cum = np.zeros(len(seqs) + 1, dtype=np.int32)
-        cum[1:] = np.cumsum(news)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.blocks)] = s.blocks
-        positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(past, news, strict=True)])
-        last = np.where(np.asarray(news) > 0, cum[1:].astype(np.int64) - 1, -1)
-        kv = int(max(int(p) + n for p, n in zip(past, news, strict=True)))
+    def _slot_list(self, seq: KVSequence, start: int, stop: int) -> list[int]:
+        bs, blocks = self.block_size, seq.blocks
+        return [blocks[p // bs] * bs + p % bs for p in range(start, stop)]
+
+    def _emit(self, seqs, news: list[int], past: list[int], slots: list[int], width: int) -> StepInputs:
+        # Python lists first, one array each at the end: a step's host work is a few small arrays, and on a
+        # CPU whose caches the model's weights just flushed every numpy call costs ~10x its warm time
+        cum = [0]
+        for n in news:
+            cum.append(cum[-1] + n)
+        table = [s.blocks + [-1] * (width - len(s.blocks)) for s in seqs]
+        positions = [p + i for p, n in zip(past, news, strict=True) for i in range(n)]
+        last = [c - 1 if n > 0 else -1 for c, n in zip(cum[1:], news, strict=True)]
+        kv = max(p + n for p, n in zip(past, news, strict=True))
         return StepInputs(
             seq_ids=tuple(s.seq_id for s in seqs),
-            cumulative_sequence_length=cum,
-            past_seqlens=past,
-            block_table=table,
-            slot_mapping=np.concatenate(slots).astype(np.int32),
+            cumulative_sequence_length=np.array(cum, dtype=np.int32),
+            past_seqlens=np.array(past, dtype=np.int32),
+            block_table=np.array(table, dtype=np.int32),
+            slot_mapping=np.array(slots, dtype=np.int32),
             attention_metadata=np.array([max(news), kv, kv], dtype=np.int32),
-            positions=positions,
-            last_token_indices=last.astype(np.int64),
+            positions=np.array(positions, dtype=np.int64),
+            last_token_indices=np.array(last, dtype=np.int64),
         )

@@ -424,9 +424,14 @@ class PagedSession:
             if name in self._values:
                 raise ValueError(f"{name!r} is a cache owned by this PagedSession; do not feed it")
             self._check_rank(name, value)
+            # (each bind replaces the previous step's binding of that name)
+            if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" and value.flags.c_contiguous:
+                keep.append(value)
+                io.bind_cpu_input(name, value)  # a plain numpy array: no Python OrtValue (~5x less host work)
+                continue
             ov = value if isinstance(value, ort.OrtValue) else to_ortvalue(np.ascontiguousarray(value), "cpu")
             keep.append(ov)
-            io.bind_ortvalue_input(name, ov)  # replaces the previous step's binding of that name
+            io.bind_ortvalue_input(name, ov)
         for name in fetched:
             io.bind_output(name, "cpu")  # a fresh, unallocated output: its shape changes from step to step
         sess.run_with_iobinding(io)

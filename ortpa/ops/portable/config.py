@@ -24,10 +24,8 @@ PLAN_OUTPUTS = (
     "any_prefill",  # bool scalar: the prefill group is not empty
     "out_row",  # [T] each token's row in Concat(decode output, prefill output, one zero row)
     "d_query",  # [D] the decoding sequences' tokens
-    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H])
-    "d_row_ok",  # [D, 1, kv_d, 1] rows that hold live keys of the sequence
+    "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H]); one not live reads an attended one
     "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
-    "d_rows_ok",  # bool scalar: every d_row holds a live key (no padding, no unmapped page)
     "d_mask",  # [D, kv_d] int32: d_allowed as the key_padding_mask of com.microsoft::MultiHeadAttention
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
     "p_row",  # [P, kvh, kv_p]

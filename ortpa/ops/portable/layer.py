@@ -166,7 +166,7 @@ class _Body(GraphTracer):
             # a position past the cos/sin rows is an out-of-bounds read on CUDA (the oracle raises); clamp so
             # that Gather stays in bounds; only invalid sequences (zero output, no writes) reach it with sane inputs
             rows = op.Min(self.dim(cos, 0), self.dim(sin, 0))
-            p = op.Min(op.Max(self.plan["pos"], 0), op.Sub(rows, 1))
+            p = op.Min(self.plan["pos"], op.Sub(rows, 1))  # pos >= 0: past and the index in a sequence are
             if c.rope_table_folded:  # every row's table from the initializers alone: a constant once folded
                 cos, sin = (op.Slice(t, self.ints([0]), rows, self.ints([0])) for t in (cos, sin))
                 self._rope_table = op.Gather(self.rope_layout(op.Concat(cos, sin, axis=1)), p)
@@ -356,32 +356,19 @@ class _Body(GraphTracer):
         qd = op.Reshape(qd, self.ints([0, g, kvh * h]))
         kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
         vf = self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h)
-        mask = pl["d_mask"]
-
-        def mha(k, v):
-            return [
-                self.op.MultiHeadAttention(
-                    qd,
-                    k,
-                    v,
-                    None,
-                    mask,
-                    _domain=ORT_DOMAIN,
-                    num_heads=kvh,
-                    scale=c.scale,
-                    mask_filter_value=float("-inf"),
-                )
-            ]  # [D, G, kvh * vh]
-
-        # rows of unmapped pages may hold NaN from another block: zeroed as in weighted_sum, keys too (the op
-        # masks by adding -inf to the score, and NaN - inf is NaN)
-        ok = pl["d_row_ok"]
-        (o,) = self.branch(
-            pl["d_rows_ok"],
-            "d_mha",
-            lambda: mha(kf, vf),
-            lambda: mha(self.op.Where(ok, kf, 0.0), self.op.Where(ok, vf, 0.0)),
-        )
+        # every padding or unmapped key is a copy of an attended row (the plan's d_row): the op adds -inf to a
+        # masked score, and NaN - inf would be NaN, so a masked row must never hold another block's NaN
+        o = op.MultiHeadAttention(
+            qd,
+            kf,
+            vf,
+            None,
+            pl["d_mask"],
+            _domain=ORT_DOMAIN,
+            num_heads=kvh,
+            scale=c.scale,
+            mask_filter_value=float("-inf"),
+        )  # [D, G, kvh * vh]
         if g > 1:
             o = op.Transpose(op.Reshape(o, self.ints([0, g, kvh, vh])), perm=[0, 2, 1, 3])  # [D, kvh, G, vh]
         return op.Reshape(o, self.ints([0, c.num_heads * vh]))
@@ -403,6 +390,9 @@ class _Body(GraphTracer):
     def weighted_sum(self, p, values, g_: str):
         """``P @ V`` where V's rows outside a sequence's live range (padding, unmapped pages) count as 0.
 
+        Decodes need no care: each of their padding or unmapped rows is a copy of an attended one (the plan's
+        ``d_row``). For prompt chunks:
+
         Those rows read some other block (page 0), which may belong to another sequence or hold garbage: a
         NaN or Inf there would reach this output through ``0 * NaN`` (keys need no such care: their masked
         scores are replaced by -inf with ``Where``). Zeroing them is a full pass over the gathered values
@@ -410,6 +400,8 @@ class _Body(GraphTracer):
         single sequence or equal lengths have none. In float32: ONNX Runtime's CPU Where has no float16 or
         bfloat16 kernel (it would wrap one in casts)."""
         pl = self.plan
+        if g_ == "d_":
+            return self.op.MatMul(p, values)
         return self.branch(
             pl[g_ + "rows_ok"],
             f"{g_}pv",

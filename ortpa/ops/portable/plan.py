@@ -72,7 +72,7 @@ class _Plan(GraphTracer):
                 self.branch(
                     any_pre,
                     "prefill_plan",
-                    lambda: [self.group(is_pre, one_query=False)[k] for k in _PREFILL_KEYS],
+                    lambda: self.prefill_group(is_pre),
                     lambda: [self.constant(a) for a in empty],
                     count=len(_PREFILL_KEYS),
                 ),
@@ -104,9 +104,7 @@ class _Plan(GraphTracer):
             out_row,
             dec["query"],
             dec["row"],
-            dec["row_ok"],
             dec["allowed"],
-            dec["rows_ok"],
             dec["mask"],
             pre["query"],
             pre["row"],
@@ -197,14 +195,17 @@ class _Plan(GraphTracer):
         return op.Gather(srow, keep)
 
     # ------------------------------------------------------------------ §3.4(d)/(e) the two groups
+    def prefill_group(self, member) -> list[ir.Value]:
+        group = self.group(member, one_query=False)  # traced once, then read key by key
+        return [group[k] for k in _PREFILL_KEYS]
+
     def group(self, member, *, one_query: bool) -> dict:
         """Indices and masks of the sequences where ``member`` holds, padded to their longest query and KV length.
 
         ``one_query`` (decodes): every member has one query at position ``past`` and ``kvlen == past + 1`` (an
-        invalid one has ``kvlen == 0``), so the causal mask is implied by the KV length.
+        invalid one has ``kvlen == 0``), so the causal mask is implied by the KV length (:meth:`decode_group`).
         """
-        op, p = self.op, self.p
-        kvh = p.kv_num_heads
+        op = self.op
         sel = op.Reshape(op.NonZero(member), self.ints([-1]))
         count = self.dim(sel, 0)
         kvlen, past, c_lo = op.Gather(self.kvlen, sel), op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
@@ -219,39 +220,24 @@ class _Plan(GraphTracer):
         mapped = op.GreaterOrEqual(pages, 0)
         inside = op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(kvlen, [1]))  # [S, max_kv]: j < the sequence's length
         live = op.And(mapped, inside)
-        # Padding rows (j >= kvlen) would read some other block (page 0), which may belong to another sequence or
-        # hold garbage, and a NaN there would reach the output through 0 * NaN in P @ V. They read the sequence's
-        # own last row instead (position kvlen - 1, attended anyway: whatever it holds reaches the output already)
-        # when that page is mapped. Only unmapped pages inside the range, or a sequence without such a last row,
-        # are left, and the layers zero those values (an If on rows_ok): a full pass over the gathered values.
+        slot_j = op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS))  # the true slot where mapped
+        if one_query:
+            return self.decode_group(sel, count, c_lo, past, j, live, slot_j)
+        # Prompt chunks. Padding rows (j >= kvlen) would read some other block (page 0), which may belong to
+        # another sequence or hold garbage, and a NaN there would reach the output through 0 * NaN in P @ V. They
+        # read the sequence's own last row instead (position kvlen - 1, attended anyway: whatever it holds
+        # reaches the output already) when that page is mapped. Only unmapped pages inside the range, or a
+        # sequence without such a last row, are left, and the layers zero those values (an If on rows_ok): a full
+        # pass over the gathered values.
         last = op.Unsqueeze(op.Max(op.Sub(kvlen, 1), 0), [1])  # [S, 1]
         last_page = op.GatherElements(bt, op.Div(last, self.BS), axis=1)  # last < kvlen <= capacity: in range
         last_slot = op.Add(op.Mul(op.Max(last_page, 0), self.BS), op.Mod(last, self.BS))
         last_ok = op.And(op.Greater(op.Unsqueeze(kvlen, [1]), 0), op.GreaterOrEqual(last_page, 0))  # [S, 1]
-        slot = op.Where(inside, op.Add(op.Mul(op.Max(pages, 0), self.BS), op.Mod(j, self.BS)), last_slot)
-        row = op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))  # [S,kvh,kv]
+        slot = op.Where(inside, slot_j, last_slot)
+        row = self.kv_rows(slot)
         row_ok = op.Unsqueeze(live, [1, 3])  # [S, 1, max_kv, 1] against the gathered [S, kvh, max_kv, H]
         unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
         rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
-        if one_query:
-            # [S, 1, 1, max_kv] against the decode scores [S, kvh, G, max_kv]; the query sits at past, so
-            # j < kvlen is the causal mask too
-            allowed = live
-            if p.local_window_size > 0:
-                near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
-                allowed = op.And(live, near)
-            mask = op.Cast(allowed, to=ir.DataType.INT32)
-            allowed = op.Unsqueeze(allowed, [1, 2])
-            return {
-                "query": c_lo,
-                "row": row,
-                "row_ok": row_ok,
-                "allowed": allowed,
-                "rows_ok": rows_ok,
-                "count": count,
-                "mask": mask,
-                "sel": sel,
-            }
         maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
         i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
         tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
@@ -266,6 +252,38 @@ class _Plan(GraphTracer):
             "count": count,
             "max_q": maxq,
             "max_kv": maxkv,
+        }
+
+    def kv_rows(self, slot):
+        """[S, kvh, max_kv]: the row of each (sequence, kv head, position) in the cache viewed as [slots * kvh, H]."""
+        op, kvh = self.op, self.p.kv_num_heads
+        return op.Add(op.Mul(op.Unsqueeze(slot, [1]), kvh), op.Unsqueeze(op.Range(0, kvh, 1), [0, 2]))
+
+    def decode_group(self, sel, count, c_lo, past, j, live, slot_j) -> dict:
+        """The decodes' rows and masks: one query each, at position ``past``, so ``j < kvlen`` is the causal mask.
+
+        Every position of a decode that is not live (padding, an unmapped page) reads a row it attends (any one:
+        the largest such slot), so the gathered K and V hold only the sequence's own rows: NaN or Inf in another
+        sequence's blocks or in never-written memory cannot leak in, and no zeroing pass (nor an ``If`` choosing
+        one) is needed. Live rows outside the window keep their own slot: the oracle multiplies them by a zero
+        probability, so what they hold reaches its output as it does here. A decode that attends nothing reads
+        slot 0 and takes the zero row (the plan's ``out_row``).
+        """
+        op, p = self.op, self.p
+        allowed = live
+        if p.local_window_size > 0:
+            near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
+            allowed = op.And(live, near)
+        # ReduceMax over an empty key axis (no decode has a key) is INT64_MIN: clamped to slot 0 like -1
+        some = op.Max(op.ReduceMax(op.Where(allowed, slot_j, -1), [1], keepdims=1), 0)  # [S, 1]
+        row = self.kv_rows(op.Where(live, slot_j, some))
+        return {
+            "query": c_lo,
+            "row": row,
+            "allowed": op.Unsqueeze(allowed, [1, 2]),  # [S, 1, 1, max_kv] against the scores [S, kvh, G, max_kv]
+            "count": count,
+            "mask": op.Cast(allowed, to=ir.DataType.INT32),
+            "sel": sel,
         }
 
     def mask(self, i, j, mapped, past, kvlen):

@@ -31,6 +31,7 @@ import onnx_ir as ir
 from ortpa.rewriter._graph import Builder
 
 __all__ = [
+    "QUERY_BLOCKS",
     "Composite",
     "PrefillForm",
     "PrefillSplit",
@@ -40,6 +41,11 @@ __all__ = [
 ]
 
 PrefillForm = Literal["expanded", "absorbed"]
+
+# query blocks of the expanded attention: the float32 scores of a prompt of M tokens take M * ceil(M / 4) * H
+# floats at a time instead of M * M * H (at 8k tokens and 16 heads 1 GiB, not 4). Each block is a handful of
+# kernels that a decode step dispatches on zero-size tensors, so the count stays small (docs/mla_prefill.md)
+QUERY_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -134,13 +140,37 @@ def expanded_attention(
     kpe = b.op("Unsqueeze", [b.op("Gather", [kpe, tok]), b.ints([1])])  # [S, 1, M, R]
     heads = b.op("Concat", [b.op("Shape", [k_nope], {"end": 3}), b.op("Shape", [kpe], {"start": 3})], {"axis": 0})
     kpe = b.op("Expand", [kpe, heads])  # [S, H, M, R]
-    k = b.op("Concat", [k_nope, kpe], {"axis": -1})  # [S, H, M, P + R]
-    s = b.op("MatMul", [q, b.op("Transpose", [k], {"perm": [0, 1, 3, 2]})])  # [S, H, M, M]
-    s = b.op("Where", [split.grid_mask, s, b.initializer(np.array(-np.inf, np.float32), "masked")])
-    p = b.op("Softmax", [s], {"axis": -1})  # the diagonal is always allowed: no fully masked row
-    o = b.op("MatMul", [p, v])  # [S, H, M, V]
+    k_t = b.op("Transpose", [b.op("Concat", [k_nope, kpe], {"axis": -1})], {"perm": [0, 1, 3, 2]})  # [S, H, P+R, M]
+    o = _query_blocks(b, split.grid_mask, q, k_t, v, QUERY_BLOCKS)  # [S, H, M, V]
     o = b.op("Transpose", [o], {"perm": [0, 2, 1, 3]})
     return b.op("Reshape", [o, b.ints([-1, H * V])], hint="expanded_out")
+
+
+def _query_blocks(b: Builder, mask: ir.Value, q: ir.Value, k_t: ir.Value, v: ir.Value, blocks: int) -> ir.Value:
+    """Causal attention of ``q`` ``[S, H, M, D]`` over ``k_t`` ``[S, H, D, M]`` / ``v`` ``[S, H, M, V]`` in
+    ``blocks`` query blocks of ``ceil(M / blocks)`` rows, each against the keys up to its last row only.
+
+    The same arithmetic row by row as one ``[S, H, M, M]`` product (each row's softmax and value sum are its
+    own), but the float32 scores live one block at a time (at 8k tokens and 16 heads: 1 GiB a block instead of
+    4 GiB, and the masked-out upper triangle past each block's last row is never computed, ~3/8 of the score
+    and value FLOPs at 4 blocks)."""
+    zero, two, three = b.ints([0]), b.ints([2]), b.ints([3])
+    m = b.op("Shape", [q], {"start": 2, "end": 3})
+    rows = b.op("Div", [b.op("Add", [m, b.ints([blocks - 1])]), b.ints([blocks])])  # ceil(M / blocks)
+    masked = b.initializer(np.array(-np.inf, np.float32), "masked")
+    outs = []
+    for j in range(blocks):
+        start = b.op("Mul", [rows, b.ints([j])])
+        end = b.op("Min", [b.op("Mul", [rows, b.ints([j + 1])]), m])
+        # Slice clamps: a block past M is empty (zero rows), as is every block of a step without fresh rows
+        q_j = b.op("Slice", [q, start, end, two])
+        s = b.op("MatMul", [q_j, b.op("Slice", [k_t, zero, end, three])])  # [S, H, rows, end]
+        corner = b.op("Concat", [end, end], {"axis": 0})
+        mask_j = b.op("Slice", [mask, b.op("Concat", [start, zero], {"axis": 0}), corner, b.ints([2, 3])])
+        s = b.op("Where", [mask_j, s, masked])
+        p = b.op("Softmax", [s], {"axis": -1})  # the diagonal is always allowed: no fully masked row
+        outs.append(b.op("MatMul", [p, b.op("Slice", [v, zero, end, two])]))  # [S, H, rows, V]
+    return outs[0] if blocks == 1 else b.op("Concat", outs, {"axis": 2})
 
 
 def attention_flops_per_token(

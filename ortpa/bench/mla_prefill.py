@@ -18,7 +18,9 @@ both through ``PagedSession`` (portable op, aliased caches) on ONNX Runtime CPU.
 machine at long lengths). ``ORTPA_BENCH_PROVIDER=cuda`` runs all three on CUDA (wall time then;
 ``scripts/gpu_check.sh``).
 Lengths: 256 and 1024 with ``quick``; 256, 1024, 2048, 4096 otherwise; ``ORTPA_BENCH_MLA_LENGTHS`` (comma list)
-overrides (8192 needs ~3 x 4 GiB of float32 scores per layer in each model: run it on a machine with the room).
+overrides. At 8192 the dense export holds ~3 x 4 GiB of float32 scores per layer, the expanded model a quarter of
+that (its query blocks, ``ortpa.rewriter.mla_expanded.QUERY_BLOCKS``); the absorbed one is ~3x dense's time
+there (``ORTPA_BENCH_MLA_FORMS=expanded`` leaves it out).
 """
 
 from __future__ import annotations

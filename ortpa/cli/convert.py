@@ -175,10 +175,10 @@ def register(sub) -> None:
     p.add_argument(
         "--mla-prefill",
         choices=["expanded", "absorbed"],
-        default="absorbed",
-        help="MLA: keep every row absorbed (default), or attend fresh prompts (no cached prefix) in the expanded "
-        "form, 192/128 per head, and decodes and prefix-cached chunks absorbed (expanded: opt-in while a defect "
-        "is open, see docs/mla_prefill.md; --json says why where it cannot apply)",
+        default="expanded",
+        help="MLA: attend fresh prompts (no cached prefix) in the expanded form, 192/128 per head, and decodes and "
+        "prefix-cached chunks absorbed (default; --json says why where it cannot apply), or keep every row "
+        "absorbed (docs/mla_prefill.md)",
     )
     p.add_argument(
         "--absorb",

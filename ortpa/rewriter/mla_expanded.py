@@ -31,15 +31,23 @@ import onnx_ir as ir
 from ortpa.rewriter._graph import Builder
 
 __all__ = [
+    "QUERY_BLOCKS",
     "Composite",
     "PrefillForm",
     "PrefillSplit",
+    "QueryBlock",
     "TrackingBuilder",
     "attention_flops_per_token",
     "expanded_attention",
+    "query_blocks",
 ]
 
 PrefillForm = Literal["expanded", "absorbed"]
+
+# query blocks of the expanded attention: the float32 scores of a prompt of M tokens take M * ceil(M / 4) * H
+# floats at a time instead of M * M * H (at 8k tokens and 16 heads 1 GiB, not 4). Each block is a handful of
+# kernels that a decode step dispatches on zero-size tensors, so the count stays small (docs/mla_prefill.md)
+QUERY_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,16 @@ class Composite:
     nodes: frozenset[ir.Node]
 
 
+@dataclass(frozen=True)
+class QueryBlock:
+    """Query rows ``[start, end)`` of the grid (int64 ``[1]`` each), attending keys ``[0, end)`` under ``mask``
+    ``[S, 1, end - start, end]`` (the grid mask's block): the same for every layer, built once per graph."""
+
+    start: ir.Value
+    end: ir.Value
+    mask: ir.Value
+
+
 @dataclass
 class PrefillSplit:
     """A step's rows split into fresh prefill (expanded) and the rest (absorbed), built once per graph.
@@ -62,7 +80,8 @@ class PrefillSplit:
     cumulative lengths; ``metadata`` int32 ``[2]`` the host bounds for the absorbed node (or None);
     ``grid_tok [S, M]`` the fresh sequences' tokens (padding clamped onto real tokens); ``grid_mask [S, 1, M, M]``
     bool causal mask; ``merge [T]`` each token's row in ``Concat(absorbed rows, grid rows)``; ``write_rows [n]`` /
-    ``write_index [n, 2]`` the fresh tokens written to the cache and their (block, offset).
+    ``write_index [n, 2]`` the fresh tokens written to the cache and their (block, offset); ``blocks`` the grid's
+    query blocks (:data:`QUERY_BLOCKS`), shared by every layer.
     """
 
     abs_rows: ir.Value
@@ -73,6 +92,7 @@ class PrefillSplit:
     merge: ir.Value
     write_rows: ir.Value
     write_index: ir.Value
+    blocks: list[QueryBlock] = field(default_factory=list)
     nodes: set[ir.Node] = field(default_factory=set)
     composites: list[Composite] = field(default_factory=list)
 
@@ -134,13 +154,43 @@ def expanded_attention(
     kpe = b.op("Unsqueeze", [b.op("Gather", [kpe, tok]), b.ints([1])])  # [S, 1, M, R]
     heads = b.op("Concat", [b.op("Shape", [k_nope], {"end": 3}), b.op("Shape", [kpe], {"start": 3})], {"axis": 0})
     kpe = b.op("Expand", [kpe, heads])  # [S, H, M, R]
-    k = b.op("Concat", [k_nope, kpe], {"axis": -1})  # [S, H, M, P + R]
-    s = b.op("MatMul", [q, b.op("Transpose", [k], {"perm": [0, 1, 3, 2]})])  # [S, H, M, M]
-    s = b.op("Where", [split.grid_mask, s, b.initializer(np.array(-np.inf, np.float32), "masked")])
-    p = b.op("Softmax", [s], {"axis": -1})  # the diagonal is always allowed: no fully masked row
-    o = b.op("MatMul", [p, v])  # [S, H, M, V]
+    k_t = b.op("Transpose", [b.op("Concat", [k_nope, kpe], {"axis": -1})], {"perm": [0, 1, 3, 2]})  # [S, H, P+R, M]
+    o = _blocked_attention(b, split.blocks, q, k_t, v)  # [S, H, M, V]
     o = b.op("Transpose", [o], {"perm": [0, 2, 1, 3]})
     return b.op("Reshape", [o, b.ints([-1, H * V])], hint="expanded_out")
+
+
+def query_blocks(b: Builder, grid_tok: ir.Value, grid_mask: ir.Value, blocks: int) -> list[QueryBlock]:
+    """The grid's ``M`` query rows in ``blocks`` blocks of ``ceil(M / blocks)`` rows (the last ones short or empty:
+    Slice clamps, and a step without fresh rows has ``M = 0``), each with its block of the causal mask."""
+    zero = b.ints([0])
+    m = b.op("Shape", [grid_tok], {"start": 1, "end": 2})
+    rows = b.op("Div", [b.op("Add", [m, b.ints([blocks - 1])]), b.ints([blocks])])
+    out = []
+    for j in range(blocks):
+        start = b.op("Min", [b.op("Mul", [rows, b.ints([j])]), m])
+        end = b.op("Min", [b.op("Mul", [rows, b.ints([j + 1])]), m])
+        corner = b.op("Concat", [end, end], {"axis": 0})
+        mask = b.op("Slice", [grid_mask, b.op("Concat", [start, zero], {"axis": 0}), corner, b.ints([2, 3])])
+        out.append(QueryBlock(start, end, mask))
+    return out
+
+
+def _blocked_attention(b: Builder, blocks: list[QueryBlock], q: ir.Value, k_t: ir.Value, v: ir.Value) -> ir.Value:
+    """Causal attention of ``q`` ``[S, H, M, D]`` over ``k_t`` ``[S, H, D, M]`` / ``v`` ``[S, H, M, V]``, one
+    query block at a time, each against the keys up to its last row only.
+
+    The same arithmetic row by row as one ``[S, H, M, M]`` product (each row's softmax and value sum are its
+    own), but the float32 scores live one block at a time (at 8k tokens and 16 heads: 1 GiB a block instead of
+    4 GiB), and the masked upper triangle past each block's last row is never computed."""
+    zero, two, three = b.ints([0]), b.ints([2]), b.ints([3])
+    masked = b.initializer(np.array(-np.inf, np.float32), "masked")
+    outs = []
+    for blk in blocks:
+        s = b.op("MatMul", [b.op("Slice", [q, blk.start, blk.end, two]), b.op("Slice", [k_t, zero, blk.end, three])])
+        p = b.op("Softmax", [b.op("Where", [blk.mask, s, masked])], {"axis": -1})  # the diagonal is always allowed
+        outs.append(b.op("MatMul", [p, b.op("Slice", [v, zero, blk.end, two])]))  # [S, H, rows, V]
+    return outs[0] if len(outs) == 1 else b.op("Concat", outs, {"axis": 2})
 
 
 def attention_flops_per_token(

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from ortpa.rewriter import packed
 from ortpa.rewriter.layer import MlaLayer
-from ortpa.rewriter.mla_expanded import PrefillSplit, TrackingBuilder
+from ortpa.rewriter.mla_expanded import QUERY_BLOCKS, PrefillSplit, TrackingBuilder, query_blocks
 
 __all__ = ["expanded_reasons", "prefill_split", "register_composites"]
 
@@ -102,6 +102,7 @@ def prefill_split(graph: ir.Graph, io: packed.PagedIO, key_cache: ir.Value) -> P
         merge=merge,
         write_rows=write_rows,
         write_index=write_index,
+        blocks=query_blocks(b, grid_tok, grid_mask, QUERY_BLOCKS),
         nodes=nodes,
     )
 

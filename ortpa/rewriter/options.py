@@ -44,12 +44,10 @@ class RewriteOptions:
       (default: seeded random prompts), see :mod:`ortpa.rewriter.kv_quant`.
     * ``absorb`` (MLA): ``"auto"`` folds W_UK / W_UV into q_proj / o_proj where exact and not larger, ``"fold"``
       wherever exact, ``"matmul"`` never (per-head MatMuls).
-    * ``mla_prefill`` (MLA): ``"absorbed"`` (default) attends every row with the LATENT node; ``"expanded"``
-      attends the rows of fresh prompts (no cached prefix) in the expanded form (``kv_b_proj`` up-projects their
-      own latent rows, 192 / 128 per head) and everything else absorbed. Opt-in while a defect is open: the
-      sweep's deepseek_v3 seed 1 diverges on the second decode after a 19-token expanded prefill, which
-      verification refuses (``docs/mla_prefill.md``). Where the expanded form cannot apply
-      (int8 caches, ``rope_in_op``) the conversion stays absorbed and says why in the model's metadata
+    * ``mla_prefill`` (MLA): ``"expanded"`` (default) attends the rows of fresh prompts (no cached prefix) in the
+      expanded form (``kv_b_proj`` up-projects their own latent rows, 192 / 128 per head) and everything else
+      with the LATENT node; ``"absorbed"`` attends every row with the LATENT node. Where the expanded form cannot
+      apply (int8 caches, ``rope_in_op``) the conversion stays absorbed and says why in the model's metadata
       (``ortpa.mla_prefill``); see :mod:`ortpa.rewriter.mla_expanded`.
     * ``attention_metadata``: add the host-side ``attention_metadata`` input; ``position_ids``: ``"derive"``
       positions in the graph from the sequence lengths, or take an ``"input"``.
@@ -60,7 +58,7 @@ class RewriteOptions:
     logits: LogitsMode = "last"
     kv_cache_dtype: str | None = None
     absorb: AbsorbMode = "auto"
-    mla_prefill: PrefillForm = "absorbed"
+    mla_prefill: PrefillForm = "expanded"
     attention_metadata: bool = True
     position_ids: PositionMode = "derive"
     max_positions: int | None = None

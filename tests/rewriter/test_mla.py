@@ -87,7 +87,9 @@ def test_node_attributes_and_interface():
     ]
     assert [o.name for o in converted.graph.output] == ["logits", "present.0.key", "present.1.key"]
     assert nodes[0].input[3] == "past_key_values.0.key"
-    assert nodes[0].output[1] == "present.0.key"  # absorbed (the default): the node's cache output leaves the graph
+    # the fresh prompts' rows (expanded prefill) join the node's own write before the cache leaves the graph
+    (write,) = [n for n in converted.graph.node if nodes[0].output[1] in n.input]
+    assert write.op_type == "ScatterND" and write.input[0] == nodes[0].output[1] and write.output[0] == "present.0.key"
     cache = converted.graph.input[5].type.tensor_type
     assert cache.elem_type == onnx.TensorProto.FLOAT16
     assert [d.dim_value or d.dim_param for d in cache.shape.dim] == ["num_blocks", "block_size", 1, 80]

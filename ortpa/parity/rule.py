@@ -214,15 +214,17 @@ def judge(
     dtype: str,
     *,
     twin: GreedyRun | None = None,
+    twin_original: GreedyRun | None = None,
     arithmetic: str = "float32",
     accumulation: int = 1,
     layers: int = 1,
     reason: str = "",
 ) -> Verdict:
     """Both verdicts: structure on ``twin`` (or on ``deployed`` at ``arithmetic``'s bound where there is no
-    separate twin), precision on ``deployed``."""
+    separate twin) against ``twin_original`` (the original's own float32 twin, where the original computes in a
+    half type) or else ``original``; precision on ``deployed`` against ``original``."""
     structure = judge_structure(
-        original,
+        twin_original if twin_original is not None else original,
         twin if twin is not None else deployed,
         arithmetic,
         accumulation=accumulation,

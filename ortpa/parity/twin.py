@@ -26,8 +26,9 @@ import onnx
 
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
+from ortpa.parity.upcast import upcast_to_float32
 
-__all__ = ["Twin", "accumulation_length", "float32_twin", "source_arithmetic"]
+__all__ = ["Twin", "accumulation_length", "float32_original", "float32_twin", "source_arithmetic"]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # the op's inputs a cast to T may feed (schema indices): query, key, value, cos, sin, head_sink, q/k-norm weights
@@ -49,8 +50,11 @@ class Twin:
     layers: int = 1  # attention layers: the residual stream adds one rounding per layer
 
 
-def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
-    """The float32 twin of ``converted`` (a path, or a model :func:`~ortpa.model.file.read_model` read)."""
+def float32_twin(converted: str | os.PathLike | LoadedModel, *, upcast: bool = False) -> Twin:
+    """The float32 twin of ``converted`` (a path, or a model :func:`~ortpa.model.file.read_model` read).
+    ``upcast``: the original computes in a half type itself, and the converted model with it; the twin then
+    computes everything in float32 (:func:`ortpa.parity.upcast.upcast_to_float32`), to be compared with the
+    original's own float32 twin (:func:`float32_original`)."""
     from ortpa.model.file import read_model
     from ortpa.ops.portable import lower_to_portable, value_types
     from ortpa.ops.shape_inference import infer_shapes
@@ -65,7 +69,8 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
         return Twin(None, "float32", "no PagedAttention node")
     sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
     own = source_arithmetic(proto)
-    if own != "float32":  # a dtype= conversion: its weights and activations are T, attention in float32 adds nothing
+    if own != "float32" and not upcast:
+        # a dtype= conversion of a float32 original: its weights are rounded to T, which the original's are not
         return Twin(None, own, f"the converted model computes in {own} throughout", **sizes)
     producers = {o: n for n in graph.node for o in n.output}
     graph_inputs = {i.name: i for i in graph.input}
@@ -92,7 +97,7 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     casts: set[str] = set()
     caches: set[str] = set()
     t_dtype = ""
-    for node in nodes:
+    for node in nodes if not upcast else []:  # upcast: no cast marks T's boundary, everything becomes float32
         for slot in _CAST_SLOTS:
             name = node.input[slot] if slot < len(node.input) else ""
             if not name:
@@ -111,6 +116,7 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
                 return Twin(None, dtype_name(to), reason, **sizes)
             casts.add(cast.output[0])
             t_dtype = t_dtype or dtype_name(to)
+    for node in nodes:
         for slot in _CACHE_SLOTS:
             if slot < len(node.input) and node.input[slot] in graph_inputs:
                 caches.add(node.input[slot])
@@ -146,8 +152,20 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     kept = [vi for vi in graph.value_info if vi.name not in stale and vi.type.tensor_type.elem_type not in _HALF]
     del graph.value_info[:]
     graph.value_info.extend(kept)
+    if upcast:
+        upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
     return Twin(twin, "float32", **sizes)
+
+
+def float32_original(original: str | os.PathLike) -> LoadedModel:
+    """The float32 twin of an original that computes in a half type: its graph header upcast
+    (:func:`ortpa.parity.upcast.upcast_to_float32`), its weights read from its own files."""
+    from ortpa.model.file import read_model
+
+    loaded = read_model(original, load_external_data=False)
+    upcast_to_float32(loaded.proto)
+    return dataclasses.replace(loaded, label=f"{loaded.label} (float32 twin)")
 
 
 def accumulation_length(proto: onnx.ModelProto) -> int:

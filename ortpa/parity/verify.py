@@ -34,9 +34,10 @@ import onnx
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model.file import LoadedModel
-from ortpa.parity.greedy import dense_greedy, paged_greedy
+from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.parity.rule import Verdict, judge
-from ortpa.parity.twin import float32_twin, source_arithmetic
+from ortpa.parity.twin import float32_original, float32_twin, source_arithmetic
+from ortpa.parity.upcast import twin_session_options
 from ortpa.providers import CPU
 from ortpa.tolerances import UNIT_ROUNDOFF, structure_tolerance
 
@@ -175,17 +176,12 @@ def verify_conversion(
     return verification
 
 
-def _paged(model, blocks: int):
+def _paged(model, blocks: int, *, upcast: bool = False):
     from ortpa.runtime.session import PagedSession
 
+    options = _twin_options() if upcast else _lean_options()
     try:
-        return PagedSession(
-            model,
-            num_blocks=blocks,
-            block_size=_BLOCK_SIZE,
-            providers=[CPU],
-            sess_options=_lean_options(),
-        )
+        return PagedSession(model, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=options)
     except InvalidModel as exc:
         if "Could not find an implementation" not in str(exc):
             raise
@@ -195,6 +191,26 @@ def _paged(model, blocks: int):
             "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
             [("session (CPU)", str(exc)[-300:])],
         ) from None
+
+
+def _dense_twin_run(original, prompts, steps: int, follow) -> GreedyRun:
+    """The original's float32 twin (:func:`~ortpa.parity.twin.float32_original`) run alone on each prompt,
+    teacher-forced on ``follow`` (the original's own tokens)."""
+    from ortpa.formats.detect import dense_interface
+    from ortpa.runtime.session import InferenceSession
+
+    model = float32_original(original)
+    options = _twin_options()
+    options.enable_mem_reuse = False  # as the original's own session (_open_original)
+    session = InferenceSession(model, options, providers=[CPU])
+    run = dense_greedy(session, prompts, steps, follow=follow, interface=dense_interface(model.proto))
+    del session
+    gc.collect()
+    return run
+
+
+def _twin_options():
+    return twin_session_options(_lean_options())
 
 
 def _coarsest(*arithmetic: str) -> str:
@@ -216,18 +232,23 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     del paged
     gc.collect()
     source = source_arithmetic(read_model(original, load_external_data=False).proto)
-    twin = float32_twin(converted)
+    # an original that computes in a half type gets its own float32 twin, run on the same tokens: both sides
+    # then differ only by the rewrite and reordered float32 sums
+    upcast = source in ("float16", "bfloat16")
+    twin_original = _dense_twin_run(original, prompts, steps, want.tokens) if upcast else None
+    twin = float32_twin(converted, upcast=upcast)
     twin_run = None
     if twin.model is not None:
-        twin_session = _paged(twin.model, blocks)
+        twin_session = _paged(twin.model, blocks, upcast=upcast)
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
     # without a separate twin the deployed model is judged as its own, in its own arithmetic (a --portable file,
     # a dtype= conversion: T throughout)
-    arithmetic = (
-        _coarsest(source, "float32") if twin.model is not None else _coarsest(source, twin.arithmetic, cache_dtype)
-    )
+    if twin.model is None:
+        arithmetic = _coarsest(source, twin.arithmetic, cache_dtype)
+    else:
+        arithmetic = "float32" if upcast else _coarsest(source, "float32")
     # the deployed T's rounding feeds whatever the original quantizes (int8 activations): judged at the coarser
     precision = _coarsest(cache_dtype, source)
     verdict = judge(
@@ -235,6 +256,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         got,
         precision,
         twin=twin_run,
+        twin_original=twin_original if twin_run is not None else None,
         arithmetic=arithmetic,
         accumulation=twin.accumulation,
         layers=twin.layers,
@@ -255,8 +277,13 @@ def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -
         # the prompt and the original's tokens up to the step: one prefill reaches what the decode steps did
         tokens = list(prompts[prompt]) + list(want.tokens[prompt][:step])
         try:
+            # where the original computes in a half type, the twin is compared with the original's own twin
+            upcast = twin_model is not None and st.twin and _computes_in_half(original)
             where = first_diverging_layer(
-                original, twin_model if twin_model is not None else converted, tokens, st.tolerance
+                float32_original(original) if upcast else original,
+                twin_model if twin_model is not None else converted,
+                tokens,
+                st.tolerance,
             )
         except Exception as exc:  # the diagnosis must never hide the verdict
             where = f"not located ({type(exc).__name__}: {str(exc)[:200]})"
@@ -268,6 +295,12 @@ def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -
             "the rule allows"
         )
     return ConversionError(f"{what}; nothing was written (pass --no-verify / verify=False to write it anyway)", details)
+
+
+def _computes_in_half(original) -> bool:
+    from ortpa.model.file import read_model
+
+    return source_arithmetic(read_model(original, load_external_data=False).proto) in ("float16", "bfloat16")
 
 
 def _layer_outputs(proto: onnx.ModelProto, known: set[str]) -> list[tuple[int, str]]:
@@ -326,7 +359,7 @@ def _probe(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
 
 
 def first_diverging_layer(
-    original: str | os.PathLike,
+    original: str | os.PathLike | LoadedModel,
     converted: str | os.PathLike | LoadedModel,
     prompt: Sequence[int],
     tolerance: float | None = None,
@@ -343,7 +376,7 @@ def first_diverging_layer(
 
     tol = structure_tolerance("float32") if tolerance is None else tolerance  # an error when no sizes are known
     paged_file = converted if isinstance(converted, LoadedModel) else read_model(converted, load_external_data=False)
-    dense_file = read_model(original, load_external_data=False)
+    dense_file = original if isinstance(original, LoadedModel) else read_model(original, load_external_data=False)
     dense_names = {v for n in dense_file.proto.graph.node for v in n.output}
     layers = _layer_outputs(paged_file.proto, dense_names)
     if not layers:
@@ -355,12 +388,9 @@ def first_diverging_layer(
         _probe(paged_file.proto, names), f"{paged_file.label} (probe)", paged_file.base_dir, paged_file.external
     )
     blocks = -(-len(prompt) // _BLOCK_SIZE) + 1
+    # a float32 twin's casts of half weights run per use, not folded into float32 copies (ortpa.parity.upcast)
     paged = PagedSession(
-        probe,
-        num_blocks=blocks,
-        block_size=_BLOCK_SIZE,
-        providers=[CPU],
-        sess_options=_lean_options(),
+        probe, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=_twin_options()
     )
     kv = PagedKVCache(paged.num_blocks, paged.block_size)
     kv.add_sequence(0)
@@ -384,7 +414,7 @@ def first_diverging_layer(
     dense_probe = LoadedModel(
         _probe(dense_file.proto, names), f"{dense_file.label} (probe)", dense_file.base_dir, dense_file.external
     )
-    options = _lean_options()
+    options = _twin_options()
     options.enable_mem_reuse = False
     session = InferenceSession(dense_probe, options, providers=[CPU])
     io = dense_interface(dense_file.proto)

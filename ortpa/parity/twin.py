@@ -159,13 +159,26 @@ def float32_twin(converted: str | os.PathLike | LoadedModel, *, upcast: bool = F
 
 
 def float32_original(original: str | os.PathLike) -> LoadedModel:
-    """The float32 twin of an original that computes in a half type: its graph header upcast
-    (:func:`ortpa.parity.upcast.upcast_to_float32`), its weights read from its own files."""
+    """The float32 twin of an original that computes in a half type, its weights read from its own files.
+
+    First the constants the conversion folds (``onnxscript.optimizer.optimize``, as
+    :func:`ortpa.rewriter.pipeline.rewrite` runs it) are folded here too, in the original's own arithmetic: a
+    softmax scale ``sqrt(float16(1/sqrt(d)))`` or a ``1 + weight`` is the half value in the converted model, and
+    must be the same value in both twins. Then the graph is upcast
+    (:func:`ortpa.parity.upcast.upcast_to_float32`)."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
     from ortpa.model.file import read_model
+    from ortpa.rewriter.model_store import load_ir
 
     loaded = read_model(original, load_external_data=False)
-    upcast_to_float32(loaded.proto)
-    return dataclasses.replace(loaded, label=f"{loaded.label} (float32 twin)")
+    irm = load_ir(original)  # external weights stay lazy: only the small constants the optimizer folds are read
+    onnxscript.optimizer.optimize(irm)
+    proto = ir.serde.serialize_model(irm)
+    del irm
+    upcast_to_float32(proto)
+    return dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
 
 
 def accumulation_length(proto: onnx.ModelProto) -> int:

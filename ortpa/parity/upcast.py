@@ -137,6 +137,12 @@ def _retype(values) -> None:
 
 def twin_session_options(options):
     """``options`` (an ``onnxruntime.SessionOptions``) with constant folding off, so the initializers' casts run
-    per use instead of being folded into float32 copies of the weights (twice the half weights' memory)."""
+    per use instead of being folded into float32 copies of the weights (twice the half weights' memory). The
+    level-3 (layout) optimizations fold them too, whatever is disabled by name: the level stops at extended."""
+    import onnxruntime as ort
+
     options.add_session_config_entry("optimization.disable_specified_optimizers", "ConstantFolding")
+    options.graph_optimization_level = min(
+        options.graph_optimization_level, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, key=int
+    )
     return options

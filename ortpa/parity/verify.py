@@ -43,6 +43,7 @@ from ortpa.tolerances import UNIT_ROUNDOFF, structure_tolerance
 
 __all__ = [
     "DEFAULT_STEPS",
+    "Twins",
     "Verification",
     "first_diverging_layer",
     "run_rule",
@@ -169,10 +170,10 @@ def verify_conversion(
     del session
     gc.collect()
     blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
-    verdict, twin_model = run_rule(original, converted, prompts, want, blocks)
+    verdict, twins = run_rule(original, converted, prompts, want, blocks)
     verification = Verification(verdict, time.perf_counter() - start, steps, [len(p) for p in prompts])
     if not verdict.ok:
-        raise _refusal(original, converted, twin_model, prompts, want, verdict)
+        raise _refusal(original, converted, twins, prompts, want, verdict)
     return verification
 
 
@@ -193,13 +194,21 @@ def _paged(model, blocks: int, *, upcast: bool = False):
         ) from None
 
 
-def _dense_twin_run(original, prompts, steps: int, follow) -> GreedyRun:
+@dataclass
+class Twins:
+    """The float32 twins :func:`run_rule` judged: ``converted`` (None where the deployed model was its own twin),
+    ``original`` (where the original computes in a half type; else the original itself is the reference)."""
+
+    converted: LoadedModel | None = None
+    original: LoadedModel | None = None
+
+
+def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRun:
     """The original's float32 twin (:func:`~ortpa.parity.twin.float32_original`) run alone on each prompt,
     teacher-forced on ``follow`` (the original's own tokens)."""
     from ortpa.formats.detect import dense_interface
     from ortpa.runtime.session import InferenceSession
 
-    model = float32_original(original)
     options = _twin_options()
     options.enable_mem_reuse = False  # as the original's own session (_open_original)
     session = InferenceSession(model, options, providers=[CPU])
@@ -221,10 +230,11 @@ def _coarsest(*arithmetic: str) -> str:
 def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None):
     """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (or
     ``deployed_session``, a :class:`~ortpa.runtime.session.PagedSession` of it) and then its float32 twin, each
-    teacher-forced on ``want``'s tokens. Returns the :class:`~ortpa.parity.rule.Verdict` and the twin that was
-    judged (a :class:`~ortpa.model.file.LoadedModel`; None where the deployed model was its own twin)."""
+    teacher-forced on ``want``'s tokens. Returns the :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins`
+    that were judged."""
     from ortpa.model.file import read_model
 
+    twins = Twins()
     steps = max(len(t) for t in want.tokens)
     paged = deployed_session if deployed_session is not None else _paged(converted, blocks)
     cache_dtype = _cache_dtype(paged)
@@ -235,10 +245,13 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     # an original that computes in a half type gets its own float32 twin, run on the same tokens: both sides
     # then differ only by the rewrite and reordered float32 sums
     upcast = source in ("float16", "bfloat16")
-    twin_original = _dense_twin_run(original, prompts, steps, want.tokens) if upcast else None
     twin = float32_twin(converted, upcast=upcast)
-    twin_run = None
+    twin_run = twin_original = None
     if twin.model is not None:
+        twins.converted = twin.model
+        if upcast:
+            twins.original = float32_original(original)
+            twin_original = _dense_twin_run(twins.original, prompts, steps, want.tokens)
         twin_session = _paged(twin.model, blocks, upcast=upcast)
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
@@ -256,17 +269,17 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         got,
         precision,
         twin=twin_run,
-        twin_original=twin_original if twin_run is not None else None,
+        twin_original=twin_original,
         arithmetic=arithmetic,
         accumulation=twin.accumulation,
         layers=twin.layers,
         reason=twin.reason,
     )
-    return verdict, twin.model
+    return verdict, twins
 
 
 # ------------------------------------------------------------------------------------------ the first layer
-def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -> ConversionError:
+def _refusal(original, converted, twins: Twins, prompts, want, verdict: Verdict) -> ConversionError:
     """The error for a refused verification: the figures, and the first diverging layer where the structure
     differs."""
     st, pr = verdict.structure, verdict.precision
@@ -278,10 +291,9 @@ def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -
         tokens = list(prompts[prompt]) + list(want.tokens[prompt][:step])
         try:
             # where the original computes in a half type, the twin is compared with the original's own twin
-            upcast = twin_model is not None and st.twin and _computes_in_half(original)
             where = first_diverging_layer(
-                float32_original(original) if upcast else original,
-                twin_model if twin_model is not None else converted,
+                twins.original if twins.original is not None else original,
+                twins.converted if twins.converted is not None else converted,
                 tokens,
                 st.tolerance,
             )
@@ -295,12 +307,6 @@ def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -
             "the rule allows"
         )
     return ConversionError(f"{what}; nothing was written (pass --no-verify / verify=False to write it anyway)", details)
-
-
-def _computes_in_half(original) -> bool:
-    from ortpa.model.file import read_model
-
-    return source_arithmetic(read_model(original, load_external_data=False).proto) in ("float16", "bfloat16")
 
 
 def _layer_outputs(proto: onnx.ModelProto, known: set[str]) -> list[tuple[int, str]]:

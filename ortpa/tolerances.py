@@ -161,11 +161,20 @@ def unit_roundoff(dtype) -> float:
     return UNIT_ROUNDOFF[name]
 
 
-def structure_tolerance(arithmetic="float32", accumulation: int = 1, layers: int = 1) -> float:
+def structure_tolerance(
+    arithmetic="float32", accumulation: int = 1, layers: int = 1, computed: int = 0, stored="float16"
+) -> float:
     """The structure bound relative to a row's scale: ``STRUCTURE_HEADROOM * u * sqrt(accumulation * layers)``
     for the coarsest shared ``arithmetic``, the model's longest dot product ``accumulation`` and its number of
-    attention ``layers``."""
-    return STRUCTURE_HEADROOM * unit_roundoff(arithmetic) * float(np.sqrt(max(1, accumulation) * max(1, layers)))
+    attention ``layers``. ``computed``: weights per layer the conversion computed from the original's (MLA's
+    absorbed projections, ``W_q @ W_uk``) and stored rounded to ``stored``, which no float32 twin can unround:
+    each moves the activation it makes by about ``u_stored`` of its scale (one rounding per weight element,
+    not a sum's), so the bound is ``STRUCTURE_HEADROOM * sqrt(layers * (u**2 * accumulation + u_stored**2 *
+    computed))``."""
+    variance = unit_roundoff(arithmetic) ** 2 * max(1, accumulation)
+    if computed:
+        variance += unit_roundoff(stored) ** 2 * computed
+    return STRUCTURE_HEADROOM * float(np.sqrt(max(1, layers) * variance))
 
 
 def structure_bound(reference: np.ndarray, arithmetic="float32", accumulation: int = 1, layers: int = 1):

@@ -48,13 +48,19 @@ class Twin:
     reason: str = ""
     accumulation: int = 1  # the longest sum of products in the model (ortpa.tolerances.structure_tolerance)
     layers: int = 1  # attention layers: the residual stream adds one rounding per layer
+    computed: int = 0  # weights per layer the conversion computed and stored in ``stored`` (upcast twins only)
+    stored: str = "float16"
 
 
-def float32_twin(converted: str | os.PathLike | LoadedModel, *, upcast: bool = False) -> Twin:
+def float32_twin(
+    converted: str | os.PathLike | LoadedModel, *, upcast: bool = False, original: LoadedModel | None = None
+) -> Twin:
     """The float32 twin of ``converted`` (a path, or a model :func:`~ortpa.model.file.read_model` read).
     ``upcast``: the original computes in a half type itself, and the converted model with it; the twin then
     computes everything in float32 (:func:`ortpa.parity.upcast.upcast_to_float32`), to be compared with the
-    original's own float32 twin (:func:`float32_original`)."""
+    original's own float32 twin (:func:`float32_original`), passed as ``original``: the converted model's half
+    weights that it lacks are weights the conversion computed (MLA's absorbed projections), stored rounded,
+    counted into :attr:`Twin.computed` for the bound."""
     from ortpa.model.file import read_model
     from ortpa.ops.portable import lower_to_portable, value_types
     from ortpa.ops.shape_inference import infer_shapes
@@ -152,10 +158,29 @@ def float32_twin(converted: str | os.PathLike | LoadedModel, *, upcast: bool = F
     kept = [vi for vi in graph.value_info if vi.name not in stale and vi.type.tensor_type.elem_type not in _HALF]
     del graph.value_info[:]
     graph.value_info.extend(kept)
+    reason = ""
     if upcast:
+        known = {i.name for i in original.proto.graph.initializer} if original is not None else set()
+        computed = [
+            i for i in proto.graph.initializer if i.data_type in _HALF and i.name not in known and _size(i) > 64
+        ]
+        if computed:
+            stored = dtype_name(computed[0].data_type)
+            sizes.update(computed=-(-len(computed) // len(nodes)), stored=stored)
+            reason = (
+                f"{len(computed)} weights the conversion computed (e.g. '{computed[0].name}') are stored in "
+                f"{stored}: their rounding is in the bound"
+            )
         upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
-    return Twin(twin, "float32", **sizes)
+    return Twin(twin, "float32", reason, **sizes)
+
+
+def _size(init: onnx.TensorProto) -> int:
+    n = 1
+    for d in init.dims:
+        n *= d
+    return n
 
 
 def float32_original(original: str | os.PathLike) -> LoadedModel:

@@ -67,6 +67,10 @@ def upcast_to_float32(proto: onnx.ModelProto) -> int:
         if init.data_type in HALF_TYPES:
             renamed[init.name] = init.name + _SUFFIX
             casts.append(onnx.helper.make_node("Cast", [init.name], [renamed[init.name]], to=_FLOAT))
+    # value_info of an initializer (onnx_ir writes them) would contradict it once retyped: its cast is typed
+    kept = [vi for vi in graph.value_info if vi.name not in renamed]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
     count = len(casts) + _upcast_graph(graph, renamed)
     nodes = list(graph.node)
     del graph.node[:]

@@ -245,12 +245,12 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     # an original that computes in a half type gets its own float32 twin, run on the same tokens: both sides
     # then differ only by the rewrite and reordered float32 sums
     upcast = source in ("float16", "bfloat16")
-    twin = float32_twin(converted, upcast=upcast)
+    twins.original = float32_original(original) if upcast and _has_attention(converted) else None
+    twin = float32_twin(converted, upcast=upcast, original=twins.original)
     twin_run = twin_original = None
     if twin.model is not None:
         twins.converted = twin.model
-        if upcast:
-            twins.original = float32_original(original)
+        if twins.original is not None:
             twin_original = _dense_twin_run(twins.original, prompts, steps, want.tokens)
         twin_session = _paged(twin.model, blocks, upcast=upcast)
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
@@ -274,8 +274,16 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         accumulation=twin.accumulation,
         layers=twin.layers,
         reason=twin.reason,
+        computed=twin.computed,
+        stored=twin.stored,
     )
     return verdict, twins
+
+
+def _has_attention(converted) -> bool:
+    from ortpa.model.file import read_model
+
+    return any(n.op_type == "PagedAttention" for n in read_model(converted, load_external_data=False).proto.graph.node)
 
 
 # ------------------------------------------------------------------------------------------ the first layer

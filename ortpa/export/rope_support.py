@@ -41,8 +41,8 @@ def refuse_unrepresentable_rope(config: Any, where: str) -> None:
         if kind in _BATCH_DEPENDENT:
             raise UnsupportedModel(
                 where,
-                f"RoPE scaling {kind!r} ({_BATCH_DEPENDENT[kind]}) is not converted: it recomputes the frequencies "
-                "at run time from the longest position in the batch, so a sequence's tokens depend on the others "
-                "sharing its step, which no paged model represents; use a static scaling (linear, yarn, llama3)",
+                f"RoPE scaling {kind!r} ({_BATCH_DEPENDENT[kind]}) is not converted: its frequencies follow the "
+                "longest position in the batch, so a sequence's tokens depend on the others in its step; use a "
+                "static scaling (linear, yarn, llama3)",
                 mixes_sequences=True,
             )

@@ -146,6 +146,7 @@ def twin_session_options(options):
     import onnxruntime as ort
 
     options.add_session_config_entry("optimization.disable_specified_optimizers", "ConstantFolding")
+    options.enable_cpu_mem_arena = False  # a weight's float32 copy goes back when freed, not into an arena
     options.graph_optimization_level = min(
         options.graph_optimization_level, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, key=int
     )

@@ -122,7 +122,11 @@ def _open_original(original: str | os.PathLike):
     from ortpa.formats.detect import dense_interface
     from ortpa.model.file import read_model
 
-    options = _lean_options()
+    proto = read_model(original, load_external_data=False).proto
+    # a float16 original: ONNX Runtime's CPU kernels take most float16 ops through float32 casts it inserts, and
+    # would fold those of the weights into float32 copies at creation (2x the weights); _twin_options runs them
+    # per use (docs/large_models.md)
+    options = _twin_options() if _computes_in_half(proto) else _lean_options()
     options.enable_mem_reuse = False
     try:
         session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
@@ -135,7 +139,7 @@ def _open_original(original: str | os.PathLike):
             "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
             [("original (CPU)", str(exc)[-300:])],
         ) from None
-    return session, dense_interface(read_model(original, load_external_data=False).proto)
+    return session, dense_interface(proto)
 
 
 def _cache_dtype(session) -> str:
@@ -180,7 +184,7 @@ def verify_conversion(
 def _paged(model, blocks: int, *, upcast: bool = False):
     from ortpa.runtime.session import PagedSession
 
-    options = _twin_options() if upcast else _lean_options()
+    options = _twin_options() if upcast else _lean_options()  # upcast: as the original's (_open_original)
     try:
         return PagedSession(model, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=options)
     except InvalidModel as exc:
@@ -218,6 +222,10 @@ def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRu
     return run
 
 
+def _computes_in_half(proto: onnx.ModelProto) -> bool:
+    return source_arithmetic(proto) in ("float16", "bfloat16")
+
+
 def _twin_options():
     return twin_session_options(_lean_options())
 
@@ -236,15 +244,15 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
 
     twins = Twins()
     steps = max(len(t) for t in want.tokens)
-    paged = deployed_session if deployed_session is not None else _paged(converted, blocks)
-    cache_dtype = _cache_dtype(paged)
-    got = paged_greedy(paged, prompts, steps, follow=want.tokens)
-    del paged
-    gc.collect()
     source = source_arithmetic(read_model(original, load_external_data=False).proto)
     # an original that computes in a half type gets its own float32 twin, run on the same tokens: both sides
     # then differ only by the rewrite and reordered float32 sums
     upcast = source in ("float16", "bfloat16")
+    paged = deployed_session if deployed_session is not None else _paged(converted, blocks, upcast=upcast)
+    cache_dtype = _cache_dtype(paged)
+    got = paged_greedy(paged, prompts, steps, follow=want.tokens)
+    del paged
+    gc.collect()
     twins.original = float32_original(original) if upcast and _has_attention(converted) else None
     twin = float32_twin(converted, upcast=upcast, original=twins.original)
     twin_run = twin_original = None

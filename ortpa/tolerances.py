@@ -19,9 +19,12 @@ A structural mistake (a scale off by 10 %, a RoPE base, a window off by one, a s
 sink, a shifted cache position) moves the logits by 1e-2 to 1 of their scale, orders of magnitude past it; the
 smallest defects, a norm epsilon x100 (5e-5 of a unit-RMS activation) or a scale off by 0.1 %, are caught on
 small models and fall under float32's own noise on deep ones (tests/test_defects.py, docs/verification.md
-measure the margin). Where the original itself computes coarser (float16 weights and activations; int8
-activations of MatMulNBits ``accuracy_level=4``) or the converted model computes in T throughout (``dtype=``),
-that arithmetic's ``u`` replaces float32's; the structure bound then says little and precision decides.
+measure the margin). An original that computes in float16 itself is compared through float32 twins of both
+sides, at float32's ``u``; weights its conversion computed and stored rounded to T (MLA's absorbed projections)
+add one rounding each: ``STRUCTURE_HEADROOM * sqrt(L * (u**2 * n + u_T**2 * k))`` for ``k`` of them per layer.
+Where the original quantizes activations (int8 of MatMulNBits ``accuracy_level=4``) or the converted model
+computes in T and its original does not (``dtype=``), that arithmetic's ``u`` replaces float32's; the structure
+bound then says little and precision decides.
 
 *Precision*, the deployed model's T (float16, bfloat16) or int8 cache, is measured against the original with
 statistics that mean the same on any model: greedy agreement under the tie rule, top-k overlap and the KL

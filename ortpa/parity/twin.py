@@ -10,10 +10,15 @@ original's arithmetic: it differs from the original only by reordered float32 su
 float32 bound (:func:`ortpa.tolerances.structure_bound`) where any structural mistake shows by orders of
 magnitude.
 
-Where the converted model computes in T itself (a float16 original, a ``dtype=`` conversion) no cast marks the
-boundary and there is nothing wider to run: the deployed model is its own twin, judged at T's bound
-(:attr:`Twin.arithmetic`). The twin shares the rewrite and the weights: only the graph header is changed (in the
-one copy :func:`ortpa.model.file.read_model` returns), the weights stay in the converted model's files.
+Where the original computes in a half type itself (a float16 original; bfloat16 and FP8 checkpoints exported as
+float16) no cast marks the boundary: both sides get a float32 twin (``float32_twin(upcast=True)`` and
+:func:`float32_original`, by :func:`ortpa.parity.upcast.upcast_to_float32`), the original's after the constant
+folding the conversion does, in the original's arithmetic. Half weights the conversion computed (MLA's absorbed
+projections) cannot be unrounded: :attr:`Twin.computed` counts them for the bound. Where the converted model
+computes in T and the original does not (a ``dtype=`` conversion of a float32 original: its weights are rounded
+to T, the original's are not) the deployed model is its own twin, judged at T's bound (:attr:`Twin.arithmetic`).
+The twins share the rewrite and the weights: only the graph header is changed (in the one copy
+:func:`ortpa.model.file.read_model` returns), the weights stay in the models' files.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 on a few seeded prompts — a short one, a longer one, and one past every length threshold of the original
 (:func:`ortpa.formats.length_thresholds`) — for a few greedy steps; then the converted model batched
 (:func:`~ortpa.parity.greedy.paged_greedy`), and its float32 twin (:mod:`ortpa.parity.twin`: the same rewrite with
-attention and caches in float32), both teacher-forced on the original's tokens. The one rule
+attention and caches in float32), both teacher-forced on the original's tokens. An original that computes in
+float16 itself gets a float32 twin too (:func:`~ortpa.parity.twin.float32_original`), which the conversion's twin
+is compared with. The one rule
 (:mod:`ortpa.parity.rule`, bounds in :mod:`ortpa.tolerances`) decides: *structure* on the twin at a float32
 bound relative to each logits row's scale, *precision* of the deployed model by token agreement under the tie
 rule, top-k overlap and KL divergence within a bound derived from its dtype. No bound depends on the model's

@@ -31,7 +31,7 @@ import onnx
 
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
-from ortpa.parity.upcast import upcast_to_float32
+from ortpa.parity.upcast import read_names, upcast_to_float32
 
 __all__ = ["Twin", "accumulation_length", "float32_original", "float32_twin", "source_arithmetic"]
 
@@ -163,6 +163,13 @@ def float32_twin(
     kept = [vi for vi in graph.value_info if vi.name not in stale and vi.type.tensor_type.elem_type not in _HALF]
     del graph.value_info[:]
     graph.value_info.extend(kept)
+    # what the float32 op no longer reads (an int8 cache's scales) goes: ONNX Runtime would prune it after ortpa
+    # registered its bytes as an external initializer, and refuse the registration
+    read = read_names(graph.node)
+    kept_inits = [i for i in graph.initializer if i.name in read or i.name in {o.name for o in graph.output}]
+    if len(kept_inits) < len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
     reason = ""
     if upcast:
         known = {i.name for i in original.proto.graph.initializer} if original is not None else set()

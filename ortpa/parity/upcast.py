@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["HALF_TYPES", "computes_in_half", "twin_session_options", "upcast_to_float32"]
+__all__ = ["HALF_TYPES", "computes_in_half", "read_names", "twin_session_options", "upcast_to_float32"]
 
 HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 _FLOAT = onnx.TensorProto.FLOAT
@@ -63,8 +63,11 @@ def upcast_to_float32(proto: onnx.ModelProto) -> int:
     graph = proto.graph
     renamed: dict[str, str] = {}
     casts: list[onnx.NodeProto] = []
+    # an initializer nothing reads gets no cast: a cast nothing reads is pruned by ONNX Runtime, and the
+    # initializer with it after ortpa registered its weight (int8 caches' scales, which a float32 twin drops)
+    read = read_names(graph.node)
     for init in graph.initializer:
-        if init.data_type in HALF_TYPES:
+        if init.data_type in HALF_TYPES and init.name in read:
             renamed[init.name] = init.name + _SUFFIX
             casts.append(onnx.helper.make_node("Cast", [init.name], [renamed[init.name]], to=_FLOAT))
     # value_info of an initializer (onnx_ir writes them) would contradict it once retyped: its cast is typed
@@ -83,6 +86,17 @@ def upcast_to_float32(proto: onnx.ModelProto) -> int:
         count += _upcast_nodes(function.node, {})
         _retype(function.value_info)
     return count
+
+
+def read_names(nodes) -> set[str]:
+    """Every value ``nodes`` (and their subgraphs) read."""
+    names: set[str] = set()
+    for node in nodes:
+        names.update(node.input)
+        for a in node.attribute:
+            for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                names |= read_names(g.node)
+    return names
 
 
 def _upcast_graph(graph: onnx.GraphProto, renamed: dict[str, str]) -> int:

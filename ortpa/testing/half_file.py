@@ -31,7 +31,8 @@ def float16_copy(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         for init in model.graph.initializer:
             if init.data_type != _F32:
                 continue
-            array = _read(init, path.parent).astype(np.float16)
+            with np.errstate(over="ignore"):  # a mask's -1e9 becomes -inf, as in a float16 export
+                array = _read(init, path.parent).astype(np.float16)
             if array.nbytes < 1024:
                 init.CopyFrom(numpy_helper.from_array(array, init.name))
                 continue
@@ -49,7 +50,9 @@ def float16_copy(path: str | os.PathLike, out: str | os.PathLike) -> Path:
             if node.op_type == "Cast" and a.name == "to" and a.i == _F32:
                 a.i = _F16
             elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == _F32:
-                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float16), a.t.name))
+                with np.errstate(over="ignore"):
+                    half = numpy_helper.to_array(a.t).astype(np.float16)
+                a.t.CopyFrom(numpy_helper.from_array(half, a.t.name))
     for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         if value.type.tensor_type.elem_type == _F32:
             value.type.tensor_type.elem_type = _F16

@@ -29,6 +29,7 @@ __all__ = [
     "Unavailable",
     "UnknownRequest",
     "UnknownSequence",
+    "UnsupportedModel",
 ]
 
 
@@ -128,6 +129,16 @@ class InvalidModel(OrtpaError, ValueError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}")
+
+
+class UnsupportedModel(InvalidModel):
+    """A well-formed model ortpa refuses up front, saying why; nothing was written. ``mixes_sequences``: the
+    model's own computation makes one sequence's tokens depend on the others sharing its step (no per-sequence
+    paged model can represent it)."""
+
+    def __init__(self, path: str, reason: str, *, mixes_sequences: bool = False) -> None:
+        super().__init__(path, reason)
+        self.mixes_sequences = mixes_sequences
 
 
 class ConversionError(OrtpaError):

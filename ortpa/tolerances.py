@@ -19,9 +19,12 @@ A structural mistake (a scale off by 10 %, a RoPE base, a window off by one, a s
 sink, a shifted cache position) moves the logits by 1e-2 to 1 of their scale, orders of magnitude past it; the
 smallest defects, a norm epsilon x100 (5e-5 of a unit-RMS activation) or a scale off by 0.1 %, are caught on
 small models and fall under float32's own noise on deep ones (tests/test_defects.py, docs/verification.md
-measure the margin). Where the original itself computes coarser (float16 weights and activations; int8
-activations of MatMulNBits ``accuracy_level=4``) or the converted model computes in T throughout (``dtype=``),
-that arithmetic's ``u`` replaces float32's; the structure bound then says little and precision decides.
+measure the margin). An original that computes in float16 itself is compared through float32 twins of both
+sides, at float32's ``u``; weights its conversion computed and stored rounded to T (MLA's absorbed projections)
+add one rounding each: ``STRUCTURE_HEADROOM * sqrt(L * (u**2 * n + u_T**2 * k))`` for ``k`` of them per layer.
+Where the original quantizes activations (int8 of MatMulNBits ``accuracy_level=4``) or the converted model
+computes in T and its original does not (``dtype=``), that arithmetic's ``u`` replaces float32's; the structure
+bound then says little and precision decides.
 
 *Precision*, the deployed model's T (float16, bfloat16) or int8 cache, is measured against the original with
 statistics that mean the same on any model: greedy agreement under the tie rule, top-k overlap and the KL
@@ -161,11 +164,20 @@ def unit_roundoff(dtype) -> float:
     return UNIT_ROUNDOFF[name]
 
 
-def structure_tolerance(arithmetic="float32", accumulation: int = 1, layers: int = 1) -> float:
+def structure_tolerance(
+    arithmetic="float32", accumulation: int = 1, layers: int = 1, computed: int = 0, stored="float16"
+) -> float:
     """The structure bound relative to a row's scale: ``STRUCTURE_HEADROOM * u * sqrt(accumulation * layers)``
     for the coarsest shared ``arithmetic``, the model's longest dot product ``accumulation`` and its number of
-    attention ``layers``."""
-    return STRUCTURE_HEADROOM * unit_roundoff(arithmetic) * float(np.sqrt(max(1, accumulation) * max(1, layers)))
+    attention ``layers``. ``computed``: weights per layer the conversion computed from the original's (MLA's
+    absorbed projections, ``W_q @ W_uk``) and stored rounded to ``stored``, which no float32 twin can unround:
+    each moves the activation it makes by about ``u_stored`` of its scale (one rounding per weight element,
+    not a sum's), so the bound is ``STRUCTURE_HEADROOM * sqrt(layers * (u**2 * accumulation + u_stored**2 *
+    computed))``."""
+    variance = unit_roundoff(arithmetic) ** 2 * max(1, accumulation)
+    if computed:
+        variance += unit_roundoff(stored) ** 2 * computed
+    return STRUCTURE_HEADROOM * float(np.sqrt(max(1, layers) * variance))
 
 
 def structure_bound(reference: np.ndarray, arithmetic="float32", accumulation: int = 1, layers: int = 1):

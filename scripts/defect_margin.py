@@ -34,6 +34,13 @@ CASES = {
     "qwen2_sliding_sdpa_op18": [("window", [-1, 1])],
     "gemma2_eager_op18": [("softcap", [0.0, 0.99, 0.999])],
     "formats/genai_gptoss_fp32": [("sink", [0.0, 0.9, 0.99])],
+    # computes in float16 itself: the float32 twins of both sides (ortpa.parity.upcast)
+    "formats/genai_llama_fp16": [
+        ("scale", [1.1, 1.01, 1.001, 1.0001]),
+        ("rope_base", [2.0, 1.01, 1.001]),
+        ("heads", [1]),
+        ("cache_position", [1]),
+    ],
 }
 
 

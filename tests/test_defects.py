@@ -24,6 +24,7 @@ from ortpa.errors import ConversionError
 from ortpa.parity.verify import verify_conversion
 from ortpa.testing import defects
 from ortpa.testing.dense_mla import DenseMlaConfig, build_dense_mla
+from ortpa.tolerances import structure_tolerance
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA = FIXTURES / "llama_sdpa_op18.onnx"
@@ -101,6 +102,44 @@ def test_the_same_models_undefected_pass_both(original, converted, capsys):
     path = converted[original]
     assert {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}["ortpa.verified"]
     assert _parity(original, path, capsys) == EXIT_OK
+
+
+# An original that computes in float16 itself (onnxruntime-genai's fp16 build): no cast marks the attention's
+# boundary, so both sides get a float32 twin (ortpa.parity.upcast) and structure is judged at float32's bound.
+# At float16's own bound these two defects passed (a scale x1.1 cost the deployed model a KL of 5e-4).
+FP16 = FIXTURES / "formats" / "genai_llama_fp16.onnx"
+
+
+@pytest.fixture(scope="module")
+def converted_fp16(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp16") / "paged.onnx"
+    return out, convert_file(FP16, out).verification.verdict
+
+
+def test_a_float16_original_passes_at_the_float32_bound(converted_fp16):
+    _, verdict = converted_fp16
+    s, p = verdict.structure, verdict.precision
+    # float32's bound, not float16's: its widest sum is the 128-wide MLP, over 2 attention layers
+    assert s.twin and s.arithmetic == "float32" and s.tolerance == structure_tolerance("float32", 128, 2)
+    assert s.max_relative_error < s.tolerance
+    assert p.dtype == "float16" and 0 < p.kl_max < p.kl_bound  # precision: the deployed model against the original
+
+
+@pytest.mark.parametrize("kind", ["scale", "rope_base"])
+def test_a_float16_originals_defects_are_refused_by_structure(kind, converted_fp16, tmp_path):
+    bad = tmp_path / "bad" / "paged.onnx"
+    if kind in defects.ORIGINAL_DEFECTS:  # genai's cos/sin tables recomputed for the base x2
+        bad_original = tmp_path / "bad_original.onnx"
+        onnx.save(defects.inject(kind, onnx.load(str(FP16))), str(bad_original))
+        convert_file(bad_original, bad, verify=False)
+    else:
+        bad.parent.mkdir()
+        onnx.save(defects.inject(kind, onnx.load(str(converted_fp16[0]))), str(bad))
+    with pytest.raises(ConversionError) as err:
+        verify_conversion(FP16, bad)
+    text = str(err.value)
+    assert "does not match the original (structure)" in text, text
+    assert "first diverging layer: layer " in text and "(float32 twin)" in text, text
 
 
 def _sampled_configs(seed: int, n: int):

@@ -15,7 +15,9 @@ import torch
 from support.parity import run_parity
 from support.torch_reference import TorchModel, export_matches_torch
 
+from ortpa.errors import UnsupportedModel
 from ortpa.export.hf import build_model, export_hf
+from ortpa.export.rope_support import refuse_unrepresentable_rope
 from ortpa.rewriter.pipeline import convert
 
 pytestmark = pytest.mark.export
@@ -146,3 +148,40 @@ def test_failed_export_is_one_line(tmp_path, capsys, monkeypatch):
     assert len(err) == 1, err
     assert err[0].startswith("ortpa export: error:") and "grouped_mm" in err[0] and "--experts batched_mm" in err[0]
     assert "(in model.layers.0.mlp.experts (DeepseekV3Experts), modeling_deepseek_v3.py:" in err[0]
+
+
+def test_dynamic_rope_is_refused_up_front_in_one_line(tmp_path, capsys):
+    """Dynamic NTK RoPE takes its frequencies from the longest position in the batch: refused before any export
+    (ortpa.export.rope_support), exit code 1, one line naming the scaling and why; nothing written."""
+    from ortpa.cli import main
+
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 16}
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": 256,
+                "rope_parameters": rope,
+            }
+        )
+    )
+    assert main(["export", str(config), str(tmp_path / "p.onnx"), "--random-weights", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "RoPE scaling 'dynamic' (dynamic NTK) is not converted" in err[0] and "longest position" in err[0]
+    assert not (tmp_path / "p.onnx").exists()
+    with pytest.raises(UnsupportedModel) as info:
+        export_hf(json.loads(config.read_text()), tmp_path / "q.onnx")
+    assert info.value.mixes_sequences
+    # static scalings pass the check (their exports: tests/testing/test_sweep.py), per layer type too
+    refuse_unrepresentable_rope({"rope_parameters": {**rope, "rope_type": "linear"}}, "static")
+    with pytest.raises(UnsupportedModel, match="'dynamic'"):
+        refuse_unrepresentable_rope(
+            {"rope_parameters": {"full_attention": rope, "sliding": {"rope_type": "default"}}}, "x"
+        )

@@ -112,3 +112,16 @@ def test_convert_writes_nothing_and_convert_file_is_verified(tmp_path):
     result = ortpa.convert_file(str(GQA), out)
     assert _metadata(out)["ortpa.verified"] == "1" and result.verification is not None
     assert (tmp_path / "genai_config.json").is_file()
+
+
+def test_a_float16_original_with_an_int8_cache_is_proved_on_its_twins(tmp_path):
+    """A float16 original (the GQA fixture rewritten in float16) converted with an int8 cache: the float32 twins of
+    both sides (the conversion's without the cache's quantization, its scales dropped) prove the structure at
+    float32's bound; precision is judged at int8's."""
+    from ortpa.testing.half_file import float16_copy
+
+    original = float16_copy(GQA, tmp_path / "fp16" / "model.onnx")
+    result = ortpa.convert_file(original, tmp_path / "paged" / "paged.onnx", kv_cache_dtype="int8")
+    s, p = result.verification.verdict.structure, result.verification.verdict.precision
+    assert s.twin and s.tolerance == structure_tolerance("float32", 128, 2) and s.max_relative_error < s.tolerance
+    assert p.dtype == "int8" and 0 < p.kl_max < p.kl_bound

@@ -17,7 +17,8 @@ the same run:
 
 Verification (issue 24): ``convert/verify/{0.1GB,1GB,3GB}``: the same ``ortpa convert`` child with and without
 ``--no-verify``: ``verify_seconds`` (the difference), ``verify_share``, ``peak_rss_anon_verified`` and its ratio to
-the input's size (``python -m ortpa.bench.convert --verify-only [0.1GB 1GB 3GB]`` runs only these).
+the input's size (``python -m ortpa.bench.convert --verify-only [--float16] [0.1GB 1GB 3GB]`` runs only these;
+``--float16``: float16 originals of the same sizes, ``convert/verify/float16/...``).
 
 Rows: ``convert/v2lite/layersN`` with ``peak_rss_anon`` (target in its notes), ``convert_seconds``,
 ``convert_mb_s``, ``cp_mb_s``, ``convert_over_cp``, ``session_startup_ratio``, ``session_rss_ratio``.
@@ -190,18 +191,26 @@ def measure(layers: int, root: Path) -> list[dict]:
 SMALL = dict(hidden=512, heads=8, q_lora_rank=None, kv_lora_rank=128, qk_nope=64, qk_rope=32, v_head=64,
              vocab=8000, intermediate=2048)  # fmt: skip
 VERIFY_SIZES = (("0.1GB", SMALL, 3), ("1GB", V2_LITE, 1), ("3GB", V2_LITE, 7))
+# the same sizes in float16 (twice the layers per byte): an original that computes in float16, whose
+# verification runs a float32 twin of both sides (docs/verification.md)
+HALF_VERIFY_SIZES = (("0.1GB", SMALL, 10), ("1GB", V2_LITE, 4), ("3GB", V2_LITE, 16))
 
 
-def measure_verify(label: str, dims: dict, layers: int, root: Path) -> list[dict]:
+def measure_verify(label: str, dims: dict, layers: int, root: Path, *, half: bool = False) -> list[dict]:
     """``ortpa convert`` with and without ``--no-verify`` on the same model: the verification's seconds (the
-    difference), its share of the conversion, and both runs' peak private memory."""
+    difference), its share of the conversion, and both runs' peak private memory. ``half``: the model in
+    float16 (:func:`ortpa.testing.half_file.float16_copy`)."""
     from ortpa.testing.dense_mla import DenseMlaConfig
     from ortpa.testing.dense_mla_file import write_dense_mla
+    from ortpa.testing.half_file import float16_copy
 
     c = DenseMlaConfig(layers=layers, **dims)
     dense = write_dense_mla(c, root / "dense" / "model.onnx")
+    if half:
+        dense = float16_copy(dense, root / "half" / "model.onnx")
+        shutil.rmtree(root / "dense")
     size = _files_bytes(dense.parent)
-    name = f"convert/verify/{label}"
+    name = f"convert/verify{'/float16' if half else ''}/{label}"
     runs = {}
     for flag in ("--no-verify", None):
         out = root / ("plain" if flag else "verified") / "paged.onnx"
@@ -244,13 +253,13 @@ def run(quick: bool = False, counts: tuple[int, ...] | None = None, verify_sizes
     return rows + _verify_rows(sizes)
 
 
-def _verify_rows(sizes) -> list[dict]:
+def _verify_rows(sizes, *, half: bool = False) -> list[dict]:
     """:func:`measure_verify` for each ``(label, dims, layers)`` of ``sizes``, each in a temp folder of its own."""
     rows: list[dict] = []
     for label, dims, layers in sizes:
         root = Path(tempfile.mkdtemp(prefix=f"ortpa-bench-verify-{label}-"))
         try:
-            rows += measure_verify(label, dims, layers, root)
+            rows += measure_verify(label, dims, layers, root, half=half)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -261,8 +270,9 @@ if __name__ == "__main__":
 
     if "--verify-only" in sys.argv[1:]:
         wanted = [a for a in sys.argv[1:] if a.endswith("GB")]
-        sizes = tuple(s for s in VERIFY_SIZES if not wanted or s[0] in wanted)
-        print(format_table(_verify_rows(sizes)))
+        half = "--float16" in sys.argv[1:]
+        sizes = tuple(s for s in (HALF_VERIFY_SIZES if half else VERIFY_SIZES) if not wanted or s[0] in wanted)
+        print(format_table(_verify_rows(sizes, half=half)))
     else:
         layers = tuple(int(a) for a in sys.argv[1:] if a.isdigit())
         print(format_table(run(quick="--quick" in sys.argv[1:], counts=layers or None)))

@@ -280,7 +280,9 @@ def _export(
     from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
     from ortpa.export.errors import ExportError, summarize
     from ortpa.export.patches import export_patches, translation_table
+    from ortpa.export.rope_support import refuse_unrepresentable_rope
 
+    refuse_unrepresentable_rope(_load_config(config_or_model_dir), str(config_or_model_dir))
     if random_weights:
         say(f"loading config from {config_or_model_dir}")
     else:

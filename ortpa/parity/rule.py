@@ -102,7 +102,11 @@ class Verdict:
 
     def format(self) -> str:
         s, p = self.structure, self.precision
-        twin = "float32 twin" if s.twin else f"the deployed model ({s.arithmetic}; {s.reason})"
+        twin = (
+            (f"float32 twin; {s.reason}" if s.reason else "float32 twin")
+            if s.twin
+            else (f"the deployed model ({s.arithmetic}; {s.reason})")
+        )
         return "\n".join(
             [
                 f"structure ({twin}): max |d| {s.max_abs_error:.3e}, relative to the row's scale "
@@ -136,10 +140,13 @@ def judge_structure(
     layers: int = 1,
     separate: bool = True,
     reason: str = "",
+    computed: int = 0,
+    stored: str = "float16",
 ) -> StructureResult:
     """``twin``'s logits against ``original``'s within :func:`ortpa.tolerances.structure_bound` for a model whose
-    longest dot product is ``accumulation`` long, over ``layers`` attention layers."""
-    tol = structure_tolerance(arithmetic, accumulation, layers)
+    longest dot product is ``accumulation`` long, over ``layers`` attention layers (``computed``, ``stored``:
+    :func:`ortpa.tolerances.structure_tolerance`)."""
+    tol = structure_tolerance(arithmetic, accumulation, layers, computed, stored)
     worst_abs = worst_rel = 0.0
     first = None
     for p, step, ref, got, _ in _pairs(original, twin):
@@ -214,20 +221,26 @@ def judge(
     dtype: str,
     *,
     twin: GreedyRun | None = None,
+    twin_original: GreedyRun | None = None,
     arithmetic: str = "float32",
     accumulation: int = 1,
     layers: int = 1,
     reason: str = "",
+    computed: int = 0,
+    stored: str = "float16",
 ) -> Verdict:
     """Both verdicts: structure on ``twin`` (or on ``deployed`` at ``arithmetic``'s bound where there is no
-    separate twin), precision on ``deployed``."""
+    separate twin) against ``twin_original`` (the original's own float32 twin, where the original computes in a
+    half type) or else ``original``; precision on ``deployed`` against ``original``."""
     structure = judge_structure(
-        original,
+        twin_original if twin_original is not None else original,
         twin if twin is not None else deployed,
         arithmetic,
         accumulation=accumulation,
         layers=layers,
         separate=twin is not None,
         reason=reason,
+        computed=computed,
+        stored=stored,
     )
     return Verdict(structure, judge_precision(original, deployed, dtype))

@@ -10,10 +10,15 @@ original's arithmetic: it differs from the original only by reordered float32 su
 float32 bound (:func:`ortpa.tolerances.structure_bound`) where any structural mistake shows by orders of
 magnitude.
 
-Where the converted model computes in T itself (a float16 original, a ``dtype=`` conversion) no cast marks the
-boundary and there is nothing wider to run: the deployed model is its own twin, judged at T's bound
-(:attr:`Twin.arithmetic`). The twin shares the rewrite and the weights: only the graph header is changed (in the
-one copy :func:`ortpa.model.file.read_model` returns), the weights stay in the converted model's files.
+Where the original computes in a half type itself (a float16 original; bfloat16 and FP8 checkpoints exported as
+float16) no cast marks the boundary: both sides get a float32 twin (``float32_twin(upcast=True)`` and
+:func:`float32_original`, by :func:`ortpa.parity.upcast.upcast_to_float32`), the original's after the constant
+folding the conversion does, in the original's arithmetic. Half weights the conversion computed (MLA's absorbed
+projections) cannot be unrounded: :attr:`Twin.computed` counts them for the bound. Where the converted model
+computes in T and the original does not (a ``dtype=`` conversion of a float32 original: its weights are rounded
+to T, the original's are not) the deployed model is its own twin, judged at T's bound (:attr:`Twin.arithmetic`).
+The twins share the rewrite and the weights: only the graph header is changed (in the one copy
+:func:`ortpa.model.file.read_model` returns), the weights stay in the models' files.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import onnx
 
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
+from ortpa.parity.upcast import read_names, upcast_to_float32
 
-__all__ = ["Twin", "accumulation_length", "float32_twin", "source_arithmetic"]
+__all__ = ["Twin", "accumulation_length", "float32_original", "float32_twin", "source_arithmetic"]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # the op's inputs a cast to T may feed (schema indices): query, key, value, cos, sin, head_sink, q/k-norm weights
@@ -47,10 +53,19 @@ class Twin:
     reason: str = ""
     accumulation: int = 1  # the longest sum of products in the model (ortpa.tolerances.structure_tolerance)
     layers: int = 1  # attention layers: the residual stream adds one rounding per layer
+    computed: int = 0  # weights per layer the conversion computed and stored in ``stored`` (upcast twins only)
+    stored: str = "float16"
 
 
-def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
-    """The float32 twin of ``converted`` (a path, or a model :func:`~ortpa.model.file.read_model` read)."""
+def float32_twin(
+    converted: str | os.PathLike | LoadedModel, *, upcast: bool = False, original: LoadedModel | None = None
+) -> Twin:
+    """The float32 twin of ``converted`` (a path, or a model :func:`~ortpa.model.file.read_model` read).
+    ``upcast``: the original computes in a half type itself, and the converted model with it; the twin then
+    computes everything in float32 (:func:`ortpa.parity.upcast.upcast_to_float32`), to be compared with the
+    original's own float32 twin (:func:`float32_original`), passed as ``original``: the converted model's half
+    weights that it lacks are weights the conversion computed (MLA's absorbed projections), stored rounded,
+    counted into :attr:`Twin.computed` for the bound."""
     from ortpa.model.file import read_model
     from ortpa.ops.portable import lower_to_portable, value_types
     from ortpa.ops.shape_inference import infer_shapes
@@ -65,7 +80,8 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
         return Twin(None, "float32", "no PagedAttention node")
     sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
     own = source_arithmetic(proto)
-    if own != "float32":  # a dtype= conversion: its weights and activations are T, attention in float32 adds nothing
+    if own != "float32" and not upcast:
+        # a dtype= conversion of a float32 original: its weights are rounded to T, which the original's are not
         return Twin(None, own, f"the converted model computes in {own} throughout", **sizes)
     producers = {o: n for n in graph.node for o in n.output}
     graph_inputs = {i.name: i for i in graph.input}
@@ -92,7 +108,7 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     casts: set[str] = set()
     caches: set[str] = set()
     t_dtype = ""
-    for node in nodes:
+    for node in nodes if not upcast else []:  # upcast: no cast marks T's boundary, everything becomes float32
         for slot in _CAST_SLOTS:
             name = node.input[slot] if slot < len(node.input) else ""
             if not name:
@@ -111,6 +127,7 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
                 return Twin(None, dtype_name(to), reason, **sizes)
             casts.add(cast.output[0])
             t_dtype = t_dtype or dtype_name(to)
+    for node in nodes:
         for slot in _CACHE_SLOTS:
             if slot < len(node.input) and node.input[slot] in graph_inputs:
                 caches.add(node.input[slot])
@@ -146,8 +163,59 @@ def float32_twin(converted: str | os.PathLike | LoadedModel) -> Twin:
     kept = [vi for vi in graph.value_info if vi.name not in stale and vi.type.tensor_type.elem_type not in _HALF]
     del graph.value_info[:]
     graph.value_info.extend(kept)
+    # what the float32 op no longer reads (an int8 cache's scales) goes: ONNX Runtime would prune it after ortpa
+    # registered its bytes as an external initializer, and refuse the registration
+    read = read_names(graph.node)
+    kept_inits = [i for i in graph.initializer if i.name in read or i.name in {o.name for o in graph.output}]
+    if len(kept_inits) < len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
+    reason = ""
+    if upcast:
+        known = {i.name for i in original.proto.graph.initializer} if original is not None else set()
+        computed = [
+            i for i in proto.graph.initializer if i.data_type in _HALF and i.name not in known and _size(i) > 64
+        ]
+        if computed:
+            stored = dtype_name(computed[0].data_type)
+            sizes.update(computed=-(-len(computed) // len(nodes)), stored=stored)
+            reason = (
+                f"{len(computed)} weights the conversion computed (e.g. '{computed[0].name}') are stored in "
+                f"{stored}: their rounding is in the bound"
+            )
+        upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
-    return Twin(twin, "float32", **sizes)
+    return Twin(twin, "float32", reason, **sizes)
+
+
+def _size(init: onnx.TensorProto) -> int:
+    n = 1
+    for d in init.dims:
+        n *= d
+    return n
+
+
+def float32_original(original: str | os.PathLike) -> LoadedModel:
+    """The float32 twin of an original that computes in a half type, its weights read from its own files.
+
+    First the constants the conversion folds (``onnxscript.optimizer.optimize``, as
+    :func:`ortpa.rewriter.pipeline.rewrite` runs it) are folded here too, in the original's own arithmetic: a
+    softmax scale ``sqrt(float16(1/sqrt(d)))`` or a ``1 + weight`` is the half value in the converted model, and
+    must be the same value in both twins. Then the graph is upcast
+    (:func:`ortpa.parity.upcast.upcast_to_float32`)."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    from ortpa.model.file import read_model
+    from ortpa.rewriter.model_store import load_ir
+
+    loaded = read_model(original, load_external_data=False)
+    irm = load_ir(original)  # external weights stay lazy: only the small constants the optimizer folds are read
+    onnxscript.optimizer.optimize(irm)
+    proto = ir.serde.serialize_model(irm)
+    del irm
+    upcast_to_float32(proto)
+    return dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
 
 
 def accumulation_length(proto: onnx.ModelProto) -> int:

@@ -4,7 +4,9 @@
 on a few seeded prompts — a short one, a longer one, and one past every length threshold of the original
 (:func:`ortpa.formats.length_thresholds`) — for a few greedy steps; then the converted model batched
 (:func:`~ortpa.parity.greedy.paged_greedy`), and its float32 twin (:mod:`ortpa.parity.twin`: the same rewrite with
-attention and caches in float32), both teacher-forced on the original's tokens. The one rule
+attention and caches in float32), both teacher-forced on the original's tokens. An original that computes in
+float16 itself gets a float32 twin too (:func:`~ortpa.parity.twin.float32_original`), which the conversion's twin
+is compared with. The one rule
 (:mod:`ortpa.parity.rule`, bounds in :mod:`ortpa.tolerances`) decides: *structure* on the twin at a float32
 bound relative to each logits row's scale, *precision* of the deployed model by token agreement under the tie
 rule, top-k overlap and KL divergence within a bound derived from its dtype. No bound depends on the model's
@@ -34,14 +36,16 @@ import onnx
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model.file import LoadedModel
-from ortpa.parity.greedy import dense_greedy, paged_greedy
+from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.parity.rule import Verdict, judge
-from ortpa.parity.twin import float32_twin, source_arithmetic
+from ortpa.parity.twin import float32_original, float32_twin, source_arithmetic
+from ortpa.parity.upcast import twin_session_options
 from ortpa.providers import CPU
 from ortpa.tolerances import UNIT_ROUNDOFF, structure_tolerance
 
 __all__ = [
     "DEFAULT_STEPS",
+    "Twins",
     "Verification",
     "first_diverging_layer",
     "run_rule",
@@ -120,7 +124,11 @@ def _open_original(original: str | os.PathLike):
     from ortpa.formats.detect import dense_interface
     from ortpa.model.file import read_model
 
-    options = _lean_options()
+    proto = read_model(original, load_external_data=False).proto
+    # a float16 original: ONNX Runtime's CPU kernels take most float16 ops through float32 casts it inserts, and
+    # would fold those of the weights into float32 copies at creation (2x the weights); _twin_options runs them
+    # per use (docs/large_models.md)
+    options = _twin_options() if _computes_in_half(proto) else _lean_options()
     options.enable_mem_reuse = False
     try:
         session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
@@ -133,7 +141,7 @@ def _open_original(original: str | os.PathLike):
             "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
             [("original (CPU)", str(exc)[-300:])],
         ) from None
-    return session, dense_interface(read_model(original, load_external_data=False).proto)
+    return session, dense_interface(proto)
 
 
 def _cache_dtype(session) -> str:
@@ -168,24 +176,19 @@ def verify_conversion(
     del session
     gc.collect()
     blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
-    verdict, twin_model = run_rule(original, converted, prompts, want, blocks)
+    verdict, twins = run_rule(original, converted, prompts, want, blocks)
     verification = Verification(verdict, time.perf_counter() - start, steps, [len(p) for p in prompts])
     if not verdict.ok:
-        raise _refusal(original, converted, twin_model, prompts, want, verdict)
+        raise _refusal(original, converted, twins, prompts, want, verdict)
     return verification
 
 
-def _paged(model, blocks: int):
+def _paged(model, blocks: int, *, upcast: bool = False):
     from ortpa.runtime.session import PagedSession
 
+    options = _twin_options() if upcast else _lean_options()  # upcast: as the original's (_open_original)
     try:
-        return PagedSession(
-            model,
-            num_blocks=blocks,
-            block_size=_BLOCK_SIZE,
-            providers=[CPU],
-            sess_options=_lean_options(),
-        )
+        return PagedSession(model, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=options)
     except InvalidModel as exc:
         if "Could not find an implementation" not in str(exc):
             raise
@@ -197,6 +200,51 @@ def _paged(model, blocks: int):
         ) from None
 
 
+@dataclass
+class Twins:
+    """The float32 twins :func:`run_rule` judged: ``converted`` (None where the deployed model was its own twin),
+    ``original`` (where the original computes in a half type; else the original itself is the reference)."""
+
+    converted: LoadedModel | None = None
+    original: LoadedModel | None = None
+
+
+def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRun:
+    """The original's float32 twin (:func:`~ortpa.parity.twin.float32_original`) on each prompt alone,
+    teacher-forced on ``follow`` (the original's own tokens). Teacher-forced, every step's input is known: one
+    forward of the prompt and the followed tokens gives each step's logits (the rows at the prompt's last
+    position and after), the same function as prefill-then-decodes in one run instead of ``steps`` (each run
+    casts every weight once)."""
+    import time
+
+    from ortpa.formats.detect import dense_interface
+    from ortpa.parity.greedy import dense_forward
+    from ortpa.runtime.session import InferenceSession
+
+    options = _twin_options()
+    options.enable_mem_reuse = False  # as the original's own session (_open_original)
+    session = InferenceSession(model, options, providers=[CPU])
+    interface = dense_interface(model.proto)
+    start = time.perf_counter()
+    tokens, logits = [], []
+    for p, prompt in enumerate(prompts):
+        sequence = [*prompt, *(int(t) for t in follow[p][: steps - 1])]
+        rows = dense_forward(session, sequence, interface=interface)[len(prompt) - 1 : len(prompt) - 1 + steps]
+        tokens.append([int(r.argmax()) for r in rows])
+        logits.append(rows)
+    del session
+    gc.collect()
+    return GreedyRun(tokens, logits, time.perf_counter() - start, len(prompts))
+
+
+def _computes_in_half(proto: onnx.ModelProto) -> bool:
+    return source_arithmetic(proto) in ("float16", "bfloat16")
+
+
+def _twin_options():
+    return twin_session_options(_lean_options())
+
+
 def _coarsest(*arithmetic: str) -> str:
     """The arithmetic of largest unit roundoff among ``arithmetic`` (names of :data:`UNIT_ROUNDOFF`)."""
     return max(arithmetic, key=lambda a: UNIT_ROUNDOFF[a])
@@ -205,29 +253,38 @@ def _coarsest(*arithmetic: str) -> str:
 def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None):
     """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (or
     ``deployed_session``, a :class:`~ortpa.runtime.session.PagedSession` of it) and then its float32 twin, each
-    teacher-forced on ``want``'s tokens. Returns the :class:`~ortpa.parity.rule.Verdict` and the twin that was
-    judged (a :class:`~ortpa.model.file.LoadedModel`; None where the deployed model was its own twin)."""
+    teacher-forced on ``want``'s tokens. Returns the :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins`
+    that were judged."""
     from ortpa.model.file import read_model
 
+    twins = Twins()
     steps = max(len(t) for t in want.tokens)
-    paged = deployed_session if deployed_session is not None else _paged(converted, blocks)
+    source = source_arithmetic(read_model(original, load_external_data=False).proto)
+    # an original that computes in a half type gets its own float32 twin, run on the same tokens: both sides
+    # then differ only by the rewrite and reordered float32 sums
+    upcast = source in ("float16", "bfloat16")
+    paged = deployed_session if deployed_session is not None else _paged(converted, blocks, upcast=upcast)
     cache_dtype = _cache_dtype(paged)
     got = paged_greedy(paged, prompts, steps, follow=want.tokens)
     del paged
     gc.collect()
-    source = source_arithmetic(read_model(original, load_external_data=False).proto)
-    twin = float32_twin(converted)
-    twin_run = None
+    twins.original = float32_original(original) if upcast and _has_attention(converted) else None
+    twin = float32_twin(converted, upcast=upcast, original=twins.original)
+    twin_run = twin_original = None
     if twin.model is not None:
-        twin_session = _paged(twin.model, blocks)
+        twins.converted = twin.model
+        if twins.original is not None:
+            twin_original = _dense_twin_run(twins.original, prompts, steps, want.tokens)
+        twin_session = _paged(twin.model, blocks, upcast=upcast)
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
     # without a separate twin the deployed model is judged as its own, in its own arithmetic (a --portable file,
     # a dtype= conversion: T throughout)
-    arithmetic = (
-        _coarsest(source, "float32") if twin.model is not None else _coarsest(source, twin.arithmetic, cache_dtype)
-    )
+    if twin.model is None:
+        arithmetic = _coarsest(source, twin.arithmetic, cache_dtype)
+    else:
+        arithmetic = "float32" if upcast else _coarsest(source, "float32")
     # the deployed T's rounding feeds whatever the original quantizes (int8 activations): judged at the coarser
     precision = _coarsest(cache_dtype, source)
     verdict = judge(
@@ -235,16 +292,25 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         got,
         precision,
         twin=twin_run,
+        twin_original=twin_original,
         arithmetic=arithmetic,
         accumulation=twin.accumulation,
         layers=twin.layers,
         reason=twin.reason,
+        computed=twin.computed,
+        stored=twin.stored,
     )
-    return verdict, twin.model
+    return verdict, twins
+
+
+def _has_attention(converted) -> bool:
+    from ortpa.model.file import read_model
+
+    return any(n.op_type == "PagedAttention" for n in read_model(converted, load_external_data=False).proto.graph.node)
 
 
 # ------------------------------------------------------------------------------------------ the first layer
-def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -> ConversionError:
+def _refusal(original, converted, twins: Twins, prompts, want, verdict: Verdict) -> ConversionError:
     """The error for a refused verification: the figures, and the first diverging layer where the structure
     differs."""
     st, pr = verdict.structure, verdict.precision
@@ -255,8 +321,12 @@ def _refusal(original, converted, twin_model, prompts, want, verdict: Verdict) -
         # the prompt and the original's tokens up to the step: one prefill reaches what the decode steps did
         tokens = list(prompts[prompt]) + list(want.tokens[prompt][:step])
         try:
+            # where the original computes in a half type, the twin is compared with the original's own twin
             where = first_diverging_layer(
-                original, twin_model if twin_model is not None else converted, tokens, st.tolerance
+                twins.original if twins.original is not None else original,
+                twins.converted if twins.converted is not None else converted,
+                tokens,
+                st.tolerance,
             )
         except Exception as exc:  # the diagnosis must never hide the verdict
             where = f"not located ({type(exc).__name__}: {str(exc)[:200]})"
@@ -326,7 +396,7 @@ def _probe(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
 
 
 def first_diverging_layer(
-    original: str | os.PathLike,
+    original: str | os.PathLike | LoadedModel,
     converted: str | os.PathLike | LoadedModel,
     prompt: Sequence[int],
     tolerance: float | None = None,
@@ -343,7 +413,7 @@ def first_diverging_layer(
 
     tol = structure_tolerance("float32") if tolerance is None else tolerance  # an error when no sizes are known
     paged_file = converted if isinstance(converted, LoadedModel) else read_model(converted, load_external_data=False)
-    dense_file = read_model(original, load_external_data=False)
+    dense_file = original if isinstance(original, LoadedModel) else read_model(original, load_external_data=False)
     dense_names = {v for n in dense_file.proto.graph.node for v in n.output}
     layers = _layer_outputs(paged_file.proto, dense_names)
     if not layers:
@@ -355,12 +425,9 @@ def first_diverging_layer(
         _probe(paged_file.proto, names), f"{paged_file.label} (probe)", paged_file.base_dir, paged_file.external
     )
     blocks = -(-len(prompt) // _BLOCK_SIZE) + 1
+    # a float32 twin's casts of half weights run per use, not folded into float32 copies (ortpa.parity.upcast)
     paged = PagedSession(
-        probe,
-        num_blocks=blocks,
-        block_size=_BLOCK_SIZE,
-        providers=[CPU],
-        sess_options=_lean_options(),
+        probe, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=_twin_options()
     )
     kv = PagedKVCache(paged.num_blocks, paged.block_size)
     kv.add_sequence(0)
@@ -384,7 +451,7 @@ def first_diverging_layer(
     dense_probe = LoadedModel(
         _probe(dense_file.proto, names), f"{dense_file.label} (probe)", dense_file.base_dir, dense_file.external
     )
-    options = _lean_options()
+    options = _twin_options()
     options.enable_mem_reuse = False
     session = InferenceSession(dense_probe, options, providers=[CPU])
     io = dense_interface(dense_file.proto)

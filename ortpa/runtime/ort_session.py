@@ -73,8 +73,13 @@ def _fresh_options(user: ort.SessionOptions | None) -> ort.SessionOptions:
 
 
 # config entries a caller's options keep through _fresh_options (conversion's verification turns prepacking off
-# so the weights stay memory-mapped instead of copied per MatMul)
-_COPIED_CONFIG_KEYS = ("session.disable_prepacking", "session.intra_op.allow_spinning")
+# so the weights stay memory-mapped instead of copied per MatMul, and its float32 twins turn constant folding
+# off so their casts of half weights are not folded into float32 copies: ortpa.parity.upcast)
+_COPIED_CONFIG_KEYS = (
+    "session.disable_prepacking",
+    "session.intra_op.allow_spinning",
+    "optimization.disable_specified_optimizers",
+)
 
 
 def _numpy_dtype(elem_type: int) -> np.dtype:

@@ -206,9 +206,10 @@ def norm_eps(model: onnx.ModelProto, amount: float = 100.0) -> onnx.ModelProto:
 
 def rope_base(model: onnx.ModelProto, amount: float = 2.0) -> onnx.ModelProto:
     """The RoPE base ``b`` of an original times ``amount``: every float initializer ``b**(-2i/d)`` (``inv_freq``:
-    1, decreasing geometrically) recomputed for ``b * amount``."""
+    1, decreasing geometrically) recomputed for ``b * amount``, and every cos/sin table pair (onnxruntime-genai's
+    ``cos_cache``/``sin_cache``: ``[positions, d/2]``, ``cos(p * inv_freq_i)``) recomputed for it."""
     out = _copy(model)
-    changed = 0
+    changed = _rope_tables(out, amount)
     for init in out.graph.initializer:
         a = numpy_helper.to_array(init)
         flat = a.reshape(-1)
@@ -223,8 +224,33 @@ def rope_base(model: onnx.ModelProto, amount: float = 2.0) -> onnx.ModelProto:
         init.CopyFrom(numpy_helper.from_array(new, init.name))
         changed += 1
     if not changed:
-        raise DefectNotApplicable("no inv_freq-like constant (1, b**(-1/h), b**(-2/h), ...) in the original")
+        raise DefectNotApplicable(
+            "no inv_freq-like constant (1, b**(-1/h), b**(-2/h), ...) nor cos/sin table pair in the original"
+        )
     return out
+
+
+def _rope_tables(model: onnx.ModelProto, amount: float) -> int:
+    """Recompute each cos/sin table pair of ``model`` (same shape ``[positions, h]``, row 0 all ones / all zeros)
+    for a base times ``amount``: column ``i``'s frequency (read from row 1, scaling included) times
+    ``amount**(-i/h)``, as ``inv_freq_i = b**(-i/h)`` gives."""
+    tables = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if len(i.dims) == 2 and i.dims[0] > 1}
+    pairs = []
+    for cos_name, c in tables.items():
+        for sin_name, s in tables.items():
+            if c.shape == s.shape and c.dtype.kind == "f" and np.all(c[0] == 1) and np.all(s[0] == 0) and s.any():
+                if np.allclose(c.astype(np.float64) ** 2 + s.astype(np.float64) ** 2, 1.0, atol=1e-2):
+                    pairs.append((cos_name, sin_name))
+    for cos_name, sin_name in pairs:
+        c, s = tables[cos_name].astype(np.float64), tables[sin_name].astype(np.float64)
+        h = c.shape[1]
+        freq = np.arctan2(s[1], c[1]) * float(amount) ** (-np.arange(h) / h)
+        angle = np.arange(c.shape[0], dtype=np.float64)[:, None] * freq[None]
+        for init in model.graph.initializer:
+            if init.name in (cos_name, sin_name):
+                table = np.cos(angle) if init.name == cos_name else np.sin(angle)
+                init.CopyFrom(numpy_helper.from_array(table.astype(tables[init.name].dtype), init.name))
+    return len(pairs)
 
 
 def _constant(model: onnx.ModelProto, name: str) -> np.ndarray | None:

@@ -154,3 +154,13 @@ def test_sweep_seed(family, seed, tmp_path):
 @pytest.mark.parametrize(("family", "seed"), SLOW)
 def test_sweep_seed_slow(family, seed, tmp_path):
     _check(family, seed, tmp_path)
+
+
+def test_dynamic_rope_is_a_named_refusal_not_an_export_error():
+    """llama seed 2 draws dynamic NTK RoPE, whose frequencies follow the batch's longest position: refused up front
+    (ortpa.export.rope_support), recorded as a named leak with the reason."""
+    d = draw("llama", 2)
+    assert d.config["rope_parameters"]["rope_type"] == "dynamic"
+    outcome = run_draw(d)
+    assert (outcome.outcome, outcome.stage) == (LEAK, "export"), outcome
+    assert "RoPE scaling 'dynamic'" in outcome.reason

@@ -8,7 +8,8 @@ model judged against that export (:mod:`ortpa.testing.sweep.judge`). Outcomes:
 
 * ``converted-and-correct``: written, and its greedy tokens batched and alone are the original's (tie rule);
 * ``refused-with-a-named-leak``: refused by the per-sequence flow, every reason a definite leak (a value shown
-  to mix sequences);
+  to mix sequences), or refused up front for a computation that mixes them by definition
+  (:class:`~ortpa.errors.UnsupportedModel` ``mixes_sequences``: dynamic NTK RoPE);
 * ``refused-other``: any other refusal (verification, a layer no recogniser takes, a gap in the flow): a bug;
 * ``wrong``: written, with tokens outside the tie rule: a bug;
 * ``error``: the sweep could not get as far as a verdict (the build or export failed, a run crashed): a bug.
@@ -167,7 +168,10 @@ def run_draw(draw: Draw, workdir: str | Path | None = None, *, steps: int = 6) -
         stage = "done"
         return done(outcome, reason, err)
     except Exception as exc:  # the sweep goes on: the class and first line are the record
-        return done(ERROR, _first_line(exc))
+        from ortpa.errors import UnsupportedModel
+
+        named = isinstance(exc, UnsupportedModel) and exc.mixes_sequences
+        return done(LEAK if named else ERROR, _first_line(exc))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -218,7 +218,8 @@ def test_library_chatter_only_with_verbose(tmp_path):
     quiet = convert()
     # ortpa's own lines only: progress (indented) and its notes
     assert quiet and all(line.startswith(("  ", "ortpa convert: note:")) for line in quiet), quiet
-    assert any("Skipping constant folding" in line for line in convert("--verbose"))
+    # unverified: the warnings come from the rewrite's optimizer; the quiet run above covers verification's output
+    assert any("Skipping constant folding" in line for line in convert("--verbose", "--no-verify"))
 
 
 # ------------------------------------------------------------------------------------------ every family (slow)

@@ -3,11 +3,13 @@
 ``ORTPA_GENAI_PYTHON`` names it (``.ci/run`` makes that venv and exports it). When it is unset the venv is made
 here, once, at ``ORTPA_GENAI_VENV`` (default ``/tmp/ortpa-genai-venv``, the path ``.ci/run`` uses) with
 ``pip install "onnxruntime-genai==0.18.*"`` (network, about a minute), so README's test command works as written.
+Parallel workers (pytest-xdist) take a file lock beside the venv: one makes it, the others wait and use it.
 Anything that goes wrong is a test failure naming the cause, never a skip.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -41,6 +43,13 @@ def find_genai_python() -> str:
             pytest.fail(f"ORTPA_GENAI_PYTHON={python} cannot import onnxruntime_genai: {problem}")
         return python
     venv = Path(os.environ.get("ORTPA_GENAI_VENV", "/tmp/ortpa-genai-venv"))
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, made or failed
+        return _made_genai_venv(venv)
+
+
+def _made_genai_venv(venv: Path) -> str:
     python = str(venv / "bin" / "python")
     if Path(python).is_file() and _imports_genai(python) is None:
         return python

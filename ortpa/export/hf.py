@@ -282,15 +282,16 @@ def _export(
     from ortpa.export.patches import export_patches, translation_table
     from ortpa.export.rope_support import refuse_unrepresentable_rope
 
-    refuse_unrepresentable_rope(_load_config(config_or_model_dir), str(config_or_model_dir))
-    if random_weights:
-        say(f"loading config from {config_or_model_dir}")
-    else:
-        stored = stored_dtype(config_or_model_dir)
-        chosen = default_export_dtype(stored, dtype)
-        why = "" if dtype is not None or chosen == stored else " (runs on CPU and CUDA; see --export-dtype)"
-        say(f"loading weights from {config_or_model_dir}: stored {stored}, exporting in {chosen}{why}")
     try:
+        # before any weight is read: a RoPE no paged cache can hold is refused up front
+        refuse_unrepresentable_rope(_load_config(config_or_model_dir), str(config_or_model_dir))
+        if random_weights:
+            say(f"loading config from {config_or_model_dir}")
+        else:
+            stored = stored_dtype(config_or_model_dir)
+            chosen = default_export_dtype(stored, dtype)
+            why = "" if dtype is not None or chosen == stored else " (runs on CPU and CUDA; see --export-dtype)"
+            say(f"loading weights from {config_or_model_dir}: stored {stored}, exporting in {chosen}{why}")
         model = build_model(
             config_or_model_dir,
             random_weights=random_weights,

@@ -91,6 +91,16 @@ class Server:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def lines_with(self, text: str, timeout_s: float = 15.0) -> list[str]:
+        """The log's lines holding ``text``, waiting up to ``timeout_s`` for the first: the server writes a
+        request's access line after the response is sent, so a loaded machine may show it a moment later."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = [line for line in self.output().splitlines() if text in line]
+            if lines or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.05)
+
 
 @contextlib.contextmanager
 def serve(

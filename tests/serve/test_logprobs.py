@@ -155,7 +155,7 @@ def test_tokenize_detokenize_and_tokenizer_info(server, tokenizer):
 
 def test_access_log_names_each_request(server, client):
     got = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=3, temperature=0)
-    lines = [line for line in server.output().splitlines() if got.id in line]
+    lines = server.lines_with(got.id)
     assert len(lines) == 1 and " POST /v1/completions 200 " in lines[0], lines
     assert f"completion_tokens={got.usage.completion_tokens}" in lines[0] and lines[0].endswith("s")
 

@@ -37,7 +37,9 @@ import onnx
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model.file import LoadedModel
 from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
-from ortpa.parity.rule import Verdict, judge
+from ortpa.parity.routing import probe_graph as _probe
+from ortpa.parity.routing import routing_ties
+from ortpa.parity.rule import Verdict, judge, judge_precision
 from ortpa.parity.twin import float32_original, float32_twin, source_arithmetic
 from ortpa.parity.upcast import twin_session_options
 from ortpa.providers import CPU
@@ -300,7 +302,43 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         computed=twin.computed,
         stored=twin.stored,
     )
+    if verdict.structure.ok and not verdict.precision.ok:
+        # a float16 router's near-tie picks other experts for a token: the routing analogue of a greedy tie. Only
+        # looked for where the precision check would refuse (a passing model needs no excuse; the probes cost two
+        # more runs)
+        ties = _routing_ties(original, converted, prompts, want, blocks, precision, upcast, deployed_session)
+        if ties:
+            verdict = Verdict(verdict.structure, judge_precision(want, got, precision, ties))
     return verdict, twins
+
+
+def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, deployed_session) -> set:
+    """:func:`ortpa.parity.routing.routing_ties` with the session options and providers of the rule's own runs."""
+    proto = _header(original)
+    original_options = _twin_options() if _computes_in_half(proto) else _lean_options()
+    original_options.enable_mem_reuse = False  # as _open_original
+    providers = deployed_session.session.get_providers() if deployed_session is not None else [CPU]
+    steps = max(len(t) for t in want.tokens)
+    ties, _ = routing_ties(
+        original,
+        converted,
+        prompts,
+        want.tokens,
+        steps,
+        dtype,
+        original_options=original_options,
+        paged_options=_twin_options() if upcast else _lean_options(),
+        blocks=blocks,
+        block_size=_BLOCK_SIZE if deployed_session is None else deployed_session.block_size,
+        providers=providers,
+    )
+    return ties
+
+
+def _header(path) -> onnx.ModelProto:
+    from ortpa.model.file import read_model
+
+    return read_model(path, load_external_data=False).proto
 
 
 def _has_attention(converted) -> bool:
@@ -369,30 +407,6 @@ def _is_attention(node: onnx.NodeProto) -> bool:
     if node.op_type == "PagedAttention":
         return True
     return node.domain == FUNCTION_DOMAIN and node.op_type.startswith("PagedAttention_")
-
-
-def _probe(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """A copy of the graph (weights not read) with ``names`` as extra outputs, typed as inference finds them."""
-    out = onnx.ModelProto()
-    out.CopyFrom(proto)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(out).graph.value_info
-    except Exception:  # contrib ops onnx cannot type: ORT still finds the types, float is the fallback
-        inferred = []
-    types = {vi.name: vi for vi in inferred}
-    have = {o.name for o in out.graph.output}
-    for name in names:
-        if name in have:
-            continue
-        vi = onnx.ValueInfoProto()
-        if name in types:
-            vi.CopyFrom(types[name])
-            vi.type.tensor_type.ClearField("shape")
-        else:
-            vi.name = name
-            vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
-        out.graph.output.append(vi)
-    return out
 
 
 def first_diverging_layer(

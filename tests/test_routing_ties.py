@@ -115,3 +115,50 @@ def test_a_routing_tie_is_reported_not_judged_and_counted_as_a_tie():
     # the allowance is the token ties' (one per run of < 100 tokens): two routing ties are too many
     want, got = _runs(2)
     assert not judge_precision(want, got, "float16", {(0, 0), (0, 1)}).ok
+
+
+@pytest.mark.slow
+def test_the_deepseek_v3_sweep_draw_with_a_router_near_tie_is_verified(tmp_path, monkeypatch):
+    """Sweep draw deepseek_v3 seed 1 (5 layers, MoE x4, a float16 checkpoint), MLA prefill expanded: at decode step 2
+    of its 19-token verification prompt the last MoE layer's router swaps two experts 3e-4 apart (KL 6e-2 at that
+    step). Verified with the routing tie counted; refused when routing ties are not looked for."""
+    import ortpa
+    import ortpa.parity.verify as verify
+    from ortpa.errors import ConversionError
+    from ortpa.export.hf import export_hf
+    from ortpa.testing.sweep.run import _save_checkpoint
+    from ortpa.testing.sweep.space import draw
+
+    d = draw("deepseek_v3", 1)
+    _save_checkpoint(d, tmp_path / "ckpt")
+    dense = tmp_path / "dense" / "model.onnx"
+    export_hf(tmp_path / "ckpt", dense, random_weights=False, attn_implementation=d.attn_implementation)
+    result = ortpa.convert_file(dense, tmp_path / "paged" / "model.onnx", mla_prefill="expanded")
+    verdict = result.verification.verdict
+    p = verdict.precision
+    assert p.ok and p.routing_ties >= 1 and p.routing_tie_kl_max > p.kl_bound
+    # its layers' outputs are heads-first ([1, heads, tokens, d]: the dynamo export's view before the transpose);
+    # the probe finds the token axis and locates nothing in this correct conversion (it said layer 0, 3.17, before)
+    from ortpa.parity.twin import float32_original, float32_twin
+    from ortpa.parity.verify import first_diverging_layer, verification_prompts
+
+    original_twin = float32_original(dense)
+    twin = float32_twin(tmp_path / "paged" / "model.onnx", upcast=True, original=original_twin)
+    where = first_diverging_layer(original_twin, twin.model, verification_prompts([])[1], verdict.structure.tolerance)
+    assert where.startswith("none of 5 layers"), where
+    monkeypatch.setattr(verify, "routing_ties", lambda *a, **k: (set(), 0))
+    with pytest.raises(ConversionError, match="precision costs more than the rule allows"):
+        ortpa.convert_file(dense, tmp_path / "again" / "model.onnx", mla_prefill="expanded")
+
+
+def test_the_first_layer_probe_joins_chunks_along_the_token_axis():
+    """A layer output ``[1, heads, tokens, d]`` (heads before tokens) from a 1-token chunk and an 18-token chunk
+    joins into the rows of the 19-token prefill, and a value whose token axis cannot be told is not compared."""
+    from ortpa.parity.verify import _join_chunks, _token_axis
+
+    whole = np.random.default_rng(0).standard_normal((1, 8, 19, 16)).astype(np.float32)
+    joined = _join_chunks([whole[:, :, :1], whole[:, :, 1:]], [1, 18])
+    rows = np.moveaxis(whole, 2, 0).reshape(19, -1)  # token t's row: every head's d values at t
+    np.testing.assert_array_equal(joined, rows)
+    assert _token_axis(whole.shape, 19) == 2 and _token_axis((1, 8, 8, 16), 8) is None
+    assert _join_chunks([whole[:, :, :1], whole[:, :8, 1:9]], [1, 8]) is None  # 8 heads, 8 tokens: ambiguous

@@ -449,7 +449,8 @@ def first_diverging_layer(
     # the first token as a fresh prefill, the rest as a chunk over it: a model with two attention forms (MLA's
     # expanded prefill, the absorbed node for rows with a cached prefix) is located in both
     parts: list[list[np.ndarray]] = [[] for _ in names]
-    for chunk in [prompt[:1], prompt[1:]] if len(prompt) > 1 else [prompt]:
+    chunks = [prompt[:1], prompt[1:]] if len(prompt) > 1 else [prompt]
+    for chunk in chunks:
         step = kv.plan_step([(0, len(chunk))])
         feed = step.model_feeds(
             np.array(list(chunk), np.int64),
@@ -458,8 +459,8 @@ def first_diverging_layer(
         )
         out = paged.run(feed, names)
         for k, name in enumerate(names):
-            parts[k].append(np.asarray(out[name], np.float32).reshape(len(chunk), -1))
-    got = {name: np.concatenate(parts[k]) for k, name in enumerate(names)}
+            parts[k].append(np.asarray(out[name], np.float32))
+    got = {name: _join_chunks(parts[k], [len(c) for c in chunks]) for k, name in enumerate(names)}
     del paged
     gc.collect()
     dense_probe = LoadedModel(
@@ -471,13 +472,42 @@ def first_diverging_layer(
     io = dense_interface(dense_file.proto)
     want = dict(zip(names, session.run(names, io.feed(list(prompt), 0, io.empty_past())), strict=True))
     del session
+    unknown = []
     for layer, name in layers:
-        a = np.asarray(got[name], np.float32).reshape(len(prompt), -1)
-        b = np.asarray(want[name], np.float32).reshape(len(prompt), -1)
+        axis = _token_axis(np.shape(want[name]), len(prompt))
+        if got[name] is None or axis is None:  # no token axis to join or compare rows by: this layer is skipped
+            unknown.append(f"layer {layer} ({name})")
+            continue
+        a = got[name]
+        b = np.moveaxis(np.asarray(want[name], np.float32), axis, 0).reshape(len(prompt), -1)
         if a.shape != b.shape:
             return f"not located: layer {layer}'s {name} is {a.shape} converted, {b.shape} original"
         err = float(np.abs(a - b).max())
         scale = np.maximum(1.0, np.abs(b).max(axis=-1, keepdims=True))
         if not bool((np.abs(a - b) <= tol * scale).all()):
             return f"layer {layer} ({name}): max |d| {err:.3e} after its attention (bound {tol:.1e} of its scale)"
-    return f"none of {len(layers)} layers' attention outputs differs past the bound on a prefill of these tokens"
+    skipped = f" ({', '.join(unknown)}: no token axis known, not compared)" if unknown else ""
+    return (
+        f"none of {len(layers) - len(unknown)} layers' attention outputs differs past the bound on a prefill of "
+        f"these tokens{skipped}"
+    )
+
+
+def _token_axis(shape: Sequence[int], tokens: int) -> int | None:
+    """The one axis of ``shape`` that holds ``tokens`` rows, or None where none or several could (exports differ:
+    token-major ``[T, H*d]``, or heads first, ``[1, H, T, d]``, as the dynamo export's view before its transpose)."""
+    axes = [i for i, n in enumerate(shape) if n == tokens]
+    return axes[0] if len(axes) == 1 else None
+
+
+def _join_chunks(parts: Sequence[np.ndarray], lengths: Sequence[int]) -> np.ndarray | None:
+    """One value's outputs of consecutive chunks of a prompt (``lengths`` tokens each) as ``[tokens, rest]`` rows,
+    joined along the token axis found in the longest chunk (a one-token chunk's axes of size 1 say nothing); None
+    where it cannot be told."""
+    longest = max(range(len(parts)), key=lambda i: lengths[i])
+    axis = _token_axis(parts[longest].shape, lengths[longest])
+    if axis is None or any(
+        p.ndim != parts[longest].ndim or p.shape[axis] != n for p, n in zip(parts, lengths, strict=True)
+    ):
+        return None
+    return np.concatenate([np.moveaxis(p, axis, 0).reshape(n, -1) for p, n in zip(parts, lengths, strict=True)])

@@ -154,7 +154,7 @@ def test_the_deepseek_v3_sweep_draw_with_a_router_near_tie_is_verified(tmp_path,
 def test_the_first_layer_probe_joins_chunks_along_the_token_axis():
     """A layer output ``[1, heads, tokens, d]`` (heads before tokens) from a 1-token chunk and an 18-token chunk
     joins into the rows of the 19-token prefill, and a value whose token axis cannot be told is not compared."""
-    from ortpa.parity.verify import _join_chunks, _token_axis
+    from ortpa.parity.locate import _join_chunks, _token_axis
 
     whole = np.random.default_rng(0).standard_normal((1, 8, 19, 16)).astype(np.float32)
     joined = _join_chunks([whole[:, :, :1], whole[:, :, 1:]], [1, 18])

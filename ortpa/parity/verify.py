@@ -37,13 +37,14 @@ import onnx
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model.file import LoadedModel
 from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
-from ortpa.parity.routing import probe_graph as _probe
+from ortpa.parity.locate import first_diverging_layer
+from ortpa.parity.locate import lean_options as _lean_options
+from ortpa.parity.locate import twin_options as _twin_options
 from ortpa.parity.routing import routing_ties
 from ortpa.parity.rule import Verdict, judge, judge_precision
 from ortpa.parity.twin import float32_original, float32_twin, source_arithmetic
-from ortpa.parity.upcast import twin_session_options
 from ortpa.providers import CPU
-from ortpa.tolerances import UNIT_ROUNDOFF, structure_tolerance
+from ortpa.tolerances import UNIT_ROUNDOFF
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -104,18 +105,6 @@ def verification_prompts(thresholds: Sequence[int]) -> list[list[int]]:
     if thresholds:
         prompts.append([int(t) for t in rng.integers(1, 64, max(thresholds) + 3)])
     return prompts
-
-
-def _lean_options():
-    """Session options for a few verification steps: no weight prepacking, so ONNX Runtime's CPU kernels read
-    the memory-mapped weights in place instead of copying each MatMul's weight into private memory (measured on a
-    0.85 GB model's original: 561 MB of private memory with prepacking, 2 MB without)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    return options
 
 
 def _open_original(original: str | os.PathLike):
@@ -241,10 +230,6 @@ def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRu
 
 def _computes_in_half(proto: onnx.ModelProto) -> bool:
     return source_arithmetic(proto) in ("float16", "bfloat16")
-
-
-def _twin_options():
-    return twin_session_options(_lean_options())
 
 
 def _coarsest(*arithmetic: str) -> str:
@@ -376,138 +361,3 @@ def _refusal(original, converted, twins: Twins, prompts, want, verdict: Verdict)
             "the rule allows"
         )
     return ConversionError(f"{what}; nothing was written (pass --no-verify / verify=False to write it anyway)", details)
-
-
-def _layer_outputs(proto: onnx.ModelProto, known: set[str]) -> list[tuple[int, str]]:
-    """(layer, name) for each PagedAttention node: the first value after it, along its single-consumer chain,
-    that also exists in the original (``known``): its output projection's output, or where the rewrite folded
-    that projection (MLA absorption), the residual sum after it."""
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in proto.graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    found = []
-    for index, node in enumerate(n for n in proto.graph.node if _is_attention(n)):
-        value = node.output[0]
-        for _ in range(64):  # Reshape / Cast / the projection(s) / the merge of the expanded prefill / the residual Add
-            nexts = consumers.get(value, [])
-            if len(nexts) != 1 or not nexts[0].output:
-                break
-            value = nexts[0].output[0]
-            if value in known:
-                found.append((index, value))
-                break
-    return found
-
-
-def _is_attention(node: onnx.NodeProto) -> bool:
-    """A PagedAttention node, or its portable function call (the float32 twin's), not the step's plan call."""
-    from ortpa.ops.portable import FUNCTION_DOMAIN
-
-    if node.op_type == "PagedAttention":
-        return True
-    return node.domain == FUNCTION_DOMAIN and node.op_type.startswith("PagedAttention_")
-
-
-def first_diverging_layer(
-    original: str | os.PathLike | LoadedModel,
-    converted: str | os.PathLike | LoadedModel,
-    prompt: Sequence[int],
-    tolerance: float | None = None,
-) -> str:
-    """``"layer i (value): max |d| x"`` for the first layer whose attention block output (its o_proj) differs
-    past ``tolerance`` (default: :func:`ortpa.tolerances.structure_tolerance` of float32) of each token row's
-    scale on ``prompt`` (its first token prefilled, the rest a chunk over it, so both of MLA's attention forms
-    run); a sentence saying why when none is found. ``converted``: a converted model's
-    path, or a model already read (the float32 twin)."""
-    from ortpa.formats.detect import dense_interface
-    from ortpa.model.file import read_model
-    from ortpa.runtime.kv import PagedKVCache
-    from ortpa.runtime.session import InferenceSession, PagedSession
-
-    tol = structure_tolerance("float32") if tolerance is None else tolerance  # an error when no sizes are known
-    paged_file = converted if isinstance(converted, LoadedModel) else read_model(converted, load_external_data=False)
-    dense_file = original if isinstance(original, LoadedModel) else read_model(original, load_external_data=False)
-    dense_names = {v for n in dense_file.proto.graph.node for v in n.output}
-    layers = _layer_outputs(paged_file.proto, dense_names)
-    if not layers:
-        return "not located: no value after any layer's attention has the same name in both graphs"
-    names = [name for _, name in layers]
-    # a label that is not the file's path: the session then opens this graph, not the file (weights still from
-    # the model's own data files)
-    probe = LoadedModel(
-        _probe(paged_file.proto, names), f"{paged_file.label} (probe)", paged_file.base_dir, paged_file.external
-    )
-    blocks = -(-len(prompt) // _BLOCK_SIZE) + 1
-    # a float32 twin's casts of half weights run per use, not folded into float32 copies (ortpa.parity.upcast)
-    paged = PagedSession(
-        probe, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=_twin_options()
-    )
-    kv = PagedKVCache(paged.num_blocks, paged.block_size)
-    kv.add_sequence(0)
-    declared = {i.name for i in paged.session.get_inputs()}
-    # the first token as a fresh prefill, the rest as a chunk over it: a model with two attention forms (MLA's
-    # expanded prefill, the absorbed node for rows with a cached prefix) is located in both
-    parts: list[list[np.ndarray]] = [[] for _ in names]
-    chunks = [prompt[:1], prompt[1:]] if len(prompt) > 1 else [prompt]
-    for chunk in chunks:
-        step = kv.plan_step([(0, len(chunk))])
-        feed = step.model_feeds(
-            np.array(list(chunk), np.int64),
-            attention_metadata="attention_metadata" in declared,
-            position_ids="position_ids" in declared,
-        )
-        out = paged.run(feed, names)
-        for k, name in enumerate(names):
-            parts[k].append(np.asarray(out[name], np.float32))
-    got = {name: _join_chunks(parts[k], [len(c) for c in chunks]) for k, name in enumerate(names)}
-    del paged
-    gc.collect()
-    dense_probe = LoadedModel(
-        _probe(dense_file.proto, names), f"{dense_file.label} (probe)", dense_file.base_dir, dense_file.external
-    )
-    options = _twin_options()
-    options.enable_mem_reuse = False
-    session = InferenceSession(dense_probe, options, providers=[CPU])
-    io = dense_interface(dense_file.proto)
-    want = dict(zip(names, session.run(names, io.feed(list(prompt), 0, io.empty_past())), strict=True))
-    del session
-    unknown = []
-    for layer, name in layers:
-        axis = _token_axis(np.shape(want[name]), len(prompt))
-        if got[name] is None or axis is None:  # no token axis to join or compare rows by: this layer is skipped
-            unknown.append(f"layer {layer} ({name})")
-            continue
-        a = got[name]
-        b = np.moveaxis(np.asarray(want[name], np.float32), axis, 0).reshape(len(prompt), -1)
-        if a.shape != b.shape:
-            return f"not located: layer {layer}'s {name} is {a.shape} converted, {b.shape} original"
-        err = float(np.abs(a - b).max())
-        scale = np.maximum(1.0, np.abs(b).max(axis=-1, keepdims=True))
-        if not bool((np.abs(a - b) <= tol * scale).all()):
-            return f"layer {layer} ({name}): max |d| {err:.3e} after its attention (bound {tol:.1e} of its scale)"
-    skipped = f" ({', '.join(unknown)}: no token axis known, not compared)" if unknown else ""
-    return (
-        f"none of {len(layers) - len(unknown)} layers' attention outputs differs past the bound on a prefill of "
-        f"these tokens{skipped}"
-    )
-
-
-def _token_axis(shape: Sequence[int], tokens: int) -> int | None:
-    """The one axis of ``shape`` that holds ``tokens`` rows, or None where none or several could (exports differ:
-    token-major ``[T, H*d]``, or heads first, ``[1, H, T, d]``, as the dynamo export's view before its transpose)."""
-    axes = [i for i, n in enumerate(shape) if n == tokens]
-    return axes[0] if len(axes) == 1 else None
-
-
-def _join_chunks(parts: Sequence[np.ndarray], lengths: Sequence[int]) -> np.ndarray | None:
-    """One value's outputs of consecutive chunks of a prompt (``lengths`` tokens each) as ``[tokens, rest]`` rows,
-    joined along the token axis found in the longest chunk (a one-token chunk's axes of size 1 say nothing); None
-    where it cannot be told."""
-    longest = max(range(len(parts)), key=lambda i: lengths[i])
-    axis = _token_axis(parts[longest].shape, lengths[longest])
-    if axis is None or any(
-        p.ndim != parts[longest].ndim or p.shape[axis] != n for p, n in zip(parts, lengths, strict=True)
-    ):
-        return None
-    return np.concatenate([np.moveaxis(p, axis, 0).reshape(n, -1) for p, n in zip(parts, lengths, strict=True)])

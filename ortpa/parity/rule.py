@@ -7,7 +7,8 @@ Two verdicts, kept apart (the bounds and their derivation: :mod:`ortpa.tolerance
 * :func:`judge_precision`: the deployed model against the original: greedy agreement under the tie rule of its
   precision, top-k overlap and KL divergence of the next-token distributions. Decides whether the deployed
   precision keeps the model, refusing only past :func:`ortpa.tolerances.precision_kl_bound` or at a token
-  flip outside :func:`ortpa.tolerances.precision_ties`.
+  flip outside :func:`ortpa.tolerances.precision_ties`. Steps a router's near-tie explains (routing ties,
+  :mod:`ortpa.parity.routing`) are reported, not judged, and counted with the token ties.
 
 Both take :class:`~ortpa.parity.greedy.GreedyRun` s over the same prompts, the compared run teacher-forced on the
 original's tokens (``follow=original.tokens``), so every step compares the same inputs.

@@ -83,6 +83,7 @@ class Verification:
             **self.verdict.to_dict(),
             "max_abs_logit_error": self.max_abs_logit_error,
             "tie_flips": self.verdict.precision.ties,
+            "routing_ties": self.verdict.precision.routing_ties,
             "prompt_lengths": self.prompt_lengths,
             "steps": self.steps,
             "seconds": round(self.seconds, 3),

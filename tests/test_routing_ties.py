@@ -153,12 +153,17 @@ def test_the_deepseek_v3_sweep_draw_with_a_router_near_tie_is_verified(tmp_path,
 
 def test_the_first_layer_probe_joins_chunks_along_the_token_axis():
     """A layer output ``[1, heads, tokens, d]`` (heads before tokens) from a 1-token chunk and an 18-token chunk
-    joins into the rows of the 19-token prefill, and a value whose token axis cannot be told is not compared."""
-    from ortpa.parity.locate import _join_chunks, _token_axis
+    joins into the rows of the 19-token prefill; where heads are as many as tokens, the runs' shapes together still
+    tell the token axis; a value whose token axis cannot be told is not compared."""
+    from ortpa.parity.locate import _token_axis, _token_rows
 
     whole = np.random.default_rng(0).standard_normal((1, 8, 19, 16)).astype(np.float32)
-    joined = _join_chunks([whole[:, :, :1], whole[:, :, 1:]], [1, 18])
     rows = np.moveaxis(whole, 2, 0).reshape(19, -1)  # token t's row: every head's d values at t
+    mine, joined = _token_rows(whole, [whole[:, :, :1], whole[:, :, 1:]], 19, [1, 18])
+    np.testing.assert_array_equal(mine, rows)
     np.testing.assert_array_equal(joined, rows)
-    assert _token_axis(whole.shape, 19) == 2 and _token_axis((1, 8, 8, 16), 8) is None
-    assert _join_chunks([whole[:, :, :1], whole[:, :8, 1:9]], [1, 8]) is None  # 8 heads, 8 tokens: ambiguous
+    eight = whole[:, :, :8]  # 8 heads, 8 tokens: the chunks of 1 and 7 tokens say which axis
+    assert _token_axis([eight.shape, (1, 8, 1, 16), (1, 8, 7, 16)], [8, 1, 7]) == 2
+    assert _token_axis([eight.shape], [8]) is None  # alone, it cannot tell
+    assert _token_rows(eight, [eight[:, :, :1], eight[:, :, 1:]], 8, [1, 7]) is not None
+    assert _token_rows(eight[0], [eight[:, :, :1], eight[:, :, 1:]], 8, [1, 7]) is None  # ranks differ, 8 twice

@@ -126,7 +126,7 @@ def first_diverging_layer(
         out = paged.run(feed, names)
         for k, name in enumerate(names):
             parts[k].append(np.asarray(out[name], np.float32))
-    got = {name: _join_chunks(parts[k], [len(c) for c in chunks]) for k, name in enumerate(names)}
+    lengths = [len(c) for c in chunks]
     del paged
     gc.collect()
     dense_probe = LoadedModel(
@@ -139,13 +139,12 @@ def first_diverging_layer(
     want = dict(zip(names, session.run(names, io.feed(list(prompt), 0, io.empty_past())), strict=True))
     del session
     unknown = []
-    for layer, name in layers:
-        axis = _token_axis(np.shape(want[name]), len(prompt))
-        if got[name] is None or axis is None:  # no token axis to join or compare rows by: this layer is skipped
+    for k, (layer, name) in enumerate(layers):
+        rows = _token_rows(np.asarray(want[name], np.float32), parts[k], len(prompt), lengths)
+        if rows is None:  # no token axis to join or compare rows by: this layer is skipped
             unknown.append(f"layer {layer} ({name})")
             continue
-        a = got[name]
-        b = np.moveaxis(np.asarray(want[name], np.float32), axis, 0).reshape(len(prompt), -1)
+        b, a = rows
         if a.shape != b.shape:
             return f"not located: layer {layer}'s {name} is {a.shape} converted, {b.shape} original"
         err = float(np.abs(a - b).max())
@@ -159,21 +158,36 @@ def first_diverging_layer(
     )
 
 
-def _token_axis(shape: Sequence[int], tokens: int) -> int | None:
-    """The one axis of ``shape`` that holds ``tokens`` rows, or None where none or several could (exports differ:
-    token-major ``[T, H*d]``, or heads first, ``[1, H, T, d]``, as the dynamo export's view before its transpose)."""
-    axes = [i for i, n in enumerate(shape) if n == tokens]
+def _token_axis(shapes: Sequence[Sequence[int]], tokens: Sequence[int]) -> int | None:
+    """The one axis along which ``shapes`` (one value's, from runs of ``tokens`` tokens each) hold their runs'
+    tokens while agreeing on every other axis; None where none or several could. Exports differ: token-major
+    ``[T, H*d]``, or heads first, ``[1, H, T, d]`` (the dynamo export's view before its transpose)."""
+    if len({len(s) for s in shapes}) != 1:
+        return None
+    rank = len(shapes[0])
+    axes = [
+        i
+        for i in range(rank)
+        if all(s[i] == n for s, n in zip(shapes, tokens, strict=True))
+        and all(len({s[j] for s in shapes}) == 1 for j in range(rank) if j != i)
+    ]
     return axes[0] if len(axes) == 1 else None
 
 
-def _join_chunks(parts: Sequence[np.ndarray], lengths: Sequence[int]) -> np.ndarray | None:
-    """One value's outputs of consecutive chunks of a prompt (``lengths`` tokens each) as ``[tokens, rest]`` rows,
-    joined along the token axis found in the longest chunk (a one-token chunk's axes of size 1 say nothing); None
-    where it cannot be told."""
-    longest = max(range(len(parts)), key=lambda i: lengths[i])
-    axis = _token_axis(parts[longest].shape, lengths[longest])
-    if axis is None or any(
-        p.ndim != parts[longest].ndim or p.shape[axis] != n for p, n in zip(parts, lengths, strict=True)
-    ):
+def _token_rows(
+    whole: np.ndarray, parts: Sequence[np.ndarray], tokens: int, lengths: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(whole's rows, the parts' rows joined)``, each ``[tokens, rest]``: one value of the original's run of
+    ``tokens`` tokens and of the converted model's consecutive chunks (``lengths`` tokens each), along the token
+    axis the shapes of all runs tell together (one run's axes of its token count may be several: a one-token
+    chunk's size-1 axes, heads as many as tokens); each side's own where their ranks differ. None where it cannot
+    be told."""
+    shapes = [p.shape for p in parts]
+    if len({whole.ndim, *(p.ndim for p in parts)}) == 1:
+        mine = theirs = _token_axis([whole.shape, *shapes], [tokens, *lengths])
+    else:
+        mine, theirs = _token_axis([whole.shape], [tokens]), _token_axis(shapes, lengths)
+    if mine is None or theirs is None:
         return None
-    return np.concatenate([np.moveaxis(p, axis, 0).reshape(n, -1) for p, n in zip(parts, lengths, strict=True)])
+    joined = np.concatenate([np.moveaxis(p, theirs, 0).reshape(n, -1) for p, n in zip(parts, lengths, strict=True)])
+    return np.moveaxis(whole, mine, 0).reshape(tokens, -1), joined

@@ -37,7 +37,11 @@ _SELECTS = frozenset(
     {"Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "OneHot", "Equal", "Scatter"}
 )
 # ops between the indices and the selection that only move or retype them
-_PASS = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Identity", "Expand"})
+# (a TopK over the chosen indices is the dispatch's sort of them by expert, as DeepSeek-V2's export has)
+_PASS = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Identity", "Expand", "TopK"})
+_FLOATS = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,14 @@ def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
 
 
 def find_routers(proto: onnx.ModelProto) -> list[Router]:
-    """The graph's routing TopKs, in graph (topological) order."""
+    """The graph's routing TopKs, in graph (topological) order: over floating-point scores (a TopK over integer
+    values sorts chosen indices for the dispatch; it chooses nothing)."""
     graph = proto.graph
+    try:
+        typed = onnx.shape_inference.infer_shapes(proto).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*typed.value_info, *typed.input, *typed.output]}
+    except Exception:  # contrib ops onnx cannot type: such a TopK's input is taken as scores
+        types = {}
     dynamic = {i.name for i in graph.input} - {t.name for t in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
@@ -78,6 +88,8 @@ def find_routers(proto: onnx.ModelProto) -> list[Router]:
     found = []
     for i, n in enumerate(graph.node):
         if n.op_type != "TopK" or len(n.output) < 2 or n.input[0] not in dynamic or not selects(n.output[1]):
+            continue
+        if types.get(n.input[0], onnx.TensorProto.FLOAT) not in _FLOATS:
             continue
         found.append(
             Router(n.name or f"TopK#{i}", n.input[0], n.output[1], _attr(n, "axis", -1), bool(_attr(n, "largest", 1)))
@@ -131,6 +143,8 @@ def _step_verdict(routers: Sequence[Router], want: dict, got: dict, dtype: str) 
         if ours.shape != theirs.shape or scores.shape[:2] != ours.shape[:2]:
             continue
         k = ours.shape[-1]
+        if k >= scores.shape[-1]:
+            continue  # every score kept: a sort, not a choice
         differs = [
             (t, j)
             for t in range(ours.shape[0])
@@ -141,8 +155,6 @@ def _step_verdict(routers: Sequence[Router], want: dict, got: dict, dtype: str) 
             continue
         for t, j in differs:
             row = scores[t, j] if r.largest else -scores[t, j]
-            if k >= row.size:
-                return False  # every score is chosen: sets cannot differ by a tie
             ranked = np.sort(row)[::-1]
             if not float(ranked[k - 1] - ranked[k]) <= routing_tie_width(dtype, row):
                 return False

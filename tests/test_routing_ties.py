@@ -7,6 +7,8 @@ The tie width is the tie rule's: 2 * 2 * sqrt(2**-11) = 0.0884 for float16 (ortp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -79,6 +81,8 @@ WIDE = [[0.9, 0.8, 0.1, 0.0]]  # 0.7 apart
         (_step([[0]], NEAR, [[0, 1]]), _step([[0]], NEAR, [[0, 2]]), True),  # a near-tie swapped
         (_step([[0]], WIDE, [[0, 1]]), _step([[0]], WIDE, [[0, 2]]), False),  # a wide-margin change: judged
         (_step([[0]], NEAR, [[0, 1]]), _step([[0]], NEAR, [[1, 0]]), False),  # the same experts, in another order
+        # the one taken instead is near the k-th, but the one dropped was the top (0.9): no tie
+        (_step([[0]], NEAR, [[0, 1]]), _step([[0]], NEAR, [[1, 2]]), False),
         # the groups router comes first and differs at a wide margin: the experts' near-tie after it excuses nothing
         (_step([[0]], NEAR, [[0, 1]]), _step([[1]], NEAR, [[0, 2]]), False),
         # a near-tie of the groups (first) explains a wide change of the experts after it
@@ -88,7 +92,7 @@ WIDE = [[0.9, 0.8, 0.1, 0.0]]  # 0.7 apart
             True,
         ),
     ],
-    ids=["near", "wide", "same-set", "wide-first", "near-first"],
+    ids=["near", "wide", "same-set", "dropped-top", "wide-first", "near-first"],
 )
 def test_a_step_is_a_routing_tie_only_at_a_near_tie_of_its_first_difference(original, deployed, tie):
     assert routing_tie_steps(_probed(original), _probed(deployed), [R1, R2], "float16") == ({(0, 0)} if tie else set())
@@ -167,3 +171,62 @@ def test_the_first_layer_probe_joins_chunks_along_the_token_axis():
     assert _token_axis([eight.shape], [8]) is None  # alone, it cannot tell
     assert _token_rows(eight, [eight[:, :, :1], eight[:, :, 1:]], 8, [1, 7]) is not None
     assert _token_rows(eight[0], [eight[:, :, :1], eight[:, :, 1:]], 8, [1, 7]) is None  # ranks differ, 8 twice
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DSV2LITE_MOE = FIXTURES / "dsv2lite_moe_sdpa_op18.onnx"  # softmax routing, the dispatch sorts the chosen ids
+DSV3_MOE = FIXTURES / "dsv3_moe_sdpa_op18.onnx"  # group-limited routing
+
+
+def test_routers_of_dynamo_exports():
+    """DeepSeek-V3's two TopKs per MoE layer (groups, then experts; not the top-2-per-group sum's), DeepSeek-V2-Lite's
+    one (not the dispatch's sort of the chosen expert ids, a TopK over integers)."""
+    v3 = find_routers(onnx.load(str(DSV3_MOE), load_external_data=False))
+    assert [(r.scores, r.largest) for r in v3] == [("sum_1", True), ("masked_fill", True)]
+    v2 = find_routers(onnx.load(str(DSV2LITE_MOE), load_external_data=False))
+    assert [r.node for r in v2] == ["node_topk__1"]
+
+
+def _nudged(model: onnx.ModelProto, offsets: np.ndarray) -> onnx.ModelProto:
+    """``model`` with ``offsets`` (one per expert) added to its router's scores before its TopK."""
+    from ortpa.testing.defects import _sorted
+
+    (router,) = find_routers(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    node = next(n for n in out.graph.node if n.op_type == "TopK" and n.output[1] == router.indices)
+    out.graph.initializer.append(numpy_helper.from_array(offsets.astype(np.float32), "nudge"))
+    out.graph.node.append(helper.make_node("Add", [router.scores, "nudge"], ["nudged"]))
+    node.input[0] = "nudged"
+    return _sorted(out)
+
+
+def test_routing_ties_through_the_probed_graphs(tmp_path):
+    """The original and its conversion probed, teacher-forced: scores moved by less than float16's tie width
+    (offsets in [0, 0.05)) swap only experts within that of each other: routing ties; the scores negated change
+    routing at a wide margin: none."""
+    from ortpa.conversion import convert_file
+    from ortpa.parity.greedy import dense_greedy, open_dense
+    from ortpa.parity.locate import lean_options
+    from ortpa.parity.routing import routing_ties
+    from ortpa.parity.verify import verification_prompts
+    from ortpa.testing.defects import routing
+
+    converted = tmp_path / "paged" / "paged.onnx"
+    convert_file(DSV2LITE_MOE, converted, verify=False)
+    prompts = verification_prompts([])
+    dense = open_dense(DSV2LITE_MOE)
+    follow = dense_greedy(dense.session, prompts, 3, interface=dense.interface).tokens
+    del dense
+    model = onnx.load(str(converted))
+
+    def ties(deployed: onnx.ModelProto):
+        path = tmp_path / "deployed.onnx"
+        onnx.save(deployed, str(path))
+        options = dict(original_options=lean_options(), paged_options=lean_options(), blocks=8, block_size=16)
+        return routing_ties(DSV2LITE_MOE, path, prompts, follow, 3, "float16", **options)
+
+    assert ties(model) == (set(), 1)  # routed the same: nothing to excuse
+    near, routers = ties(_nudged(model, 0.05 * np.random.default_rng(0).random(4)))
+    assert routers == 1 and near  # the fixture has rows that close: (1, 0) and (1, 1)
+    assert ties(routing(model)) == (set(), 1)

@@ -10,8 +10,9 @@ is judged as any other (no excuse; a near-tie there can still refuse a correct m
 :func:`routing_ties` re-runs the original and the deployed model teacher-forced on the original's tokens, with
 each router's scores and chosen indices as extra graph outputs (a header copy; the weights stay in their files).
 A step (prompt ``p``, step ``s``) is a routing tie when, at the first router (in graph order) where some row of
-``p`` at that step is routed differently, every such row's original margin between its k-th and (k+1)-th
-score is within :func:`ortpa.tolerances.routing_tie_width` of the deployed precision. Later routers are not
+``p`` at that step is routed differently, in every such row the experts the deployed model dropped and those it
+took instead scored, in the original, within :func:`ortpa.tolerances.routing_tie_width` of the deployed precision
+of each other (for one swapped pair: the margin between the k-th and (k+1)-th score). Later routers are not
 looked at: once one layer mixed other experts, the next layers' hidden states differ by an expert's output, not
 by rounding, and their routing follows. A first difference at a wide margin is no tie: the step is judged.
 """
@@ -155,8 +156,13 @@ def _step_verdict(routers: Sequence[Router], want: dict, got: dict, dtype: str) 
             continue
         for t, j in differs:
             row = scores[t, j] if r.largest else -scores[t, j]
-            ranked = np.sort(row)[::-1]
-            if not float(ranked[k - 1] - ranked[k]) <= routing_tie_width(dtype, row):
+            # every expert dropped and every expert taken instead within the width of each other, in the original
+            mine, other = set(ours[t, j].tolist()), set(theirs[t, j].tolist())
+            dropped, taken = sorted(mine - other), sorted(other - mine)
+            if not all(0 <= e < row.size for e in taken):
+                return False
+            gap = float(max(row[e] for e in dropped) - min(row[e] for e in taken))
+            if not gap <= routing_tie_width(dtype, row):
                 return False
         return True
     return None

@@ -135,14 +135,15 @@ def _rows(value: np.ndarray, axis: int) -> np.ndarray:
 
 def _step_verdict(routers: Sequence[Router], want: dict, got: dict, dtype: str) -> bool | None:
     """True: the first router where a row differs differs only within the tie width; False: it differs wider
-    somewhere; None: routed the same everywhere both runs show."""
+    somewhere, or a router before it cannot be compared; None: routed the same everywhere."""
     for r in routers:
+        # a router the probe could not split per token (not token-major) may hide the first difference: no excuse
         if not all(n in want and n in got for n in (r.scores, r.indices)):
-            continue  # a value the probe could not split per token (not token-major): not compared
+            return False
         scores = _rows(np.asarray(want[r.scores], np.float32), r.axis)
         ours, theirs = _rows(want[r.indices], r.axis), _rows(got[r.indices], r.axis)
         if ours.shape != theirs.shape or scores.shape[:2] != ours.shape[:2]:
-            continue
+            return False
         k = ours.shape[-1]
         if k >= scores.shape[-1]:
             continue  # every score kept: a sort, not a choice

@@ -37,6 +37,12 @@ where the original's gap between the two tokens is within ``2 * precision_logit_
 For scale, six real float16 conversions of 1-7B models measured max |dlogit| 0.0095-0.026 with identical
 greedy tokens (issue 28), well inside; a wrong conversion is refused by the structure test first.
 
+Routing ties: a mixture-of-experts router ranks experts by scores computed from the same hidden state the logits
+are, perturbed by the same deployed precision; two scores within ``2 * precision_logit_bound(T)`` of each other
+(:func:`routing_tie_width`, the tie rule applied to the router's score row) may swap, and the deployed model then
+mixes other experts for that token. Such a step is a *routing tie*: its statistics are reported, not judged, and
+it counts against the same :func:`max_tie_flips` allowance as a greedy tie flip (:mod:`ortpa.parity.routing`).
+
 Greedy ties: if every logit of a row is within ``b`` of the reference row, the argmax can differ from the
 reference's only where the reference's gap between the two tokens is at most ``2 * b``
 (:data:`TIE_MARGIN_FACTOR`). Such a *tie flip* is a correct greedy choice within the precision, but it must stay
@@ -67,6 +73,7 @@ __all__ = [
     "precision_kl_bound",
     "precision_logit_bound",
     "precision_ties",
+    "routing_tie_width",
     "structure_bound",
     "structure_tolerance",
     "tie_bound",
@@ -196,6 +203,12 @@ def precision_logit_bound(dtype) -> float:
 def precision_kl_bound(dtype) -> float:
     """The largest next-token KL divergence (nats) the deployed precision may cost: ``bound**2 / 2``."""
     return precision_logit_bound(dtype) ** 2 / 2.0
+
+
+def routing_tie_width(dtype, scores_row: np.ndarray) -> float:
+    """The largest gap between a router's k-th and (k+1)-th score (``scores_row``, the original's) at which the
+    deployed precision ``dtype`` may swap the two experts: the greedy-tie rule's margin on that row."""
+    return precision_ties(dtype).margin(scores_row)
 
 
 def precision_ties(dtype) -> TieBound:

@@ -2,7 +2,8 @@
 
 The defects (:mod:`ortpa.testing.defects`) are the issue's: one layer's scale off by 10 %, the RoPE base doubled,
 the window off by one, the softcap dropped, two query heads swapped, a sink dropped, one layer's norm epsilon
-x100, one layer's cache position shifted by one. Each is injected into a fixture that has the feature (a window
+x100, one layer's cache position shifted by one; and one MoE router's scores negated (routing changed at a wide
+margin, which no routing tie excuses). Each is injected into a fixture that has the feature (a window
 needs a windowed model, a sink a model with sinks) and checked twice: by
 :func:`ortpa.parity.verify.verify_conversion` (what ``convert`` runs before it writes) and by ``ortpa parity``.
 The same models undefected pass both. A seeded draw of dense MLA configs (depth, width, heads, LoRA ranks, RoPE
@@ -41,6 +42,7 @@ WHERE = {
     "sink": SINKS,
     "norm_eps": LLAMA,
     "cache_position": LLAMA,
+    "routing": FIXTURES / "dsv3_moe_sdpa_op18.onnx",  # the middle router's scores negated: a wide-margin change
 }
 
 
@@ -90,7 +92,9 @@ def test_every_defect_is_refused_by_convert(kind, converted, tmp_path):
         verify_conversion(WHERE[kind], bad)
     text = str(err.value)
     assert "does not match the original (structure)" in text, text
-    assert "first diverging layer: layer " in text, text
+    # the fixture's router is in its last layer, after every attention output the probe compares
+    located = "first diverging layer: none of" if kind == "routing" else "first diverging layer: layer "
+    assert located in text, text
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -41,6 +41,9 @@ class GreedyRun:
     logits: list[np.ndarray]
     seconds: float  # wall time of the session runs and the host work between them
     runs: int  # session.run calls
+    # ``probes``' values, where asked: ``probed[p][step][name]``, the rows of prompt ``p``'s tokens fed at that step
+    # (token-major: packed rows split by the step's cumulative lengths)
+    probed: list[list[dict[str, np.ndarray]]] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -102,13 +105,15 @@ def dense_greedy(
     *,
     follow: Sequence[Sequence[int]] | None = None,
     interface: DenseInterface | None = None,
+    probes: Sequence[str] = (),
 ) -> GreedyRun:
     """Greedy decoding of each prompt alone on a dense past/present model, fed in its own format.
 
     ``interface`` (from :func:`ortpa.formats.dense_interface` of the model) says which inputs the model takes
     (onnxruntime-genai: ``attention_mask`` only, or with ``position_ids``; optimum and dynamo exports: both;
     transformers' OnnxExporter: ``position_ids`` only) and how its caches are named, shaped and typed. Without
-    it, the session's declared I/O is enough for models whose cache dims are all fixed.
+    it, the session's declared I/O is enough for models whose cache dims are all fixed. ``probes``: extra graph
+    outputs of the session to record at each step (:attr:`GreedyRun.probed`).
     """
     _check_prompts(prompts, max_new_tokens)
     io = _interface(session, interface)
@@ -116,13 +121,18 @@ def dense_greedy(
     start = time.perf_counter()
     tokens: list[list[int]] = []
     logits: list[np.ndarray] = []
+    probed: list[list[dict[str, np.ndarray]]] = []
     runs = 0
     for p, prompt in enumerate(prompts):
         past = io.empty_past()
         feed_ids, length, mine, rows = list(prompt), 0, [], []
+        probed.append([])
         for step in range(max_new_tokens):
             out = dict(zip(outputs, session.run(None, io.feed(feed_ids, length, past)), strict=True))
             runs += 1
+            if probes:  # one prompt per run: every row of the value is this prompt's
+                split = {name: _rows(out[name], len(feed_ids)) for name in probes}
+                probed[p].append({n: v for n, v in split.items() if v is not None})
             row = np.asarray(out[io.logits][0, -1], np.float32)
             rows.append(row)
             mine.append(int(row.argmax()))
@@ -132,7 +142,7 @@ def dense_greedy(
                 feed_ids = [int(follow[p][step]) if follow is not None else mine[-1]]
         tokens.append(mine)
         logits.append(np.stack(rows))
-    return GreedyRun(tokens, logits, time.perf_counter() - start, runs)
+    return GreedyRun(tokens, logits, time.perf_counter() - start, runs, probed if probes else [])
 
 
 def paged_greedy(
@@ -142,11 +152,13 @@ def paged_greedy(
     *,
     block_size: int | None = None,
     follow: Sequence[Sequence[int]] | None = None,
+    probes: Sequence[str] = (),
 ) -> GreedyRun:
     """Greedy decoding of all prompts together on a converted model: one packed prefill, then packed decodes.
 
     ``follow`` (teacher forcing, as in :func:`dense_greedy`): feed ``follow[p][step]`` as prompt ``p``'s next
-    token instead of its own argmax, which it still reports as its token."""
+    token instead of its own argmax, which it still reports as its token. ``probes``: extra graph outputs to record
+    (:attr:`GreedyRun.probed`), token-major values whose packed rows are split per prompt."""
     _check_prompts(prompts, max_new_tokens)
     declared = {i.name for i in session.session.get_inputs()}
     kv = PagedKVCache(session.num_blocks, block_size or session.block_size)
@@ -156,6 +168,7 @@ def paged_greedy(
     pending = [list(p) for p in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
     rows: list[list[np.ndarray]] = [[] for _ in prompts]
+    probed: list[list[dict[str, np.ndarray]]] = [[] for _ in prompts]
     start = time.perf_counter()
     for n in range(max_new_tokens):
         step = kv.plan_step([(s, len(pending[s])) for s in seqs])
@@ -165,7 +178,12 @@ def paged_greedy(
             attention_metadata="attention_metadata" in declared,
             position_ids="position_ids" in declared,
         )
-        out = session.run(feed)["logits"]
+        outs = session.run(feed)
+        out = outs["logits"]
+        bounds = step.cumulative_sequence_length
+        split = {name: _rows(outs[name], int(bounds[-1])) for name in probes}
+        for j, s in enumerate(seqs) if probes else ():
+            probed[s].append({n: v[bounds[j] : bounds[j + 1]] for n, v in split.items() if v is not None})
         # logits="last" gives one row per sequence; logits="all" one per packed token
         last = out if out.shape[0] == len(seqs) else out[step.last_token_indices]
         for j, s in enumerate(seqs):
@@ -176,4 +194,14 @@ def paged_greedy(
     seconds = time.perf_counter() - start
     for s in seqs:
         kv.free(s)
-    return GreedyRun(tokens, [np.stack(r) for r in rows], seconds, max_new_tokens)
+    return GreedyRun(tokens, [np.stack(r) for r in rows], seconds, max_new_tokens, probed if probes else [])
+
+
+def _rows(value: np.ndarray, tokens: int) -> np.ndarray | None:
+    """``value`` with its leading dims that span the ``tokens`` packed rows merged into one (token-major); None
+    where no leading dims do (left out of :attr:`GreedyRun.probed`)."""
+    value = np.asarray(value)
+    for i in range(1, value.ndim + 1):
+        if int(np.prod(value.shape[:i])) == tokens:
+            return value.reshape(tokens, *value.shape[i:])
+    return None

@@ -7,7 +7,8 @@ Two verdicts, kept apart (the bounds and their derivation: :mod:`ortpa.tolerance
 * :func:`judge_precision`: the deployed model against the original: greedy agreement under the tie rule of its
   precision, top-k overlap and KL divergence of the next-token distributions. Decides whether the deployed
   precision keeps the model, refusing only past :func:`ortpa.tolerances.precision_kl_bound` or at a token
-  flip outside :func:`ortpa.tolerances.precision_ties`.
+  flip outside :func:`ortpa.tolerances.precision_ties`. Steps a router's near-tie explains (routing ties,
+  :mod:`ortpa.parity.routing`) are reported, not judged, and counted with the token ties.
 
 Both take :class:`~ortpa.parity.greedy.GreedyRun` s over the same prompts, the compared run teacher-forced on the
 original's tokens (``follow=original.tokens``), so every step compares the same inputs.
@@ -15,6 +16,7 @@ original's tokens (``follow=original.tokens``), so every step compares the same 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -73,6 +75,10 @@ class PrecisionResult:
     top_k_overlap_mean: float
     max_abs_logit_error: float  # reported, not judged
     logit_bound: float  # the tie rule's b (ties within 2 b)
+    # steps excused as routing ties (ortpa.parity.routing): not judged, counted against max_ties with ``ties``
+    routing_ties: int = 0
+    routing_tie_steps: tuple[tuple[int, int], ...] = ()  # (prompt, step) of each
+    routing_tie_kl_max: float = 0.0  # the excused steps' KL, reported, not judged
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class Verdict:
             "ortpa.verify.top_k_overlap_min": f"{p.top_k_overlap_min:.3f}",
             "ortpa.verify.max_abs_logit_error": f"{p.max_abs_logit_error:.3e}",
             "ortpa.verify.tie_flips": str(p.ties),
+            "ortpa.verify.routing_ties": str(p.routing_ties),
         }
 
     def format(self) -> str:
@@ -114,6 +121,12 @@ class Verdict:
                 f"precision ({p.dtype}): KL max {p.kl_max:.3e} mean {p.kl_mean:.3e} (bound {p.kl_bound:.3e}); "
                 f"greedy tokens agree {p.tokens_agree}/{p.tokens_checked}"
                 + (f", {p.ties} tie(s) (at most {p.max_ties})" if p.ties else "")
+                + (
+                    f"; {p.routing_ties} routing tie(s) excused (steps {list(p.routing_tie_steps)}, KL max "
+                    f"{p.routing_tie_kl_max:.3e}; with ties at most {p.max_ties})"
+                    if p.routing_ties
+                    else ""
+                )
                 + (f", {p.mismatches} MISMATCH(ES)" if p.mismatches else "")
                 + f"; top-{p.top_k} overlap min {p.top_k_overlap_min:.2f} mean {p.top_k_overlap_mean:.2f}; "
                 f"max |dlogit| {p.max_abs_logit_error:.3e}: {'OK' if p.ok else 'FAILED'}",
@@ -171,9 +184,13 @@ def kl_divergence(reference: np.ndarray, other: np.ndarray) -> float:
     return kl if np.isfinite(kl) else float("inf")
 
 
-def judge_precision(original: GreedyRun, deployed: GreedyRun, dtype: str) -> PrecisionResult:
+def judge_precision(
+    original: GreedyRun, deployed: GreedyRun, dtype: str, routing_ties: Collection[tuple[int, int]] = ()
+) -> PrecisionResult:
     """``deployed`` against ``original``: token agreement under :func:`ortpa.tolerances.precision_ties`, top-k
-    overlap, and KL(original || deployed) of each step's next-token distribution."""
+    overlap, and KL(original || deployed) of each step's next-token distribution. ``routing_ties``: (prompt,
+    step) pairs where a router's near-tie chose other experts (:mod:`ortpa.parity.routing`): reported, not
+    judged, and counted with the token ties against :func:`ortpa.tolerances.max_tie_flips`."""
     ties_rule = precision_ties(dtype)
     kl_bound = precision_kl_bound(dtype)
     checked = agree = ties = mismatches = 0
@@ -181,7 +198,13 @@ def judge_precision(original: GreedyRun, deployed: GreedyRun, dtype: str) -> Pre
     overlaps: list[float] = []
     worst = 0.0
     k = PRECISION_TOP_K
-    for _, _, ref, got, token in _pairs(original, deployed):
+    excused: list[tuple[int, int]] = []
+    excused_kl = 0.0
+    for p, step, ref, got, token in _pairs(original, deployed):
+        if (p, step) in routing_ties:
+            excused.append((p, step))
+            excused_kl = max(excused_kl, kl_divergence(ref, got))
+            continue
         checked += 1
         verdict = ties_rule.classify(ref, token)
         agree += verdict == "exact"
@@ -193,9 +216,9 @@ def judge_precision(original: GreedyRun, deployed: GreedyRun, dtype: str) -> Pre
         overlaps.append(len(top_ref & top_got) / kk)
         d = float(np.abs(got - ref).max())
         worst = max(worst, d if np.isfinite(d) else float("inf"))
-    allowed = max_tie_flips(checked)
+    allowed = max_tie_flips(checked + len(excused))
     kl_max = max(kls, default=0.0)
-    ok = checked > 0 and mismatches == 0 and ties <= allowed and kl_max <= kl_bound
+    ok = checked > 0 and mismatches == 0 and ties + len(excused) <= allowed and kl_max <= kl_bound
     return PrecisionResult(
         ok,
         dtype,
@@ -212,6 +235,9 @@ def judge_precision(original: GreedyRun, deployed: GreedyRun, dtype: str) -> Pre
         float(np.mean(overlaps)) if overlaps else 1.0,
         worst,
         precision_logit_bound(dtype),
+        len(excused),
+        tuple(excused),
+        excused_kl,
     )
 
 

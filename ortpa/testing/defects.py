@@ -7,7 +7,9 @@ Each defect is injected where it means what a wrong conversion would do:
   ``scale`` of one layer, the ``local_window_size`` of every windowed layer, the ``softcap`` of every layer, a
   layer's ``head_sink``, the order of two query heads of one layer (a permutation placed before the cast to T,
   so the float32 twin carries it too), one layer's cache position (``past_seqlens`` + ``amount``) and one
-  layer's RMSNorm epsilon (the norms pass through the rewrite unchanged: a rewrite that rebuilt them wrong);
+  layer's RMSNorm epsilon (the norms pass through the rewrite unchanged: a rewrite that rebuilt them wrong), the
+  scores of one mixture-of-experts router (scaled by ``amount``, -1: it picks the experts it should not, at a
+  wide margin: what no routing tie excuses);
 * into the **original**, where the model computes the value in its own graph and the converted model reads
   it from there: the RoPE base (every ``inv_freq``-like constant ``b**(-2i/d)`` recomputed for ``b * amount``).
   The conversion of the defected original is then compared with the true original.
@@ -204,6 +206,35 @@ def norm_eps(model: onnx.ModelProto, amount: float = 100.0) -> onnx.ModelProto:
     return out
 
 
+def routing(model: onnx.ModelProto, amount: float = -1.0) -> onnx.ModelProto:
+    """The scores of the middle router (:func:`ortpa.parity.routing.find_routers`) times ``amount`` before its
+    TopK."""
+    from ortpa.parity.routing import find_routers
+
+    routers = find_routers(model)
+    if not routers:
+        raise DefectNotApplicable("no router (a TopK choosing experts): inject this defect into an MoE model")
+    router = _middle(routers)
+    out = _copy(model)
+    node = next(n for n in out.graph.node if n.op_type == "TopK" and n.output[1] == router.indices)
+    elem = next(
+        (
+            vi.type.tensor_type.elem_type
+            for vi in onnx.shape_inference.infer_shapes(out).graph.value_info
+            if vi.name == router.scores
+        ),
+        onnx.TensorProto.FLOAT,
+    )
+    factor = f"{router.scores}__defect_factor"
+    scaled = f"{router.scores}__defect_scaled"
+    out.graph.initializer.append(
+        numpy_helper.from_array(np.array(amount, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem)), factor)
+    )
+    out.graph.node.append(helper.make_node("Mul", [router.scores, factor], [scaled]))
+    node.input[0] = scaled
+    return _sorted(out)
+
+
 def rope_base(model: onnx.ModelProto, amount: float = 2.0) -> onnx.ModelProto:
     """The RoPE base ``b`` of an original times ``amount``: every float initializer ``b**(-2i/d)`` (``inv_freq``:
     1, decreasing geometrically) recomputed for ``b * amount``, and every cos/sin table pair (onnxruntime-genai's
@@ -284,6 +315,7 @@ CONVERTED_DEFECTS: dict[str, Callable[..., onnx.ModelProto]] = {
     "sink": sink,
     "norm_eps": norm_eps,
     "cache_position": cache_position,
+    "routing": routing,
 }
 ORIGINAL_DEFECTS: dict[str, Callable[..., onnx.ModelProto]] = {"rope_base": rope_base}
 DEFECTS = (*CONVERTED_DEFECTS, *ORIGINAL_DEFECTS)

@@ -113,11 +113,7 @@ def _open_original(original: str | os.PathLike):
     from ortpa.model.file import read_model
 
     proto = read_model(original, load_external_data=False).proto
-    # a float16 original: ONNX Runtime's CPU kernels take most float16 ops through float32 casts it inserts, and
-    # would fold those of the weights into float32 copies at creation (2x the weights); _twin_options runs them
-    # per use (docs/large_models.md)
-    options = _twin_options() if _computes_in_half(proto) else _lean_options()
-    options.enable_mem_reuse = False
+    options = _original_options(_computes_in_half(proto))
     try:
         session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
     except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
@@ -130,6 +126,17 @@ def _open_original(original: str | os.PathLike):
             [("original (CPU)", str(exc)[-300:])],
         ) from None
     return session, dense_interface(proto)
+
+
+def _original_options(half: bool):
+    """Session options of every run of an original or its twin (its own, its float32 twin's, the routing
+    probe's): memory reuse off (as :func:`ortpa.parity.greedy.open_dense`, for the genai fp16 builds'
+    value_info); for a ``half`` (float16/bfloat16) original, :func:`_twin_options`: ONNX Runtime's CPU kernels
+    take most float16 ops through float32 casts it inserts, and would fold those of the weights into float32
+    copies at creation (2x the weights), where these cast them per use (docs/large_models.md)."""
+    options = _twin_options() if half else _lean_options()
+    options.enable_mem_reuse = False
+    return options
 
 
 def _cache_dtype(session) -> str:
@@ -209,9 +216,7 @@ def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRu
     from ortpa.parity.greedy import dense_forward
     from ortpa.runtime.session import InferenceSession
 
-    options = _twin_options()
-    options.enable_mem_reuse = False  # as the original's own session (_open_original)
-    session = InferenceSession(model, options, providers=[CPU])
+    session = InferenceSession(model, _original_options(half=True), providers=[CPU])
     interface = dense_interface(model.proto)
     start = time.perf_counter()
     tokens, logits = [], []
@@ -299,9 +304,6 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
 
 def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, deployed_session) -> set:
     """:func:`ortpa.parity.routing.routing_ties` with the session options and providers of the rule's own runs."""
-    proto = _header(original)
-    original_options = _twin_options() if _computes_in_half(proto) else _lean_options()
-    original_options.enable_mem_reuse = False  # as _open_original
     providers = deployed_session.session.get_providers() if deployed_session is not None else [CPU]
     steps = max(len(t) for t in want.tokens)
     ties, _ = routing_ties(
@@ -311,19 +313,13 @@ def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, dep
         want.tokens,
         steps,
         dtype,
-        original_options=original_options,
+        original_options=_original_options(upcast),
         paged_options=_twin_options() if upcast else _lean_options(),
         blocks=blocks,
         block_size=_BLOCK_SIZE if deployed_session is None else deployed_session.block_size,
         providers=providers,
     )
     return ties
-
-
-def _header(path) -> onnx.ModelProto:
-    from ortpa.model.file import read_model
-
-    return read_model(path, load_external_data=False).proto
 
 
 def _has_attention(converted) -> bool:

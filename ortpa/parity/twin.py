@@ -33,7 +33,15 @@ from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
 from ortpa.parity.upcast import read_names, upcast_to_float32
 
-__all__ = ["Twin", "accumulation_length", "float32_original", "float32_twin", "source_arithmetic"]
+__all__ = [
+    "Twin",
+    "accumulation_length",
+    "float32_original",
+    "float32_twin",
+    "is_lowered_call",
+    "rounded_original",
+    "source_arithmetic",
+]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 # the op's inputs a cast to T may feed (schema indices): query, key, value, cos, sin, head_sink, q/k-norm weights
@@ -77,7 +85,7 @@ def float32_twin(
     graph = proto.graph
     nodes = [n for n in graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
     if not nodes:
-        return Twin(None, "float32", "no PagedAttention node")
+        return _portable_twin(loaded, upcast=upcast, original=original)
     sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
     own = source_arithmetic(proto)
     if own != "float32" and not upcast:
@@ -172,20 +180,59 @@ def float32_twin(
         graph.initializer.extend(kept_inits)
     reason = ""
     if upcast:
-        known = {i.name for i in original.proto.graph.initializer} if original is not None else set()
-        computed = [
-            i for i in proto.graph.initializer if i.data_type in _HALF and i.name not in known and _size(i) > 64
-        ]
-        if computed:
-            stored = dtype_name(computed[0].data_type)
-            sizes.update(computed=-(-len(computed) // len(nodes)), stored=stored)
-            reason = (
-                f"{len(computed)} weights the conversion computed (e.g. '{computed[0].name}') are stored in "
-                f"{stored}: their rounding is in the bound"
-            )
+        reason = _count_computed(proto, original, len(nodes), sizes)
         upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
     return Twin(twin, "float32", reason, **sizes)
+
+
+def _count_computed(proto: onnx.ModelProto, original: LoadedModel | None, layers: int, sizes: dict) -> str:
+    """The half weights of ``proto`` that ``original`` (its twin) lacks: weights the conversion computed and
+    stored rounded (MLA's absorbed projections), which no twin unrounds. Counted per layer into ``sizes``
+    (:attr:`Twin.computed`) for the bound; the reason that names them, or ``""``."""
+    known = {i.name for i in original.proto.graph.initializer} if original is not None else set()
+    computed = [i for i in proto.graph.initializer if i.data_type in _HALF and i.name not in known and _size(i) > 64]
+    if not computed:
+        return ""
+    stored = dtype_name(computed[0].data_type)
+    sizes.update(computed=-(-len(computed) // max(layers, 1)), stored=stored)
+    return (
+        f"{len(computed)} weights the conversion computed (e.g. '{computed[0].name}') are stored in {stored}: "
+        "their rounding is in the bound"
+    )
+
+
+def _portable_twin(loaded: LoadedModel, *, upcast: bool, original: LoadedModel | None) -> Twin:
+    """The float32 twin of a file whose PagedAttention nodes were lowered already (``convert --portable``): each
+    node is a call of a model-local function (:mod:`ortpa.ops.portable`) that reads T and the caches' type and
+    computes in float32 inside. The whole header is upcast (:func:`ortpa.parity.upcast.upcast_to_float32`): the
+    casts to T before the calls, the functions' casts to T and the caches become float32, so the file's own
+    function bodies run in float32 (a defect in a body is in the twin too). A cache quantized inside the
+    function (int8) keeps its quantization: no twin then (the deployed model is its own, at int8's bound)."""
+    from ortpa.ops.portable import lowered_cache_ports
+
+    proto = loaded.proto
+    calls = [n for n in proto.graph.node if is_lowered_call(n)]
+    if not calls:
+        return Twin(None, "float32", "no PagedAttention node, lowered or not")
+    sizes = {"accumulation": accumulation_length(proto), "layers": len(calls)}
+    declared = {v.name: v.type.tensor_type.elem_type for v in proto.graph.input}
+    for port in lowered_cache_ports(proto):
+        kind = declared.get(port.input_name)
+        if kind not in (*_HALF, onnx.TensorProto.FLOAT):
+            reason = f"'{port.node}' quantizes its cache '{port.input_name}' ({dtype_name(kind)}) inside its function"
+            return Twin(None, dtype_name(kind), reason, **sizes)
+    reason = _count_computed(proto, original, len(calls), sizes) if upcast else ""
+    upcast_to_float32(proto)
+    twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
+    return Twin(twin, "float32", reason, **sizes)
+
+
+def is_lowered_call(node: onnx.NodeProto) -> bool:
+    """A PagedAttention node lowered to a call of its portable layer function (not the step's plan call)."""
+    from ortpa.ops.portable import FUNCTION_DOMAIN
+
+    return node.domain == FUNCTION_DOMAIN and node.op_type.startswith("PagedAttention_")
 
 
 def _size(init: onnx.TensorProto) -> int:
@@ -203,6 +250,53 @@ def float32_original(original: str | os.PathLike) -> LoadedModel:
     softmax scale ``sqrt(float16(1/sqrt(d)))`` or a ``1 + weight`` is the half value in the converted model, and
     must be the same value in both twins. Then the graph is upcast
     (:func:`ortpa.parity.upcast.upcast_to_float32`)."""
+    loaded, proto = _folded(original)
+    upcast_to_float32(proto)
+    return dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
+
+
+def rounded_original(original: str | os.PathLike, converted: LoadedModel) -> LoadedModel:
+    """The twin of a float32 original whose conversion computes in T throughout (``dtype=``: the rewrite in
+    float32, then every float32 weight and constant but the integer-derived ones stored in T,
+    :func:`ortpa.rewriter.dtype.convert_float_type`): the original computing in float32 from its weights rounded
+    to T, as the conversion stores them, to be compared with the conversion's upcast twin
+    (``float32_twin(upcast=True)``) at a float32 bound.
+
+    The constants the conversion folds are folded first, in float32 as the conversion folds them (a Gemma norm's
+    ``1 + weight`` is rounded once, after the sum). Then each initializer or constant that the converted model
+    stores in T under the same name and shape is read through ``Cast(T)``, ``Cast(float)``
+    (:func:`ortpa.parity.upcast.round_through`; the weights stay in the original's files). What the rewrite
+    absorbed stays float32 here as it does there (a scale constant becomes the op's float ``scale`` attribute);
+    what it computed anew in T (MLA's absorbed projections, RoPE tables) the original lacks: those count in
+    :attr:`Twin.computed`."""
+    from ortpa.parity.upcast import round_through
+
+    loaded, proto = _folded(original)
+    mine = _float_shapes(proto)
+    stored = {
+        name: kind for name, (kind, dims) in _float_shapes(converted.proto).items() if mine.get(name, (0, 0))[1] == dims
+    }
+    stored = {name: kind for name, kind in stored.items() if kind in _HALF}
+    names = round_through(proto, stored)
+    kinds = sorted({dtype_name(stored[n]) for n in names}) or ["T"]
+    label = f"{loaded.label} (float32 twin, weights rounded to {'/'.join(kinds)})"
+    return dataclasses.replace(loaded, proto=proto, label=label)
+
+
+def _float_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Name -> (element type, dims) of each float initializer and ``Constant`` tensor of the main graph."""
+    out = {i.name: (i.data_type, tuple(i.dims)) for i in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    out[node.output[0]] = (a.t.data_type, tuple(a.t.dims))
+    return out
+
+
+def _folded(original: str | os.PathLike) -> tuple[LoadedModel, onnx.ModelProto]:
+    """``original``'s header after the constant folding the conversion runs first
+    (``onnxscript.optimizer.optimize``), in the original's own arithmetic; weights stay in its files."""
     import onnx_ir as ir
     import onnxscript.optimizer
 
@@ -214,8 +308,7 @@ def float32_original(original: str | os.PathLike) -> LoadedModel:
     onnxscript.optimizer.optimize(irm)
     proto = ir.serde.serialize_model(irm)
     del irm
-    upcast_to_float32(proto)
-    return dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
+    return loaded, proto
 
 
 def accumulation_length(proto: onnx.ModelProto) -> int:

@@ -28,7 +28,16 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["HALF_TYPES", "computes_in_half", "read_names", "twin_session_options", "upcast_to_float32"]
+from ortpa.dtypes import dtype_name
+
+__all__ = [
+    "HALF_TYPES",
+    "computes_in_half",
+    "read_names",
+    "round_through",
+    "twin_session_options",
+    "upcast_to_float32",
+]
 
 HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 _FLOAT = onnx.TensorProto.FLOAT
@@ -43,6 +52,7 @@ _TYPE_ATTRIBUTES = {
     "Bernoulli": "dtype",
 }
 _SUFFIX = "/ortpa_float32"
+_ROUNDED = "/ortpa_rounded"
 
 
 def computes_in_half(proto: onnx.ModelProto) -> bool:
@@ -86,6 +96,53 @@ def upcast_to_float32(proto: onnx.ModelProto) -> int:
         count += _upcast_nodes(function.node, {})
         _retype(function.value_info)
     return count
+
+
+def round_through(proto: onnx.ModelProto, rounded: dict[str, int]) -> list[str]:
+    """In place: each float32 initializer or ``Constant`` output of ``proto``'s main graph named in ``rounded``
+    (name -> a half element type T) is read through ``Cast(T)`` then ``Cast(float)``: the graph computes in
+    float32 from the values a conversion to T stores (the original's side of a ``dtype=`` conversion's twins). No
+    weight is read: the casts run per use (:func:`twin_session_options`). Returns the names rounded."""
+    graph = proto.graph
+    floats = {i.name for i in graph.initializer if i.data_type == _FLOAT}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            if any(a.name == "value" and a.t.data_type == _FLOAT for a in node.attribute):
+                floats.add(node.output[0])
+    outputs = {o.name for o in graph.output}
+    names = [n for n in rounded if n in floats and n not in outputs]
+    renamed = {n: n + _ROUNDED for n in names}
+    casts: dict[str, list[onnx.NodeProto]] = {}
+    for name in names:
+        half = f"{renamed[name]}/{dtype_name(rounded[name])}"
+        casts[name] = [
+            onnx.helper.make_node("Cast", [name], [half], to=rounded[name]),
+            onnx.helper.make_node("Cast", [half], [renamed[name]], to=_FLOAT),
+        ]
+    nodes = list(graph.node)
+    made = {o for n in nodes for o in n.output}
+    order = [c for name in names if name not in made for c in casts[name]]  # the initializers' casts first
+    for node in nodes:
+        _rename_reads(node, renamed)
+        order.append(node)
+        for out in node.output:  # a Constant's casts right after it: the graph stays topologically sorted
+            order.extend(casts.get(out, []))
+    del graph.node[:]
+    graph.node.extend(order)
+    return names
+
+
+def _rename_reads(node: onnx.NodeProto, renamed: dict[str, str]) -> None:
+    """``node`` (and its subgraphs, where no inner value shadows the name) reads each renamed value's new name."""
+    for k, name in enumerate(node.input):
+        if name in renamed:
+            node.input[k] = renamed[name]
+    for a in node.attribute:
+        for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+            inner = {i.name for i in [*g.initializer, *g.input]} | {o for n in g.node for o in n.output}
+            visible = {k: v for k, v in renamed.items() if k not in inner}
+            for n in g.node:
+                _rename_reads(n, visible)
 
 
 def read_names(nodes) -> set[str]:

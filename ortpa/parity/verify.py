@@ -38,7 +38,7 @@ from ortpa.parity.locate import lean_options as _lean_options
 from ortpa.parity.locate import twin_options as _twin_options
 from ortpa.parity.routing import routing_ties
 from ortpa.parity.rule import Verdict, judge, judge_precision
-from ortpa.parity.twin import float32_original, float32_twin, source_arithmetic
+from ortpa.parity.twin import float32_original, float32_twin, is_lowered_call, rounded_original, source_arithmetic
 from ortpa.providers import CPU
 from ortpa.tolerances import UNIT_ROUNDOFF
 
@@ -249,15 +249,22 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     twins = Twins()
     steps = max(len(t) for t in want.tokens)
     source = source_arithmetic(read_model(original, load_external_data=False).proto)
+    header = read_model(converted, load_external_data=False)
     # an original that computes in a half type gets its own float32 twin, run on the same tokens: both sides
-    # then differ only by the rewrite and reordered float32 sums
-    upcast = source in ("float16", "bfloat16")
+    # then differ only by the rewrite and reordered float32 sums. So does a float32 original whose conversion
+    # computes in T throughout (dtype=): its twin computes in float32 from its weights rounded to T, as the
+    # conversion stores them
+    half = source in ("float16", "bfloat16")
+    rounded = source == "float32" and source_arithmetic(header.proto) in ("float16", "bfloat16")
+    upcast = half or rounded
     paged = deployed_session if deployed_session is not None else _paged(converted, blocks, upcast=upcast)
     cache_dtype = _cache_dtype(paged)
     got = paged_greedy(paged, prompts, steps, follow=want.tokens)
     del paged
     gc.collect()
-    twins.original = float32_original(original) if upcast and _has_attention(converted) else None
+    if upcast and _has_attention(header.proto):
+        twins.original = rounded_original(original, header) if rounded else float32_original(original)
+    del header
     twin = float32_twin(converted, upcast=upcast, original=twins.original)
     twin_run = twin_original = None
     if twin.model is not None:
@@ -294,7 +301,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         # looked for where the precision check would refuse (a passing model needs no excuse; the probes cost two
         # more runs)
         try:
-            ties = _routing_ties(original, converted, prompts, want, blocks, precision, upcast, deployed_session)
+            ties = _routing_ties(original, converted, prompts, want, blocks, precision, half, deployed_session)
         except Exception:  # the probes are an excuse looked for, never a new way to fail: the verdict stands
             ties = set()
         if ties:
@@ -322,10 +329,9 @@ def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, dep
     return ties
 
 
-def _has_attention(converted) -> bool:
-    from ortpa.model.file import read_model
-
-    return any(n.op_type == "PagedAttention" for n in read_model(converted, load_external_data=False).proto.graph.node)
+def _has_attention(converted: onnx.ModelProto) -> bool:
+    """Whether ``converted`` has a PagedAttention node, or one lowered to its portable function (``--portable``)."""
+    return any(n.op_type == "PagedAttention" or is_lowered_call(n) for n in converted.graph.node)
 
 
 # ------------------------------------------------------------------------------------------ the first layer

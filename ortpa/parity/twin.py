@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import onnx
@@ -66,14 +67,19 @@ class Twin:
 
 
 def float32_twin(
-    converted: str | os.PathLike | LoadedModel, *, upcast: bool = False, original: LoadedModel | None = None
+    converted: str | os.PathLike | LoadedModel,
+    *,
+    upcast: bool = False,
+    original: LoadedModel | None = None,
+    accounted: Collection[str] = (),
 ) -> Twin:
     """The float32 twin of ``converted`` (a path, or a model :func:`~ortpa.model.file.read_model` read).
     ``upcast``: the original computes in a half type itself, and the converted model with it; the twin then
     computes everything in float32 (:func:`ortpa.parity.upcast.upcast_to_float32`), to be compared with the
     original's own float32 twin (:func:`float32_original`), passed as ``original``: the converted model's half
     weights that it lacks are weights the conversion computed (MLA's absorbed projections), stored rounded,
-    counted into :attr:`Twin.computed` for the bound."""
+    counted into :attr:`Twin.computed` for the bound; ``accounted`` names half weights the original's twin holds
+    under other names (copies, :func:`rounded_original`), not counted."""
     from ortpa.model.file import read_model
     from ortpa.ops.portable import lower_to_portable, value_types
     from ortpa.ops.shape_inference import infer_shapes
@@ -85,7 +91,7 @@ def float32_twin(
     graph = proto.graph
     nodes = [n for n in graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
     if not nodes:
-        return _portable_twin(loaded, upcast=upcast, original=original)
+        return _portable_twin(loaded, upcast=upcast, original=original, accounted=accounted)
     sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
     own = source_arithmetic(proto)
     if own != "float32" and not upcast:
@@ -180,17 +186,20 @@ def float32_twin(
         graph.initializer.extend(kept_inits)
     reason = ""
     if upcast:
-        reason = _count_computed(proto, original, len(nodes), sizes)
+        reason = _count_computed(proto, original, accounted, len(nodes), sizes)
         upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
     return Twin(twin, "float32", reason, **sizes)
 
 
-def _count_computed(proto: onnx.ModelProto, original: LoadedModel | None, layers: int, sizes: dict) -> str:
+def _count_computed(
+    proto: onnx.ModelProto, original: LoadedModel | None, accounted: Collection[str], layers: int, sizes: dict
+) -> str:
     """The half weights of ``proto`` that ``original`` (its twin) lacks: weights the conversion computed and
     stored rounded (MLA's absorbed projections), which no twin unrounds. Counted per layer into ``sizes``
     (:attr:`Twin.computed`) for the bound; the reason that names them, or ``""``."""
     known = {i.name for i in original.proto.graph.initializer} if original is not None else set()
+    known |= set(accounted)
     computed = [i for i in proto.graph.initializer if i.data_type in _HALF and i.name not in known and _size(i) > 64]
     if not computed:
         return ""
@@ -202,7 +211,9 @@ def _count_computed(proto: onnx.ModelProto, original: LoadedModel | None, layers
     )
 
 
-def _portable_twin(loaded: LoadedModel, *, upcast: bool, original: LoadedModel | None) -> Twin:
+def _portable_twin(
+    loaded: LoadedModel, *, upcast: bool, original: LoadedModel | None, accounted: Collection[str]
+) -> Twin:
     """The float32 twin of a file whose PagedAttention nodes were lowered already (``convert --portable``): each
     node is a call of a model-local function (:mod:`ortpa.ops.portable`) that reads T and the caches' type and
     computes in float32 inside. The whole header is upcast (:func:`ortpa.parity.upcast.upcast_to_float32`): the
@@ -222,7 +233,7 @@ def _portable_twin(loaded: LoadedModel, *, upcast: bool, original: LoadedModel |
         if kind not in (*_HALF, onnx.TensorProto.FLOAT):
             reason = f"'{port.node}' quantizes its cache '{port.input_name}' ({dtype_name(kind)}) inside its function"
             return Twin(None, dtype_name(kind), reason, **sizes)
-    reason = _count_computed(proto, original, len(calls), sizes) if upcast else ""
+    reason = _count_computed(proto, original, accounted, len(calls), sizes) if upcast else ""
     upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
     return Twin(twin, "float32", reason, **sizes)
@@ -255,32 +266,69 @@ def float32_original(original: str | os.PathLike) -> LoadedModel:
     return dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
 
 
-def rounded_original(original: str | os.PathLike, converted: LoadedModel) -> LoadedModel:
+def rounded_original(original: str | os.PathLike, converted: LoadedModel) -> tuple[LoadedModel, set[str]]:
     """The twin of a float32 original whose conversion computes in T throughout (``dtype=``: the rewrite in
     float32, then every float32 weight and constant but the integer-derived ones stored in T,
     :func:`ortpa.rewriter.dtype.convert_float_type`): the original computing in float32 from its weights rounded
     to T, as the conversion stores them, to be compared with the conversion's upcast twin
-    (``float32_twin(upcast=True)``) at a float32 bound.
+    (``float32_twin(upcast=True)``) at a float32 bound. Returns it, and the names of the converted model's half
+    constants it accounts for under other names (see below).
 
     The constants the conversion folds are folded first, in float32 as the conversion folds them (a Gemma norm's
     ``1 + weight`` is rounded once, after the sum). Then each initializer or constant that the converted model
     stores in T under the same name and shape is read through ``Cast(T)``, ``Cast(float)``
-    (:func:`ortpa.parity.upcast.round_through`; the weights stay in the original's files). What the rewrite
-    absorbed stays float32 here as it does there (a scale constant becomes the op's float ``scale`` attribute);
-    what it computed anew in T (MLA's absorbed projections, RoPE tables) the original lacks: those count in
+    (:func:`ortpa.parity.upcast.round_through`; the weights stay in the original's files). The op's constant
+    inputs (RoPE tables, sinks, q/k-norm weights: :func:`ortpa.rewriter.attention.op_constant`) are copies under
+    new names: an original constant of the same shape whose values rounded to T are the copy's is rounded too. What
+    the rewrite absorbed stays float32 here as it does there (a scale constant becomes the op's float ``scale``
+    attribute); what it computed anew in T (MLA's absorbed projections) the original lacks: those count in
     :attr:`Twin.computed`."""
     from ortpa.parity.upcast import round_through
 
     loaded, proto = _folded(original)
     mine = _float_shapes(proto)
-    stored = {
-        name: kind for name, (kind, dims) in _float_shapes(converted.proto).items() if mine.get(name, (0, 0))[1] == dims
-    }
-    stored = {name: kind for name, kind in stored.items() if kind in _HALF}
+    theirs = {n: (k, d) for n, (k, d) in _float_shapes(converted.proto).items() if k in _HALF}
+    stored = {n: k for n, (k, d) in theirs.items() if mine.get(n, (0, ()))[1] == d}
+    copies = _copies(proto, loaded, converted, {n: kd for n, kd in theirs.items() if n not in mine})
+    stored.update({name: theirs[copy][0] for copy, name in copies.items()})
     names = round_through(proto, stored)
     kinds = sorted({dtype_name(stored[n]) for n in names}) or ["T"]
     label = f"{loaded.label} (float32 twin, weights rounded to {'/'.join(kinds)})"
-    return dataclasses.replace(loaded, proto=proto, label=label)
+    return dataclasses.replace(loaded, proto=proto, label=label), set(copies)
+
+
+# the op's constant inputs compared by value: RoPE tables of every position (a 128k-position, 128-wide table is
+# 32 MB in float32), sinks and q/k-norm weights; never a weight matrix
+_COPY_BYTES = 64 << 20
+
+
+def _copies(
+    proto: onnx.ModelProto, loaded: LoadedModel, converted: LoadedModel, unnamed: dict[str, tuple[int, tuple]]
+) -> dict[str, str]:
+    """Converted half constant -> the float32 initializer of ``proto`` (the original's header) it is a copy of:
+    the same shape, and its values rounded to T are the copy's. Read one pair at a time, each at most
+    :data:`_COPY_BYTES`."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from ortpa.dtypes import numpy_dtype
+
+    originals: dict[tuple, list[onnx.TensorProto]] = {}
+    for init in proto.graph.initializer:
+        if init.data_type == onnx.TensorProto.FLOAT and 4 * _size(init) <= _COPY_BYTES:
+            originals.setdefault(tuple(init.dims), []).append(init)
+    base = {id(t): loaded.base_dir for ts in originals.values() for t in ts}
+    found: dict[str, str] = {}
+    for init in converted.proto.graph.initializer:
+        if init.name not in unnamed or tuple(init.dims) not in originals:
+            continue
+        copy = numpy_helper.to_array(init, os.fspath(converted.base_dir or ""))
+        for candidate in originals[tuple(init.dims)]:
+            values = numpy_helper.to_array(candidate, os.fspath(base[id(candidate)] or ""))
+            if np.array_equal(values.astype(numpy_dtype(init.data_type)), copy):
+                found[init.name] = candidate.name
+                break
+    return found
 
 
 def _float_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...]]]:

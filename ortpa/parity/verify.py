@@ -262,10 +262,14 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     got = paged_greedy(paged, prompts, steps, follow=want.tokens)
     del paged
     gc.collect()
+    accounted: set[str] = set()  # the conversion's copies of the original's constants, rounded in both twins
     if upcast and _has_attention(header.proto):
-        twins.original = rounded_original(original, header) if rounded else float32_original(original)
+        if rounded:
+            twins.original, accounted = rounded_original(original, header)
+        else:
+            twins.original = float32_original(original)
     del header
-    twin = float32_twin(converted, upcast=upcast, original=twins.original)
+    twin = float32_twin(converted, upcast=upcast, original=twins.original, accounted=accounted)
     twin_run = twin_original = None
     if twin.model is not None:
         twins.converted = twin.model

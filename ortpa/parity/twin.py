@@ -231,7 +231,7 @@ def _portable_twin(
     for port in lowered_cache_ports(proto):
         kind = declared.get(port.input_name)
         if kind not in (*_HALF, onnx.TensorProto.FLOAT):
-            reason = f"'{port.node}' quantizes its cache '{port.input_name}' ({dtype_name(kind)}) inside its function"
+            reason = f"the lowered attention quantizes its {dtype_name(kind)} cache '{port.input_name}' inside its function"
             return Twin(None, dtype_name(kind), reason, **sizes)
     reason = _count_computed(proto, original, accounted, len(calls), sizes) if upcast else ""
     upcast_to_float32(proto)

@@ -5,7 +5,12 @@ defect, at decreasing sizes, is injected (:mod:`ortpa.testing.defects`) and judg
 (:func:`ortpa.parity.verify.run_rule`, what ``convert`` and ``ortpa parity`` run). Printed as a Markdown table:
 the structure error relative to its bound (caught when > 1) and the deployed model's next-token KL.
 
-    python scripts/defect_margin.py [--quick] [MODEL ...]
+    python scripts/defect_margin.py [--quick] [--dtype float16] [--portable] [MODEL ...]
+
+``--dtype float16``: the conversions are ``dtype=float16`` ones (a float32 original's twin then computes in float32
+from its weights rounded to float16, :func:`ortpa.parity.twin.rounded_original`). ``--portable``: the judged files
+are lowered (``convert --portable``; a defect is injected before the lowering, as ``convert`` lowers what it
+verified), their float32 twin is the file upcast.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 import onnx
 
 from ortpa.conversion import convert_file
+from ortpa.deploy.portable_file import lower_file
 from ortpa.parity.greedy import dense_greedy, open_dense
 from ortpa.parity.verify import _BLOCK_SIZE, run_rule, verification_prompts
 from ortpa.testing import defects
@@ -54,7 +60,9 @@ def _row(name: str, defect: str, amount, verdict) -> str:
     )
 
 
-def main(quick: bool = False, only: list[str] | None = None) -> None:
+def main(quick: bool = False, only: list[str] | None = None, dtype: str | None = None, portable: bool = False) -> None:
+    kw = {"dtype": dtype} if dtype else {}
+    suffix = "".join(f" ({w})" for w in (dtype, "portable" if portable else None) if w)
     print("| model | defect | amount | structure max |d|/scale | bound | ratio | deployed KL max | verdict |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,14 +72,18 @@ def main(quick: bool = False, only: list[str] | None = None) -> None:
             original = FIXTURES / f"{name}.onnx"
             folder = Path(tmp) / name.replace("/", "_")
             good = folder / "good" / "paged.onnx"
-            convert_file(original, good, verify=False)
+            convert_file(original, good, verify=False, **kw)
+            judged = good
+            if portable:  # the defects go into the PagedAttention nodes, then the file is lowered
+                judged = folder / "portable" / "paged.onnx"
+                convert_file(original, judged, verify=False, portable=True, **kw)
             dense = open_dense(original)
             prompts = verification_prompts(dense.thresholds)
             want = dense_greedy(dense.session, prompts, 3, interface=dense.interface)
             del dense
             blocks = sum(-(-(len(p) + 3) // _BLOCK_SIZE) for p in prompts) + 1
-            verdict, _ = run_rule(original, good, prompts, want, blocks)
-            print(_row(name, "none", "-", verdict))
+            verdict, _ = run_rule(original, judged, prompts, want, blocks)
+            print(_row(name + suffix, "none", "-", verdict))
             for defect, amounts in table:
                 for amount in amounts[:2] if quick else amounts:
                     bad = folder / f"{defect}_{amount}" / "paged.onnx"
@@ -80,15 +92,20 @@ def main(quick: bool = False, only: list[str] | None = None) -> None:
                         if defect in defects.ORIGINAL_DEFECTS:
                             bad_original = bad.parent / "original.onnx"
                             onnx.save(defects.inject(defect, onnx.load(str(original)), amount), str(bad_original))
-                            convert_file(bad_original, bad, verify=False)
+                            convert_file(bad_original, bad, verify=False, portable=portable, **kw)
                         else:
                             onnx.save(defects.inject(defect, onnx.load(str(good)), amount), str(bad))
+                            if portable:
+                                lower_file(bad)
                     except defects.DefectNotApplicable as exc:
                         print(f"| {name} | {defect} | {amount} | n/a: {exc} | | | | |")
                         break
                     verdict, _ = run_rule(original, bad, prompts, want, blocks)
-                    print(_row(name, defect, amount, verdict), flush=True)
+                    print(_row(name + suffix, defect, amount, verdict), flush=True)
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv[1:], only=[a for a in sys.argv[1:] if not a.startswith("--")])
+    args = sys.argv[1:]
+    dtype = args[args.index("--dtype") + 1] if "--dtype" in args else None
+    names = [a for a in args if not a.startswith("--") and a != dtype]
+    main(quick="--quick" in args, only=names, dtype=dtype, portable="--portable" in args)

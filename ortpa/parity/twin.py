@@ -16,9 +16,14 @@ float16) no cast marks the boundary: both sides get a float32 twin (``float32_tw
 folding the conversion does, in the original's arithmetic. Half weights the conversion computed (MLA's absorbed
 projections) cannot be unrounded: :attr:`Twin.computed` counts them for the bound. Where the converted model
 computes in T and the original does not (a ``dtype=`` conversion of a float32 original: its weights are rounded
-to T, the original's are not) the deployed model is its own twin, judged at T's bound (:attr:`Twin.arithmetic`).
-The twins share the rewrite and the weights: only the graph header is changed (in the one copy
-:func:`ortpa.model.file.read_model` returns), the weights stay in the models' files.
+to T, the original's are not) the conversion's twin is the same upcast one, and the original's computes in float32
+from its weights rounded to T where the conversion stores them so (:func:`ortpa.parity.rounded.rounded_original`).
+
+A file whose nodes were lowered already (``convert --portable``) has calls of model-local functions instead of
+PagedAttention nodes: its twin is the whole header upcast (the casts to T before the calls, the functions' own
+casts and the caches float32), so the file's own function bodies run in float32; an int8 cache, quantized inside
+the function, leaves it without a twin. The twins share the rewrite and the weights: only the graph header is
+changed (in the one copy :func:`ortpa.model.file.read_model` returns), the weights stay in the models' files.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ __all__ = [
     "accumulation_length",
     "float32_original",
     "float32_twin",
+    "folded_original",
     "is_lowered_call",
-    "rounded_original",
     "source_arithmetic",
 ]
 
@@ -231,7 +236,8 @@ def _portable_twin(
     for port in lowered_cache_ports(proto):
         kind = declared.get(port.input_name)
         if kind not in (*_HALF, onnx.TensorProto.FLOAT):
-            reason = f"the lowered attention quantizes its {dtype_name(kind)} cache '{port.input_name}' inside its function"
+            what = f"{dtype_name(kind)} cache '{port.input_name}'"
+            reason = f"the lowered attention quantizes its {what} inside its function"
             return Twin(None, dtype_name(kind), reason, **sizes)
     reason = _count_computed(proto, original, accounted, len(calls), sizes) if upcast else ""
     upcast_to_float32(proto)
@@ -261,88 +267,12 @@ def float32_original(original: str | os.PathLike) -> LoadedModel:
     softmax scale ``sqrt(float16(1/sqrt(d)))`` or a ``1 + weight`` is the half value in the converted model, and
     must be the same value in both twins. Then the graph is upcast
     (:func:`ortpa.parity.upcast.upcast_to_float32`)."""
-    loaded, proto = _folded(original)
+    loaded, proto = folded_original(original)
     upcast_to_float32(proto)
     return dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
 
 
-def rounded_original(original: str | os.PathLike, converted: LoadedModel) -> tuple[LoadedModel, set[str]]:
-    """The twin of a float32 original whose conversion computes in T throughout (``dtype=``: the rewrite in
-    float32, then every float32 weight and constant but the integer-derived ones stored in T,
-    :func:`ortpa.rewriter.dtype.convert_float_type`): the original computing in float32 from its weights rounded
-    to T, as the conversion stores them, to be compared with the conversion's upcast twin
-    (``float32_twin(upcast=True)``) at a float32 bound. Returns it, and the names of the converted model's half
-    constants it accounts for under other names (see below).
-
-    The constants the conversion folds are folded first, in float32 as the conversion folds them (a Gemma norm's
-    ``1 + weight`` is rounded once, after the sum). Then each initializer or constant that the converted model
-    stores in T under the same name and shape is read through ``Cast(T)``, ``Cast(float)``
-    (:func:`ortpa.parity.upcast.round_through`; the weights stay in the original's files). The op's constant
-    inputs (RoPE tables, sinks, q/k-norm weights: :func:`ortpa.rewriter.attention.op_constant`) are copies under
-    new names: an original constant of the same shape whose values rounded to T are the copy's is rounded too. What
-    the rewrite absorbed stays float32 here as it does there (a scale constant becomes the op's float ``scale``
-    attribute); what it computed anew in T (MLA's absorbed projections) the original lacks: those count in
-    :attr:`Twin.computed`."""
-    from ortpa.parity.upcast import round_through
-
-    loaded, proto = _folded(original)
-    mine = _float_shapes(proto)
-    theirs = {n: (k, d) for n, (k, d) in _float_shapes(converted.proto).items() if k in _HALF}
-    stored = {n: k for n, (k, d) in theirs.items() if mine.get(n, (0, ()))[1] == d}
-    copies = _copies(proto, loaded, converted, {n: kd for n, kd in theirs.items() if n not in mine})
-    stored.update({name: theirs[copy][0] for copy, name in copies.items()})
-    names = round_through(proto, stored)
-    kinds = sorted({dtype_name(stored[n]) for n in names}) or ["T"]
-    label = f"{loaded.label} (float32 twin, weights rounded to {'/'.join(kinds)})"
-    return dataclasses.replace(loaded, proto=proto, label=label), set(copies)
-
-
-# the op's constant inputs compared by value: RoPE tables of every position (a 128k-position, 128-wide table is
-# 32 MB in float32), sinks and q/k-norm weights; never a weight matrix
-_COPY_BYTES = 64 << 20
-
-
-def _copies(
-    proto: onnx.ModelProto, loaded: LoadedModel, converted: LoadedModel, unnamed: dict[str, tuple[int, tuple]]
-) -> dict[str, str]:
-    """Converted half constant -> the float32 initializer of ``proto`` (the original's header) it is a copy of:
-    the same shape, and its values rounded to T are the copy's. Read one pair at a time, each at most
-    :data:`_COPY_BYTES`."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    from ortpa.dtypes import numpy_dtype
-
-    originals: dict[tuple, list[onnx.TensorProto]] = {}
-    for init in proto.graph.initializer:
-        if init.data_type == onnx.TensorProto.FLOAT and 4 * _size(init) <= _COPY_BYTES:
-            originals.setdefault(tuple(init.dims), []).append(init)
-    base = {id(t): loaded.base_dir for ts in originals.values() for t in ts}
-    found: dict[str, str] = {}
-    for init in converted.proto.graph.initializer:
-        if init.name not in unnamed or tuple(init.dims) not in originals:
-            continue
-        copy = numpy_helper.to_array(init, os.fspath(converted.base_dir or ""))
-        for candidate in originals[tuple(init.dims)]:
-            values = numpy_helper.to_array(candidate, os.fspath(base[id(candidate)] or ""))
-            if np.array_equal(values.astype(numpy_dtype(init.data_type)), copy):
-                found[init.name] = candidate.name
-                break
-    return found
-
-
-def _float_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Name -> (element type, dims) of each float initializer and ``Constant`` tensor of the main graph."""
-    out = {i.name: (i.data_type, tuple(i.dims)) for i in proto.graph.initializer}
-    for node in proto.graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for a in node.attribute:
-                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
-                    out[node.output[0]] = (a.t.data_type, tuple(a.t.dims))
-    return out
-
-
-def _folded(original: str | os.PathLike) -> tuple[LoadedModel, onnx.ModelProto]:
+def folded_original(original: str | os.PathLike) -> tuple[LoadedModel, onnx.ModelProto]:
     """``original``'s header after the constant folding the conversion runs first
     (``onnxscript.optimizer.optimize``), in the original's own arithmetic; weights stay in its files."""
     import onnx_ir as ir

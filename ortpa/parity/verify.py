@@ -36,9 +36,10 @@ from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
 from ortpa.parity.locate import first_diverging_layer
 from ortpa.parity.locate import lean_options as _lean_options
 from ortpa.parity.locate import twin_options as _twin_options
+from ortpa.parity.rounded import rounded_original
 from ortpa.parity.routing import routing_ties
 from ortpa.parity.rule import Verdict, judge, judge_precision
-from ortpa.parity.twin import float32_original, float32_twin, is_lowered_call, rounded_original, source_arithmetic
+from ortpa.parity.twin import float32_original, float32_twin, is_lowered_call, source_arithmetic
 from ortpa.providers import CPU
 from ortpa.tolerances import UNIT_ROUNDOFF
 

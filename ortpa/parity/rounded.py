@@ -17,7 +17,7 @@ import onnx
 
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
-from ortpa.parity.twin import folded_original, is_lowered_call
+from ortpa.parity.twin import folded_original
 from ortpa.parity.upcast import HALF_TYPES as _HALF
 from ortpa.parity.upcast import round_through
 
@@ -35,12 +35,12 @@ def rounded_original(original: str | os.PathLike, converted: LoadedModel) -> tup
     The constants the conversion folds are folded first, in float32 as the conversion folds them (a Gemma norm's
     ``1 + weight`` is rounded once, after the sum). Then each initializer or constant that the converted model
     stores in T under the same name and shape is read through ``Cast(T)``, ``Cast(float)``
-    (:func:`ortpa.parity.upcast.round_through`; the weights stay in the original's files). The op's constant
-    inputs (RoPE tables, sinks, q/k-norm weights: :func:`ortpa.rewriter.attention.op_constant`) are copies under
-    new names: an original constant of the same shape whose values rounded to T are the copy's is rounded too. What
-    the rewrite absorbed stays float32 here as it does there (a scale constant becomes the op's float ``scale``
-    attribute); what it computed anew in T (MLA's absorbed projections) the original lacks: those count in
-    :attr:`Twin.computed`."""
+    (:func:`ortpa.parity.upcast.round_through`; the weights stay in the original's files). Some are copies under
+    new names (the op's constant inputs: RoPE tables, sinks, q/k-norm weights,
+    :func:`ortpa.rewriter.attention.op_constant`; MLA's ``kv_b_proj`` kept for the expanded prefill): an original
+    weight of the same shape whose values rounded to T are the copy's is rounded too. What the rewrite absorbed
+    stays float32 here as it does there (a scale constant becomes the op's float ``scale`` attribute); what it
+    computed anew in T (MLA's absorbed projections) the original lacks: those count in :attr:`Twin.computed`."""
     loaded, proto = folded_original(original)
     mine = _float_shapes(proto)
     theirs = {n: (k, d) for n, (k, d) in _float_shapes(converted.proto).items() if k in _HALF}
@@ -53,64 +53,81 @@ def rounded_original(original: str | os.PathLike, converted: LoadedModel) -> tup
     return dataclasses.replace(loaded, proto=proto, label=label), set(copies)
 
 
-# the op's constant inputs compared by value: RoPE tables of every position (a 128k-position, 128-wide table is
-# 32 MB in float32), sinks and q/k-norm weights; never a weight matrix
-_COPY_BYTES = 64 << 20
-_CONSTANT_INPUTS = ("cos_cache", "sin_cache", "head_sink", "q_norm_weight", "k_norm_weight")
+# copies are told by their first elements, then compared in chunks: memory stays one chunk of each whatever the
+# weight, and a weight whose first elements differ is never read further
+_PREFIX = 1024
+_CHUNK = 1 << 20
 
 
 def _copies(
     proto: onnx.ModelProto, loaded: LoadedModel, converted: LoadedModel, unnamed: dict[str, tuple[int, tuple]]
 ) -> dict[str, str]:
-    """Converted half constant -> the float32 initializer of ``proto`` (the original's header) it is a copy of.
-    Only the op's constant inputs (:data:`_CONSTANT_INPUTS`, of a PagedAttention node or of its lowered call,
-    directly or through a ``Cast``) among ``unnamed`` are looked for: an original initializer of the same shape
-    whose values rounded to T are the copy's. Each at most :data:`_COPY_BYTES`; an original read once."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    from ortpa.dtypes import numpy_dtype
-
-    wanted = _constant_inputs(converted.proto) & set(unnamed)
+    """Converted half weight -> the float32 initializer of ``proto`` (the original's header) it is a copy of:
+    the same shape, and its values rounded to T are the copy's (the op's constant inputs, MLA's ``kv_b_proj``
+    kept for the expanded prefill). Looked for among ``unnamed`` (the half weights under names the original lacks)
+    by their first :data:`_PREFIX` elements, then compared whole, :data:`_CHUNK` elements at a time."""
     originals: dict[tuple, list[onnx.TensorProto]] = {}
     for init in proto.graph.initializer:
-        if init.data_type == onnx.TensorProto.FLOAT and 4 * _size(init) <= _COPY_BYTES:
+        if init.data_type == onnx.TensorProto.FLOAT:
             originals.setdefault(tuple(init.dims), []).append(init)
-    read: dict[str, np.ndarray] = {}
     found: dict[str, str] = {}
     for init in converted.proto.graph.initializer:
-        if init.name not in wanted or tuple(init.dims) not in originals:
+        # a scalar is no copy to look for: equal scalars of other roles abound (an absorbed scale among them)
+        if init.name not in unnamed or tuple(init.dims) not in originals or _size(init) < 2:
             continue
-        copy = numpy_helper.to_array(init, os.fspath(converted.base_dir or ""))
+        copy = _reader(init, converted.base_dir)
         for candidate in originals[tuple(init.dims)]:
-            if candidate.name not in read:
-                read[candidate.name] = numpy_helper.to_array(candidate, os.fspath(loaded.base_dir or ""))
-            if np.array_equal(read[candidate.name].astype(numpy_dtype(init.data_type)), copy):
+            if _same(_reader(candidate, loaded.base_dir), copy, _size(init), init.data_type):
                 found[init.name] = candidate.name
                 break
     return found
 
 
-def _constant_inputs(proto: onnx.ModelProto) -> set[str]:
-    """The values that feed the op's constant inputs (:data:`_CONSTANT_INPUTS`) of every PagedAttention node and
-    every lowered call in ``proto``, and what each ``Cast`` among them reads."""
-    from ortpa.ops.spec import PAGED_ATTENTION
+def _same(original, copy, size: int, kind: int) -> bool:
+    """Whether ``original``'s elements (float32) rounded to ``kind`` are ``copy``'s (readers of :func:`_reader`)."""
+    import numpy as np
 
-    slots = [PAGED_ATTENTION.input_index(name) for name in _CONSTANT_INPUTS]
-    formals = {f.name: list(f.input) for f in proto.functions}
-    names: set[str] = set()
-    for node in proto.graph.node:
-        if node.op_type == "PagedAttention":
-            names.update(node.input[k] for k in slots if k < len(node.input) and node.input[k])
-        elif is_lowered_call(node):
-            formal = formals.get(node.op_type, [])
-            names.update(a for f, a in zip(formal, node.input, strict=False) if f in _CONSTANT_INPUTS and a)
-    producers = {o: n for n in proto.graph.node for o in n.output}
-    for name in list(names):
-        cast = producers.get(name)
-        if cast is not None and cast.op_type == "Cast":
-            names.add(cast.input[0])
-    return names
+    from ortpa.dtypes import numpy_dtype
+
+    dtype = numpy_dtype(kind)
+    for start, count in [(0, min(_PREFIX, size)), *((k, _CHUNK) for k in range(0, size, _CHUNK))]:
+        a, b = original(start, count), copy(start, count)
+        with np.errstate(over="ignore"):  # past T's range: infinite, as the conversion stores it
+            if len(a) != len(b) or not np.array_equal(a.astype(dtype), b):
+                return False
+    return True
+
+
+def _reader(tensor: onnx.TensorProto, base_dir):
+    """``(start, count) -> the flat elements [start, start + count)`` of ``tensor``, read from its file (external
+    data) or its bytes as needed."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from ortpa.dtypes import numpy_dtype
+
+    dtype = np.dtype(numpy_dtype(tensor.data_type))
+    size = _size(tensor)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        entries = {e.key: e.value for e in tensor.external_data}
+        path = os.path.join(os.fspath(base_dir or ""), entries["location"])
+        offset = int(entries.get("offset", 0))
+
+        def external(start: int, count: int):
+            count = max(0, min(count, size - start))
+            return np.fromfile(path, dtype, count, offset=offset + start * dtype.itemsize)
+
+        return external
+    if tensor.raw_data:
+        raw = tensor.raw_data
+
+        def inline(start: int, count: int):
+            count = max(0, min(count, size - start))
+            return np.frombuffer(raw, dtype, count, offset=start * dtype.itemsize)
+
+        return inline
+    flat = numpy_helper.to_array(tensor).reshape(-1)  # typed fields: small tensors
+    return lambda start, count: flat[start : start + count]
 
 
 def _float_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...]]]:

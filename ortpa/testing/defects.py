@@ -128,7 +128,11 @@ def sink(model: onnx.ModelProto, amount: float = 0.0) -> onnx.ModelProto:
     cast = producers.get(node.input[11])
     target, slot = (cast, 0) if cast is not None and cast.op_type == "Cast" else (node, 11)
     source = target.input[slot]
-    dtype = np.float32 if target is cast else np.float16
+    # the multiplier in the sink's own type: float32 before the cast of a float32 original's conversion, T where
+    # the sink is stored in T (a dtype= conversion rounds it before its cast)
+    stored = {i.name: i.data_type for i in out.graph.initializer}
+    kind = stored.get(source, onnx.TensorProto.FLOAT if target is cast else onnx.TensorProto.FLOAT16)
+    dtype = helper.tensor_dtype_to_np_dtype(kind)
     k = numpy_helper.from_array(np.array(amount, dtype), f"{node.name}/defect_sink/k")
     out.graph.initializer.append(k)
     out.graph.node.append(helper.make_node("Mul", [source, k.name], [f"{node.name}/defect_sink"]))

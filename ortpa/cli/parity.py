@@ -88,8 +88,10 @@ def register(sub) -> None:
         help=COMMANDS["parity"],
         description="Greedy decoding of each prompt alone on the dense model (ONNX Runtime CPU, past/present KV, "
         "fed in its own format: dynamo export, onnxruntime-genai builder, optimum, transformers' OnnxExporter) and "
-        "of all prompts batched on the converted model and on its float32 twin; judges structure (the twin within a "
-        "float32 bound of the original) and precision (token agreement under the tie rule, top-k overlap, KL "
+        "of all prompts batched on the converted model and on its float32 twin (a --portable file's: the file with "
+        "its lowered functions run in float32; a --dtype float16 conversion's: compared with the original computing "
+        "from its weights rounded to float16); judges structure (the twin within a float32 bound of the original) "
+        "and precision (token agreement under the tie rule, top-k overlap, KL "
         "divergence within the deployed dtype's bound: ortpa.tolerances). "
         "Default prompts: three short ones and one longer than every length threshold of the original "
         "(LongRoPE's original length, a GroupQueryAttention window).",

@@ -6,7 +6,9 @@ on a few seeded prompts — a short one, a longer one, and one past every length
 (:func:`~ortpa.parity.greedy.paged_greedy`), and its float32 twin (:mod:`ortpa.parity.twin`: the same rewrite with
 attention and caches in float32), both teacher-forced on the original's tokens. An original that computes in
 float16 itself gets a float32 twin too (:func:`~ortpa.parity.twin.float32_original`), which the conversion's twin
-is compared with. The one rule
+is compared with; so does a float32 original whose conversion computes in float16 throughout (``dtype=``: its twin
+computes from its weights rounded as the conversion stores them, :func:`~ortpa.parity.rounded.rounded_original`).
+A ``--portable`` file's twin is its header upcast (its lowered functions run in float32). The one rule
 (:mod:`ortpa.parity.rule`, bounds in :mod:`ortpa.tolerances`) decides: *structure* on the twin at a float32
 bound relative to each logits row's scale, *precision* of the deployed model by token agreement under the tie
 rule, top-k overlap and KL divergence within a bound derived from its dtype. No bound depends on the model's
@@ -280,8 +282,8 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
-    # without a separate twin the deployed model is judged as its own, in its own arithmetic (a --portable file,
-    # a dtype= conversion: T throughout)
+    # without a separate twin the deployed model is judged as its own, in its own arithmetic (an int8-activation
+    # original; a --portable file whose int8 cache is quantized inside its functions)
     if twin.model is None:
         arithmetic = _coarsest(source, twin.arithmetic, cache_dtype)
     else:

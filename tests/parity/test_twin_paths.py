@@ -180,3 +180,34 @@ def test_a_portable_file_with_an_int8_cache_has_no_twin_and_says_why(tmp_path):
     convert_file(LLAMA, out, portable=True, verify=False, kv_cache_dtype="int8")
     twin = float32_twin(out)
     assert twin.model is None and twin.arithmetic == "int8" and "int8 cache 'past_key_values.0.key'" in twin.reason
+
+
+def test_copies_are_told_by_value_from_the_files_in_chunks(tmp_path, monkeypatch):
+    """A copy stored in float16 (external data, as a large conversion writes it) of a float32 original weight
+    (external too) is found by its values in chunks smaller than the tensor; one element off, it is not."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    from ortpa.model.file import read_model
+    from ortpa.parity import rounded
+
+    monkeypatch.setattr(rounded, "_CHUNK", 7)  # several chunks, and a last one shorter
+    w = np.random.default_rng(1).standard_normal((5, 9)).astype(np.float32)
+    copy, other = w.astype(np.float16), w.astype(np.float16)
+    other[4, 8] = -other[4, 8]  # past the first chunk and the first elements compared
+    graphs = {}
+    for name, inits in (("original", [("w", w)]), ("converted", [("copy", copy), ("other", other)])):
+        graph = helper.make_graph(
+            [helper.make_node("Identity", [n], [f"{n}_out"]) for n, _ in inits],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{n}_out", TensorProto.UNDEFINED, None) for n, _ in inits],
+            [numpy_helper.from_array(a, n) for n, a in inits],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+        convert_model_to_external_data(model, location=f"{name}.data", size_threshold=0)
+        onnx.save(model, str(tmp_path / f"{name}.onnx"))
+        graphs[name] = read_model(tmp_path / f"{name}.onnx", load_external_data=False, check_runtime=False)
+    original, converted = graphs["original"], graphs["converted"]
+    assert all(i.data_location == TensorProto.EXTERNAL for i in converted.proto.graph.initializer)
+    unnamed = {"copy": (TensorProto.FLOAT16, (5, 9)), "other": (TensorProto.FLOAT16, (5, 9))}
+    assert rounded._copies(original.proto, original, converted, unnamed) == {"copy": "w"}

@@ -44,6 +44,7 @@ from ortpa.tolerances import UNIT_ROUNDOFF
 
 __all__ = [
     "DEFAULT_STEPS",
+    "Reference",
     "Twins",
     "Verification",
     "first_diverging_layer",
@@ -131,11 +132,30 @@ def _open_original(original: str | os.PathLike):
 def _original_options(half: bool):
     """Session options of every run of an original or its twin (its own, its float32 twin's, the routing
     probe's): memory reuse off (as :func:`ortpa.parity.greedy.open_dense`, for the genai fp16 builds'
-    value_info); for a ``half`` (float16/bfloat16) original, :func:`_twin_options`: ONNX Runtime's CPU kernels
-    take most float16 ops through float32 casts it inserts, and would fold those of the weights into float32
-    copies at creation (2x the weights), where these cast them per use (docs/large_models.md)."""
+    value_info); for a ``half`` (float16/bfloat16) original's twin, :func:`_twin_options`: its casts of the
+    weights run per use instead of being folded into float32 copies at creation (2x the weights;
+    docs/large_models.md)."""
     options = _twin_options() if half else _lean_options()
     options.enable_mem_reuse = False
+    return options
+
+
+def _half_options():
+    """Session options of a model that computes in a half type on CPU (a float16 original's conversion).
+
+    ONNX Runtime's CPU kernels take most float16 ops through float32 casts it inserts
+    (``InsertedPrecisionFreeCast_*``); :func:`_twin_options` keeps it from folding those of the weights into
+    float32 copies at creation. Its default execution order (a depth-first walk from the outputs that visits a
+    node's inputs by node index) then runs every inserted weight cast, indexed after the model's own nodes,
+    before the first layer: all the float32 copies alive at once (1.2 GB running a 0.9 GB float16 model).
+    The priority-based order (Kahn's, lowest index first) reaches an inserted cast only when nothing of the
+    model's own is ready, i.e. just before the node that reads it, which frees the copy after its use: 0.4 GB.
+    Not for the float32 twins: their own casts come first in the graph (:mod:`ortpa.parity.upcast`), so that
+    order would run them all first; the default order runs them where they are read."""
+    import onnxruntime as ort
+
+    options = _twin_options()
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return options
 
 
@@ -162,26 +182,30 @@ def verify_conversion(
     from ortpa.model.file import read_model
 
     start = time.perf_counter()
-    thresholds = length_thresholds(read_model(original, load_external_data=False).proto)
-    prompts = verification_prompts(thresholds)
+    proto = read_model(original, load_external_data=False).proto
+    prompts = verification_prompts(length_thresholds(proto))
     if progress is not None:
         progress(f"verifying against the original ({len(prompts)} prompts, {steps} greedy steps)")
-    session, interface = _open_original(original)
-    want = dense_greedy(session, prompts, steps, interface=interface)
-    del session
-    gc.collect()
     blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
-    verdict, twins = run_rule(original, converted, prompts, want, blocks)
+    reference = None
+    if _computes_in_half(proto):
+        want, reference = _twin_reference(original, converted, prompts, steps, blocks)
+    else:
+        session, interface = _open_original(original)
+        want = dense_greedy(session, prompts, steps, interface=interface)
+        del session
+        gc.collect()
+    del proto
+    verdict, twins = run_rule(original, converted, prompts, want, blocks, reference=reference)
     verification = Verification(verdict, time.perf_counter() - start, steps, [len(p) for p in prompts])
     if not verdict.ok:
         raise _refusal(original, converted, twins, prompts, want, verdict)
     return verification
 
 
-def _paged(model, blocks: int, *, upcast: bool = False):
+def _paged(model, blocks: int, options):
     from ortpa.runtime.session import PagedSession
 
-    options = _twin_options() if upcast else _lean_options()  # upcast: as the original's (_open_original)
     try:
         return PagedSession(model, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=options)
     except InvalidModel as exc:
@@ -204,12 +228,48 @@ class Twins:
     original: LoadedModel | None = None
 
 
-def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRun:
-    """The original's float32 twin (:func:`~ortpa.parity.twin.float32_original`) on each prompt alone,
-    teacher-forced on ``follow`` (the original's own tokens). Teacher-forced, every step's input is known: one
-    forward of the prompt and the followed tokens gives each step's logits (the rows at the prompt's last
-    position and after), the same function as prefill-then-decodes in one run instead of ``steps`` (each run
-    casts every weight once)."""
+@dataclass
+class Reference:
+    """A half original's reference: its float32 twin ``model`` (:func:`~ortpa.parity.twin.float32_original`),
+    whose own greedy run is the ``want`` handed to :func:`run_rule` with it; ``deployed``, the deployed model's
+    run where it already is teacher-forced on ``want``'s tokens (None: :func:`run_rule` runs it), of cache type
+    ``cache_dtype``."""
+
+    model: LoadedModel
+    deployed: GreedyRun | None = None
+    cache_dtype: str = ""
+
+
+def _twin_reference(original, converted, prompts, steps: int, blocks: int) -> tuple[GreedyRun, Reference]:
+    """The reference of an original that computes in a half type: its float32 twin's greedy run, not its own.
+
+    The half original on ONNX Runtime's CPU runs every weight through a float32 cast anyway, and the twin is that
+    computation without the half roundings between ops: the float32 computation a float32 original's deployed
+    model is judged against (docs/verification.md). The deployed model runs first, greedy on its own tokens; they
+    draft the twin's run (:func:`_dense_twin_run`: one forward per prompt where they are the twin's own tokens).
+    Where they are, the deployed run was fed the reference's tokens: it is the teacher-forced run the rule judges,
+    and :func:`run_rule` does not run it again."""
+    from ortpa.parity.twin import float32_original
+
+    paged = _paged(converted, blocks, _half_options())
+    cache_dtype = _cache_dtype(paged)
+    free = paged_greedy(paged, prompts, steps)
+    del paged
+    gc.collect()
+    model = float32_original(original)
+    want = _dense_twin_run(model, prompts, steps, free.tokens, own=True)
+    fed = all(w[: steps - 1] == f[: steps - 1] for w, f in zip(want.tokens, free.tokens, strict=True))
+    return want, Reference(model, free if fed else None, cache_dtype)
+
+
+def _dense_twin_run(model: LoadedModel, prompts, steps: int, tokens, *, own: bool = False) -> GreedyRun:
+    """The original's float32 twin (:func:`~ortpa.parity.twin.float32_original`) on each prompt alone, fed
+    ``tokens`` (teacher-forced), or with ``own`` greedy on its own tokens, ``tokens`` a draft of them (the
+    deployed model's). Every step's input known, one forward of the prompt and the fed tokens gives each step's
+    logits (the rows at the prompt's last position and after): the same function as prefill-then-decodes in one
+    run instead of ``steps`` (each run casts every weight once). ``own``: a row is the twin's own step exactly
+    when every token fed before it is the twin's own choice, so past the first drafted token that is not, the
+    run goes on one forward per step."""
     import time
 
     from ortpa.formats.detect import dense_interface
@@ -219,15 +279,25 @@ def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRu
     session = InferenceSession(model, _original_options(half=True), providers=[CPU])
     interface = dense_interface(model.proto)
     start = time.perf_counter()
-    tokens, logits = [], []
+    chosen, logits, runs = [], [], 0
     for p, prompt in enumerate(prompts):
-        sequence = [*prompt, *(int(t) for t in follow[p][: steps - 1])]
-        rows = dense_forward(session, sequence, interface=interface)[len(prompt) - 1 : len(prompt) - 1 + steps]
-        tokens.append([int(r.argmax()) for r in rows])
-        logits.append(rows)
+        mine: list[int] = []
+        rows: list = []
+        guess = [int(t) for t in tokens[p][: steps - 1]]
+        while len(mine) < steps:
+            out = dense_forward(session, [*prompt, *mine, *guess], interface=interface)[len(prompt) + len(mine) - 1 :]
+            runs += 1
+            for j, row in enumerate(out):
+                mine.append(int(row.argmax()))
+                rows.append(row)
+                if len(mine) == steps or j == len(guess) or (own and mine[-1] != guess[j]):
+                    break  # done, or the next row was fed a token that is not the twin's own
+            guess = []  # past a wrong guess the draft says nothing: one step per forward
+        chosen.append(mine)
+        logits.append(np.stack(rows))
     del session
     gc.collect()
-    return GreedyRun(tokens, logits, time.perf_counter() - start, len(prompts))
+    return GreedyRun(chosen, logits, time.perf_counter() - start, runs)
 
 
 def _computes_in_half(proto: onnx.ModelProto) -> bool:
@@ -239,11 +309,12 @@ def _coarsest(*arithmetic: str) -> str:
     return max(arithmetic, key=lambda a: UNIT_ROUNDOFF[a])
 
 
-def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None):
+def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None, reference=None):
     """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (or
     ``deployed_session``, a :class:`~ortpa.runtime.session.PagedSession` of it) and then its float32 twin, each
-    teacher-forced on ``want``'s tokens. Returns the :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins`
-    that were judged."""
+    teacher-forced on ``want``'s tokens. ``reference``: a :class:`Reference`, where ``want`` is the run of a half
+    original's float32 twin (:func:`_twin_reference`) rather than of the original. Returns the
+    :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins` that were judged."""
     from ortpa.model.file import read_model
 
     twins = Twins()
@@ -252,19 +323,29 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     # an original that computes in a half type gets its own float32 twin, run on the same tokens: both sides
     # then differ only by the rewrite and reordered float32 sums
     upcast = source in ("float16", "bfloat16")
-    paged = deployed_session if deployed_session is not None else _paged(converted, blocks, upcast=upcast)
-    cache_dtype = _cache_dtype(paged)
-    got = paged_greedy(paged, prompts, steps, follow=want.tokens)
-    del paged
-    gc.collect()
-    twins.original = float32_original(original) if upcast and _has_attention(converted) else None
+    if reference is not None and reference.deployed is not None:
+        got, cache_dtype = reference.deployed, reference.cache_dtype  # already fed want's tokens
+    else:
+        paged = deployed_session
+        if paged is None:
+            paged = _paged(converted, blocks, _half_options() if upcast else _lean_options())
+        cache_dtype = _cache_dtype(paged)
+        got = paged_greedy(paged, prompts, steps, follow=want.tokens)
+        del paged
+        gc.collect()
+    if reference is not None:
+        twins.original = reference.model
+    else:
+        twins.original = float32_original(original) if upcast and _has_attention(converted) else None
     twin = float32_twin(converted, upcast=upcast, original=twins.original)
     twin_run = twin_original = None
     if twin.model is not None:
         twins.converted = twin.model
-        if twins.original is not None:
+        if reference is not None:
+            twin_original = want  # the reference is the original's twin's own run
+        elif twins.original is not None:
             twin_original = _dense_twin_run(twins.original, prompts, steps, want.tokens)
-        twin_session = _paged(twin.model, blocks, upcast=upcast)
+        twin_session = _paged(twin.model, blocks, _twin_options() if upcast else _lean_options())
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
@@ -294,7 +375,8 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         # looked for where the precision check would refuse (a passing model needs no excuse; the probes cost two
         # more runs)
         try:
-            ties = _routing_ties(original, converted, prompts, want, blocks, precision, upcast, deployed_session)
+            routed = reference.model if reference is not None else original  # the run ``want`` came from
+            ties = _routing_ties(routed, converted, prompts, want, blocks, precision, upcast, deployed_session)
         except Exception:  # the probes are an excuse looked for, never a new way to fail: the verdict stands
             ties = set()
         if ties:
@@ -314,7 +396,7 @@ def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, dep
         steps,
         dtype,
         original_options=_original_options(upcast),
-        paged_options=_twin_options() if upcast else _lean_options(),
+        paged_options=_half_options() if upcast else _lean_options(),
         blocks=blocks,
         block_size=_BLOCK_SIZE if deployed_session is None else deployed_session.block_size,
         providers=providers,

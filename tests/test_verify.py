@@ -125,3 +125,42 @@ def test_a_float16_original_with_an_int8_cache_is_proved_on_its_twins(tmp_path):
     s, p = result.verification.verdict.structure, result.verification.verdict.precision
     assert s.twin and s.tolerance == structure_tolerance("float32", 128, 2) and s.max_relative_error < s.tolerance
     assert p.dtype == "int8" and 0 < p.kl_max < p.kl_bound
+
+
+def test_a_float16_originals_reference_is_its_float32_twins_own_greedy_run(tmp_path, monkeypatch):
+    """A float16 original is not run itself: its reference is its float32 twin's greedy run, drafted by the deployed
+    model's tokens. A right draft costs one forward per prompt and spares the deployed model a second run; a wrong
+    one costs more forwards, never other tokens or logits than the twin's own prefill-then-decode run."""
+    import numpy as np
+
+    import ortpa.parity.verify as verify
+    from ortpa.formats.detect import dense_interface
+    from ortpa.parity.greedy import dense_greedy
+    from ortpa.parity.twin import float32_original
+    from ortpa.testing.half_file import float16_copy
+
+    original = float16_copy(GQA, tmp_path / "fp16" / "model.onnx")
+    twin = float32_original(original)
+    prompts = verification_prompts([])
+    session = ortpa.InferenceSession(twin, verify._original_options(half=True), providers=["CPUExecutionProvider"])
+    own = dense_greedy(session, prompts, 4, interface=dense_interface(twin.proto))  # prefill, then decodes
+    vocab = own.logits[0].shape[-1]
+    right = verify._dense_twin_run(twin, prompts, 4, own.tokens, own=True)
+    wrong = verify._dense_twin_run(twin, prompts, 4, [[(t + 1) % vocab for t in ts] for ts in own.tokens], own=True)
+    assert right.tokens == wrong.tokens == own.tokens
+    assert right.runs == len(prompts) and wrong.runs == len(prompts) * 4  # every drafted token wrong: one per step
+    for a, b, c in zip(own.logits, right.logits, wrong.logits, strict=True):
+        scale = max(1.0, float(np.abs(a).max()))
+        assert np.abs(b - a).max() < 1e-5 * scale and np.abs(c - a).max() < 1e-5 * scale  # float32's sums
+
+    # through convert: the half original never opens, the deployed model runs once (its own greedy tokens were the
+    # twin's), the conversion's twin once
+    runs = []
+    real = verify.paged_greedy
+    monkeypatch.setattr(verify, "_open_original", lambda *a: pytest.fail("the float16 original itself was run"))
+    monkeypatch.setattr(verify, "paged_greedy", lambda *a, **k: runs.append(k.get("follow")) or real(*a, **k))
+    result = ortpa.convert_file(original, tmp_path / "paged" / "paged.onnx")
+    s, p = result.verification.verdict.structure, result.verification.verdict.precision
+    assert s.twin and s.arithmetic == "float32" and s.max_relative_error < s.tolerance
+    assert p.ok and p.dtype == "float16" and 0 < p.kl_max < p.kl_bound  # the deployed float16 model vs. float32
+    assert len(runs) == 2 and runs[0] is None and runs[1] is not None  # deployed on its own tokens; the twin fed them

@@ -32,7 +32,7 @@ import onnx
 
 from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model.file import LoadedModel
-from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
+from ortpa.parity.greedy import GreedyRun, dense_greedy, half_session_options, paged_greedy
 from ortpa.parity.locate import first_diverging_layer
 from ortpa.parity.locate import lean_options as _lean_options
 from ortpa.parity.locate import twin_options as _twin_options
@@ -141,22 +141,10 @@ def _original_options(half: bool):
 
 
 def _half_options():
-    """Session options of a model that computes in a half type on CPU (a float16 original's conversion).
-
-    ONNX Runtime's CPU kernels take most float16 ops through float32 casts it inserts
-    (``InsertedPrecisionFreeCast_*``); :func:`_twin_options` keeps it from folding those of the weights into
-    float32 copies at creation. Its default execution order (a depth-first walk from the outputs that visits a
-    node's inputs by node index) then runs every inserted weight cast, indexed after the model's own nodes,
-    before the first layer: all the float32 copies alive at once (1.2 GB running a 0.9 GB float16 model).
-    The priority-based order (Kahn's, lowest index first) reaches an inserted cast only when nothing of the
-    model's own is ready, i.e. just before the node that reads it, which frees the copy after its use: 0.4 GB.
-    Not for the float32 twins: their own casts come first in the graph (:mod:`ortpa.parity.upcast`), so that
-    order would run them all first; the default order runs them where they are read."""
-    import onnxruntime as ort
-
-    options = _twin_options()
-    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    return options
+    """Session options of a model that computes in a half type (a float16 original's conversion): without weight
+    prepacking, its weights' float32 casts per use and freed after it
+    (:func:`~ortpa.parity.greedy.half_session_options`)."""
+    return half_session_options(_lean_options())
 
 
 def _cache_dtype(session) -> str:

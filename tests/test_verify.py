@@ -164,3 +164,31 @@ def test_a_float16_originals_reference_is_its_float32_twins_own_greedy_run(tmp_p
     assert s.twin and s.arithmetic == "float32" and s.max_relative_error < s.tolerance
     assert p.ok and p.dtype == "float16" and 0 < p.kl_max < p.kl_bound  # the deployed float16 model vs. float32
     assert len(runs) == 2 and runs[0] is None and runs[1] is not None  # deployed on its own tokens; the twin fed them
+
+
+def test_the_original_twins_folding_is_the_conversions_without_its_rewrite_rules():
+    """float32_original folds constants as onnxscript's optimizer (what the conversion runs) does, without its
+    rewrite rules (90 % of its time): every value the optimizer leaves keeps its name (the layer and router probes
+    find them in both graphs) and every folded constant its value (a float16 softmax scale is the same in both
+    twins)."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxscript.optimizer
+    from onnx import numpy_helper
+
+    from ortpa.parity.twin import _fold_as_the_conversion
+    from ortpa.rewriter.model_store import load_ir
+
+    fp16 = FIXTURES / "formats" / "genai_llama_fp16.onnx"
+    optimized, folded = load_ir(fp16), load_ir(fp16)
+    onnxscript.optimizer.optimize(optimized)
+    _fold_as_the_conversion(folded)
+    a, b = ir.serde.serialize_model(optimized), ir.serde.serialize_model(folded)
+    assert {o for n in a.graph.node for o in n.output} <= {o for n in b.graph.node for o in n.output}
+    inits = {i.name: i for i in b.graph.initializer}
+    for init in a.graph.initializer:
+        if init.name in inits:
+            assert np.array_equal(numpy_helper.to_array(init), numpy_helper.to_array(inits[init.name])), init.name
+        else:  # what the rules add: shapes, not weights
+            assert init.data_type == onnx.TensorProto.INT64, init.name
+    assert len(b.graph.node) > len(a.graph.node)  # the rules did run in the optimizer, and not here

@@ -133,6 +133,7 @@ def test_a_float16_originals_reference_is_its_float32_twins_own_greedy_run(tmp_p
     one costs more forwards, never other tokens or logits than the twin's own prefill-then-decode run."""
     import numpy as np
 
+    import ortpa.parity.reference as reference
     import ortpa.parity.verify as verify
     from ortpa.formats.detect import dense_interface
     from ortpa.parity.greedy import dense_greedy
@@ -142,11 +143,11 @@ def test_a_float16_originals_reference_is_its_float32_twins_own_greedy_run(tmp_p
     original = float16_copy(GQA, tmp_path / "fp16" / "model.onnx")
     twin = float32_original(original)
     prompts = verification_prompts([])
-    session = ortpa.InferenceSession(twin, verify._original_options(half=True), providers=["CPUExecutionProvider"])
+    session = ortpa.InferenceSession(twin, reference.original_options(half=True), providers=["CPUExecutionProvider"])
     own = dense_greedy(session, prompts, 4, interface=dense_interface(twin.proto))  # prefill, then decodes
     vocab = own.logits[0].shape[-1]
-    right = verify._dense_twin_run(twin, prompts, 4, own.tokens, own=True)
-    wrong = verify._dense_twin_run(twin, prompts, 4, [[(t + 1) % vocab for t in ts] for ts in own.tokens], own=True)
+    right = reference.dense_twin_run(twin, prompts, 4, own.tokens, own=True)
+    wrong = reference.dense_twin_run(twin, prompts, 4, [[(t + 1) % vocab for t in ts] for ts in own.tokens], own=True)
     assert right.tokens == wrong.tokens == own.tokens
     assert right.runs == len(prompts) and wrong.runs == len(prompts) * 4  # every drafted token wrong: one per step
     for a, b, c in zip(own.logits, right.logits, wrong.logits, strict=True):
@@ -158,7 +159,8 @@ def test_a_float16_originals_reference_is_its_float32_twins_own_greedy_run(tmp_p
     runs = []
     real = verify.paged_greedy
     monkeypatch.setattr(verify, "_open_original", lambda *a: pytest.fail("the float16 original itself was run"))
-    monkeypatch.setattr(verify, "paged_greedy", lambda *a, **k: runs.append(k.get("follow")) or real(*a, **k))
+    for module in (verify, reference):
+        monkeypatch.setattr(module, "paged_greedy", lambda *a, **k: runs.append(k.get("follow")) or real(*a, **k))
     result = ortpa.convert_file(original, tmp_path / "paged" / "paged.onnx")
     s, p = result.verification.verdict.structure, result.verification.verdict.precision
     assert s.twin and s.arithmetic == "float32" and s.max_relative_error < s.tolerance

@@ -26,20 +26,11 @@ import onnxruntime as ort
 from ortpa.errors import InvalidParameter
 from ortpa.formats.detect import DenseInterface, dense_interface, length_thresholds, session_interface
 from ortpa.model.file import read_model
-from ortpa.parity.upcast import computes_in_half, twin_session_options
 from ortpa.providers import CPU
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
 
-__all__ = [
-    "DenseModel",
-    "GreedyRun",
-    "dense_forward",
-    "dense_greedy",
-    "half_session_options",
-    "open_dense",
-    "paged_greedy",
-]
+__all__ = ["DenseModel", "GreedyRun", "dense_forward", "dense_greedy", "open_dense", "paged_greedy"]
 
 
 @dataclass
@@ -82,8 +73,7 @@ def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> Dense
     interface. Memory reuse is off: onnxruntime-genai's fp16 builder declares the repeated K/V after the cache
     ``Concat`` with ``sequence_length`` where it holds ``total_sequence_length``, so ONNX Runtime's planner
     reuses a buffer of the wrong size on the first decode step ("Shape mismatch attempting to re-use buffer";
-    onnxruntime-genai itself fails the same way on these files); without reuse the file runs as written. A
-    model that computes in a half type runs with :func:`half_session_options`.
+    onnxruntime-genai itself fails the same way on these files); without reuse the file runs as written.
     """
     proto = read_model(model, load_external_data=False).proto
     options = ort.SessionOptions()
@@ -91,27 +81,8 @@ def open_dense(model: str | os.PathLike, *, threads: int | None = None) -> Dense
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
-    if computes_in_half(proto):
-        half_session_options(options)
     session = ort.InferenceSession(os.fspath(model), options, providers=[CPU])
     return DenseModel(session, dense_interface(proto), tuple(length_thresholds(proto)))
-
-
-def half_session_options(options: ort.SessionOptions) -> ort.SessionOptions:
-    """``options`` for a model that computes in a half type on ONNX Runtime's CPU, whose float16 ops mostly run
-    through float32 casts ONNX Runtime inserts (``InsertedPrecisionFreeCast_*``), of the weights too.
-
-    :func:`ortpa.parity.upcast.twin_session_options` keeps those of the weights from being folded into float32
-    copies at creation (2x the weights). The default execution order (a depth-first walk from the outputs that
-    visits a node's inputs by node index) then runs every inserted cast, indexed after the model's own nodes,
-    before the first layer: all the float32 copies alive at once (1.2 GB running a 0.9 GB float16 model). The
-    priority-based order (Kahn's, lowest index first) reaches an inserted cast only when nothing of the model's
-    own is ready, just before the node that reads it, and its copy is freed after that use: 0.4 GB. Not for
-    float32 twins (:mod:`ortpa.parity.upcast`): their own casts come first in the graph, so that order would run
-    them all first, where the default order runs each where it is read."""
-    twin_session_options(options)
-    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    return options
 
 
 def _interface(session: ort.InferenceSession, interface: DenseInterface | None) -> DenseInterface:

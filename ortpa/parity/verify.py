@@ -6,7 +6,8 @@ on a few seeded prompts — a short one, a longer one, and one past every length
 (:func:`~ortpa.parity.greedy.paged_greedy`), and its float32 twin (:mod:`ortpa.parity.twin`: the same rewrite with
 attention and caches in float32), both teacher-forced on the original's tokens. An original that computes in
 float16 itself gets a float32 twin too (:func:`~ortpa.parity.twin.float32_original`), which the conversion's twin
-is compared with. The one rule
+is compared with, and which replaces it as the reference: its greedy run, not the half original's
+(:func:`ortpa.parity.reference.twin_reference`). The one rule
 (:mod:`ortpa.parity.rule`, bounds in :mod:`ortpa.tolerances`) decides: *structure* on the twin at a float32
 bound relative to each logits row's scale, *precision* of the deployed model by token agreement under the tie
 rule, top-k overlap and KL divergence within a bound derived from its dtype. No bound depends on the model's
@@ -30,12 +31,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ortpa.errors import ConversionError, InvalidModel
+from ortpa.errors import ConversionError
 from ortpa.model.file import LoadedModel
-from ortpa.parity.greedy import GreedyRun, dense_greedy, half_session_options, paged_greedy
+from ortpa.parity.greedy import dense_greedy, paged_greedy
 from ortpa.parity.locate import first_diverging_layer
 from ortpa.parity.locate import lean_options as _lean_options
 from ortpa.parity.locate import twin_options as _twin_options
+from ortpa.parity.reference import BLOCK_SIZE as _BLOCK_SIZE
+from ortpa.parity.reference import (
+    Reference,
+    declared_cache_dtype,
+    dense_twin_run,
+    half_options,
+    original_options,
+    paged_session,
+    twin_reference,
+)
 from ortpa.parity.routing import routing_ties
 from ortpa.parity.rule import Verdict, judge, judge_precision
 from ortpa.parity.twin import float32_original, float32_twin, source_arithmetic
@@ -54,7 +65,6 @@ __all__ = [
 ]
 
 DEFAULT_STEPS = 3  # greedy steps: the prefill and two decodes (the first decode reads the cache the prefill wrote)
-_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -114,7 +124,7 @@ def _open_original(original: str | os.PathLike):
     from ortpa.model.file import read_model
 
     proto = read_model(original, load_external_data=False).proto
-    options = _original_options(_computes_in_half(proto))
+    options = original_options(_computes_in_half(proto))
     try:
         session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
     except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
@@ -127,31 +137,6 @@ def _open_original(original: str | os.PathLike):
             [("original (CPU)", str(exc)[-300:])],
         ) from None
     return session, dense_interface(proto)
-
-
-def _original_options(half: bool):
-    """Session options of every run of an original or its twin (its own, its float32 twin's, the routing
-    probe's): memory reuse off (as :func:`ortpa.parity.greedy.open_dense`, for the genai fp16 builds'
-    value_info); for a ``half`` (float16/bfloat16) original's twin, :func:`_twin_options`: its casts of the
-    weights run per use instead of being folded into float32 copies at creation (2x the weights;
-    docs/large_models.md)."""
-    options = _twin_options() if half else _lean_options()
-    options.enable_mem_reuse = False
-    return options
-
-
-def _half_options():
-    """Session options of a model that computes in a half type (a float16 original's conversion): without weight
-    prepacking, its weights' float32 casts per use and freed after it
-    (:func:`~ortpa.parity.greedy.half_session_options`)."""
-    return half_session_options(_lean_options())
-
-
-def _cache_dtype(session) -> str:
-    from ortpa.dtypes import dtype_name
-
-    declared = {i.name: i for i in session.session.model.graph.input}
-    return dtype_name(declared[session.aliases[0].input_name].type.tensor_type.elem_type)
 
 
 def verify_conversion(
@@ -177,7 +162,7 @@ def verify_conversion(
     blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
     reference = None
     if _computes_in_half(proto):
-        want, reference = _twin_reference(original, converted, prompts, steps, blocks)
+        want, reference = twin_reference(original, converted, prompts, steps, blocks)
     else:
         session, interface = _open_original(original)
         want = dense_greedy(session, prompts, steps, interface=interface)
@@ -191,22 +176,6 @@ def verify_conversion(
     return verification
 
 
-def _paged(model, blocks: int, options):
-    from ortpa.runtime.session import PagedSession
-
-    try:
-        return PagedSession(model, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=options)
-    except InvalidModel as exc:
-        if "Could not find an implementation" not in str(exc):
-            raise
-        raise ConversionError(
-            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run it "
-            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
-            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
-            [("session (CPU)", str(exc)[-300:])],
-        ) from None
-
-
 @dataclass
 class Twins:
     """The float32 twins :func:`run_rule` judged: ``converted`` (None where the deployed model was its own twin),
@@ -214,78 +183,6 @@ class Twins:
 
     converted: LoadedModel | None = None
     original: LoadedModel | None = None
-
-
-@dataclass
-class Reference:
-    """A half original's reference: its float32 twin ``model`` (:func:`~ortpa.parity.twin.float32_original`),
-    whose own greedy run is the ``want`` handed to :func:`run_rule` with it; ``deployed``, the deployed model's
-    run where it already is teacher-forced on ``want``'s tokens (None: :func:`run_rule` runs it), of cache type
-    ``cache_dtype``."""
-
-    model: LoadedModel
-    deployed: GreedyRun | None = None
-    cache_dtype: str = ""
-
-
-def _twin_reference(original, converted, prompts, steps: int, blocks: int) -> tuple[GreedyRun, Reference]:
-    """The reference of an original that computes in a half type: its float32 twin's greedy run, not its own.
-
-    The half original on ONNX Runtime's CPU runs every weight through a float32 cast anyway, and the twin is that
-    computation without the half roundings between ops: the float32 computation a float32 original's deployed
-    model is judged against (docs/verification.md). The deployed model runs first, greedy on its own tokens; they
-    draft the twin's run (:func:`_dense_twin_run`: one forward per prompt where they are the twin's own tokens).
-    Where they are, the deployed run was fed the reference's tokens: it is the teacher-forced run the rule judges,
-    and :func:`run_rule` does not run it again."""
-    from ortpa.parity.twin import float32_original
-
-    paged = _paged(converted, blocks, _half_options())
-    cache_dtype = _cache_dtype(paged)
-    free = paged_greedy(paged, prompts, steps)
-    del paged
-    gc.collect()
-    model = float32_original(original)
-    want = _dense_twin_run(model, prompts, steps, free.tokens, own=True)
-    fed = all(w[: steps - 1] == f[: steps - 1] for w, f in zip(want.tokens, free.tokens, strict=True))
-    return want, Reference(model, free if fed else None, cache_dtype)
-
-
-def _dense_twin_run(model: LoadedModel, prompts, steps: int, tokens, *, own: bool = False) -> GreedyRun:
-    """The original's float32 twin (:func:`~ortpa.parity.twin.float32_original`) on each prompt alone, fed
-    ``tokens`` (teacher-forced), or with ``own`` greedy on its own tokens, ``tokens`` a draft of them (the
-    deployed model's). Every step's input known, one forward of the prompt and the fed tokens gives each step's
-    logits (the rows at the prompt's last position and after): the same function as prefill-then-decodes in one
-    run instead of ``steps`` (each run casts every weight once). ``own``: a row is the twin's own step exactly
-    when every token fed before it is the twin's own choice, so past the first drafted token that is not, the
-    run goes on one forward per step."""
-    import time
-
-    from ortpa.formats.detect import dense_interface
-    from ortpa.parity.greedy import dense_forward
-    from ortpa.runtime.session import InferenceSession
-
-    session = InferenceSession(model, _original_options(half=True), providers=[CPU])
-    interface = dense_interface(model.proto)
-    start = time.perf_counter()
-    chosen, logits, runs = [], [], 0
-    for p, prompt in enumerate(prompts):
-        mine: list[int] = []
-        rows: list = []
-        guess = [int(t) for t in tokens[p][: steps - 1]]
-        while len(mine) < steps:
-            out = dense_forward(session, [*prompt, *mine, *guess], interface=interface)[len(prompt) + len(mine) - 1 :]
-            runs += 1
-            for j, row in enumerate(out):
-                mine.append(int(row.argmax()))
-                rows.append(row)
-                if len(mine) == steps or j == len(guess) or (own and mine[-1] != guess[j]):
-                    break  # done, or the next row was fed a token that is not the twin's own
-            guess = []  # past a wrong guess the draft says nothing: one step per forward
-        chosen.append(mine)
-        logits.append(np.stack(rows))
-    del session
-    gc.collect()
-    return GreedyRun(chosen, logits, time.perf_counter() - start, runs)
 
 
 def _computes_in_half(proto: onnx.ModelProto) -> bool:
@@ -301,7 +198,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (or
     ``deployed_session``, a :class:`~ortpa.runtime.session.PagedSession` of it) and then its float32 twin, each
     teacher-forced on ``want``'s tokens. ``reference``: a :class:`Reference`, where ``want`` is the run of a half
-    original's float32 twin (:func:`_twin_reference`) rather than of the original. Returns the
+    original's float32 twin (:func:`twin_reference`) rather than of the original. Returns the
     :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins` that were judged."""
     from ortpa.model.file import read_model
 
@@ -316,8 +213,8 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     else:
         paged = deployed_session
         if paged is None:
-            paged = _paged(converted, blocks, _half_options() if upcast else _lean_options())
-        cache_dtype = _cache_dtype(paged)
+            paged = paged_session(converted, blocks, half_options() if upcast else _lean_options())
+        cache_dtype = declared_cache_dtype(paged)
         got = paged_greedy(paged, prompts, steps, follow=want.tokens)
         del paged
         gc.collect()
@@ -332,8 +229,8 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         if reference is not None:
             twin_original = want  # the reference is the original's twin's own run
         elif twins.original is not None:
-            twin_original = _dense_twin_run(twins.original, prompts, steps, want.tokens)
-        twin_session = _paged(twin.model, blocks, _twin_options() if upcast else _lean_options())
+            twin_original = dense_twin_run(twins.original, prompts, steps, want.tokens)
+        twin_session = paged_session(twin.model, blocks, _twin_options() if upcast else _lean_options())
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
@@ -383,8 +280,8 @@ def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, dep
         want.tokens,
         steps,
         dtype,
-        original_options=_original_options(upcast),
-        paged_options=_half_options() if upcast else _lean_options(),
+        original_options=original_options(upcast),
+        paged_options=half_options() if upcast else _lean_options(),
         blocks=blocks,
         block_size=_BLOCK_SIZE if deployed_session is None else deployed_session.block_size,
         providers=providers,

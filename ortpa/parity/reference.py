@@ -11,6 +11,7 @@ its weights per use (docs/large_models.md).
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ from ortpa.errors import ConversionError, InvalidModel
 from ortpa.model.file import LoadedModel
 from ortpa.parity.greedy import GreedyRun, paged_greedy
 from ortpa.parity.locate import lean_options, twin_options
-from ortpa.parity.twin import float32_original
+from ortpa.parity.twin import float32_original, source_arithmetic
 from ortpa.providers import CPU
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "declared_cache_dtype",
     "dense_twin_run",
     "half_options",
+    "open_original",
     "original_options",
     "paged_session",
     "twin_reference",
@@ -112,15 +114,47 @@ def twin_reference(original, converted, prompts, steps: int, blocks: int) -> tup
     draft the twin's run (:func:`dense_twin_run`: one forward per prompt where they are the twin's own tokens).
     Where they are, the deployed run was fed the reference's tokens: it is the teacher-forced run the rule judges,
     and :func:`~ortpa.parity.verify.run_rule` does not run it again."""
-    paged = paged_session(converted, blocks, half_options())
-    cache_dtype = declared_cache_dtype(paged)
-    free = paged_greedy(paged, prompts, steps)
-    del paged
-    gc.collect()
-    model = float32_original(original)
-    want = dense_twin_run(model, prompts, steps, free.tokens, own=True)
+    try:
+        paged = paged_session(converted, blocks, half_options())
+        cache_dtype = declared_cache_dtype(paged)
+        free = paged_greedy(paged, prompts, steps)
+        del paged
+        gc.collect()
+        model = float32_original(original)
+        want = dense_twin_run(model, prompts, steps, free.tokens, own=True)
+    except Exception:
+        # the original itself is never run here: where ONNX Runtime cannot even load it, say so (as a float32
+        # original's verification does when it opens it), not what that made of its conversion or twin
+        session, _ = open_original(original)
+        del session
+        raise
     fed = all(w[: steps - 1] == f[: steps - 1] for w, f in zip(want.tokens, free.tokens, strict=True))
     return want, Reference(model, free if fed else None, cache_dtype)
+
+
+def open_original(original: str | os.PathLike):
+    """The original's CPU session from its path (as :func:`ortpa.parity.greedy.open_dense`: memory reuse off for
+    the genai fp16 builds' value_info), with :func:`original_options`; and its interface.
+    :class:`~ortpa.errors.ConversionError` where ONNX Runtime cannot load it."""
+    import onnxruntime as ort
+
+    from ortpa.formats.detect import dense_interface
+    from ortpa.model.file import read_model
+
+    proto = read_model(original, load_external_data=False).proto
+    options = original_options(source_arithmetic(proto) in ("float16", "bfloat16"))
+    try:
+        session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
+    except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
+        if not type(exc).__module__.startswith("onnxruntime"):
+            raise
+        raise ConversionError(
+            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run the original "
+            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
+            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
+            [("original (CPU)", str(exc)[-300:])],
+        ) from None
+    return session, dense_interface(proto)
 
 
 def dense_twin_run(model: LoadedModel, prompts, steps: int, tokens, *, own: bool = False) -> GreedyRun:

@@ -43,6 +43,7 @@ from ortpa.parity.reference import (
     declared_cache_dtype,
     dense_twin_run,
     half_options,
+    open_original,
     original_options,
     paged_session,
     twin_reference,
@@ -115,30 +116,6 @@ def verification_prompts(thresholds: Sequence[int]) -> list[list[int]]:
     return prompts
 
 
-def _open_original(original: str | os.PathLike):
-    """The original's CPU session from its path (as :func:`ortpa.parity.greedy.open_dense`: memory reuse off for
-    the genai fp16 builds' value_info), with :func:`_lean_options`; and its interface."""
-    import onnxruntime as ort
-
-    from ortpa.formats.detect import dense_interface
-    from ortpa.model.file import read_model
-
-    proto = read_model(original, load_external_data=False).proto
-    options = original_options(_computes_in_half(proto))
-    try:
-        session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
-    except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
-        if not type(exc).__module__.startswith("onnxruntime"):
-            raise
-        raise ConversionError(
-            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run the original "
-            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
-            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
-            [("original (CPU)", str(exc)[-300:])],
-        ) from None
-    return session, dense_interface(proto)
-
-
 def verify_conversion(
     original: str | os.PathLike,
     converted: str | os.PathLike,
@@ -164,7 +141,7 @@ def verify_conversion(
     if _computes_in_half(proto):
         want, reference = twin_reference(original, converted, prompts, steps, blocks)
     else:
-        session, interface = _open_original(original)
+        session, interface = open_original(original)
         want = dense_greedy(session, prompts, steps, interface=interface)
         del session
         gc.collect()

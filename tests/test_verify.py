@@ -125,3 +125,73 @@ def test_a_float16_original_with_an_int8_cache_is_proved_on_its_twins(tmp_path):
     s, p = result.verification.verdict.structure, result.verification.verdict.precision
     assert s.twin and s.tolerance == structure_tolerance("float32", 128, 2) and s.max_relative_error < s.tolerance
     assert p.dtype == "int8" and 0 < p.kl_max < p.kl_bound
+
+
+def test_a_float16_originals_reference_is_its_float32_twins_own_greedy_run(tmp_path, monkeypatch):
+    """A float16 original is not run itself: its reference is its float32 twin's greedy run, drafted by the deployed
+    model's tokens. A right draft costs one forward per prompt and spares the deployed model a second run; a wrong
+    one costs more forwards, never other tokens or logits than the twin's own prefill-then-decode run."""
+    import numpy as np
+
+    import ortpa.parity.reference as reference
+    import ortpa.parity.verify as verify
+    from ortpa.formats.detect import dense_interface
+    from ortpa.parity.greedy import dense_greedy
+    from ortpa.parity.twin import float32_original
+    from ortpa.testing.half_file import float16_copy
+
+    original = float16_copy(GQA, tmp_path / "fp16" / "model.onnx")
+    twin = float32_original(original)
+    prompts = verification_prompts([])
+    session = ortpa.InferenceSession(twin, reference.original_options(half=True), providers=["CPUExecutionProvider"])
+    own = dense_greedy(session, prompts, 4, interface=dense_interface(twin.proto))  # prefill, then decodes
+    vocab = own.logits[0].shape[-1]
+    right = reference.dense_twin_run(twin, prompts, 4, own.tokens, own=True)
+    wrong = reference.dense_twin_run(twin, prompts, 4, [[(t + 1) % vocab for t in ts] for ts in own.tokens], own=True)
+    assert right.tokens == wrong.tokens == own.tokens
+    assert right.runs == len(prompts) and wrong.runs == len(prompts) * 4  # every drafted token wrong: one per step
+    for a, b, c in zip(own.logits, right.logits, wrong.logits, strict=True):
+        scale = max(1.0, float(np.abs(a).max()))
+        assert np.abs(b - a).max() < 1e-5 * scale and np.abs(c - a).max() < 1e-5 * scale  # float32's sums
+
+    # through convert: the half original never opens, the deployed model runs once (its own greedy tokens were the
+    # twin's), the conversion's twin once
+    runs = []
+    real = verify.paged_greedy
+    for module in (verify, reference):
+        monkeypatch.setattr(module, "open_original", lambda *a: pytest.fail("the float16 original itself was run"))
+    for module in (verify, reference):
+        monkeypatch.setattr(module, "paged_greedy", lambda *a, **k: runs.append(k.get("follow")) or real(*a, **k))
+    result = ortpa.convert_file(original, tmp_path / "paged" / "paged.onnx")
+    s, p = result.verification.verdict.structure, result.verification.verdict.precision
+    assert s.twin and s.arithmetic == "float32" and s.max_relative_error < s.tolerance
+    assert p.ok and p.dtype == "float16" and 0 < p.kl_max < p.kl_bound  # the deployed float16 model vs. float32
+    assert len(runs) == 2 and runs[0] is None and runs[1] is not None  # deployed on its own tokens; the twin fed them
+
+
+def test_the_original_twins_folding_is_the_conversions_without_its_rewrite_rules():
+    """float32_original folds constants as onnxscript's optimizer (what the conversion runs) does, without its
+    rewrite rules (90 % of its time): every value the optimizer leaves keeps its name (the layer and router probes
+    find them in both graphs) and every folded constant its value (a float16 softmax scale is the same in both
+    twins)."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxscript.optimizer
+    from onnx import numpy_helper
+
+    from ortpa.parity.twin import _fold_as_the_conversion
+    from ortpa.rewriter.model_store import load_ir
+
+    fp16 = FIXTURES / "formats" / "genai_llama_fp16.onnx"
+    optimized, folded = load_ir(fp16), load_ir(fp16)
+    onnxscript.optimizer.optimize(optimized)
+    _fold_as_the_conversion(folded)
+    a, b = ir.serde.serialize_model(optimized), ir.serde.serialize_model(folded)
+    assert {o for n in a.graph.node for o in n.output} <= {o for n in b.graph.node for o in n.output}
+    inits = {i.name: i for i in b.graph.initializer}
+    for init in a.graph.initializer:
+        if init.name in inits:
+            assert np.array_equal(numpy_helper.to_array(init), numpy_helper.to_array(inits[init.name])), init.name
+        else:  # what the rules add: shapes, not weights
+            assert init.data_type == onnx.TensorProto.INT64, init.name
+    assert len(b.graph.node) > len(a.graph.node)  # the rules did run in the optimizer, and not here

@@ -192,7 +192,7 @@ SMALL = dict(hidden=512, heads=8, q_lora_rank=None, kv_lora_rank=128, qk_nope=64
              vocab=8000, intermediate=2048)  # fmt: skip
 VERIFY_SIZES = (("0.1GB", SMALL, 3), ("1GB", V2_LITE, 1), ("3GB", V2_LITE, 7))
 # the same sizes in float16 (twice the layers per byte): an original that computes in float16, whose
-# verification runs a float32 twin of both sides (docs/verification.md)
+# verification runs a float32 twin of both sides, the original's as the reference (docs/verification.md)
 HALF_VERIFY_SIZES = (("0.1GB", SMALL, 10), ("1GB", V2_LITE, 4), ("3GB", V2_LITE, 16))
 
 
@@ -234,7 +234,7 @@ def measure_verify(label: str, dims: dict, layers: int, root: Path, *, half: boo
             "peak_rss_anon_verified",
             verified_peak,
             "MB",
-            f"{note}; --no-verify: {plain_peak:.0f} MB (both sessions read the weights memory-mapped)",
+            f"{note}; --no-verify: {plain_peak:.0f} MB (every session reads the weights memory-mapped)",
         ),
         _row(name, "peak_rss_verified_over_size", verified_peak / (size / 2**20), "x", "peak private MB / input MB"),
     ]

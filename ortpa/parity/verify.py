@@ -6,9 +6,11 @@ on a few seeded prompts — a short one, a longer one, and one past every length
 (:func:`~ortpa.parity.greedy.paged_greedy`), and its float32 twin (:mod:`ortpa.parity.twin`: the same rewrite with
 attention and caches in float32), both teacher-forced on the original's tokens. An original that computes in
 float16 itself gets a float32 twin too (:func:`~ortpa.parity.twin.float32_original`), which the conversion's twin
-is compared with; so does a float32 original whose conversion computes in float16 throughout (``dtype=``: its twin
-computes from its weights rounded as the conversion stores them, :func:`~ortpa.parity.rounded.rounded_original`).
-A ``--portable`` file's twin is its header upcast (its lowered functions run in float32). The one rule
+is compared with, and which replaces it as the reference: its greedy run, not the half original's
+(:func:`ortpa.parity.reference.twin_reference`); so does a float32 original whose conversion computes in float16
+throughout (``dtype=``: its twin computes from its weights rounded as the conversion stores them,
+:func:`~ortpa.parity.rounded.rounded_original`). A ``--portable`` file's twin is its header upcast (its lowered
+functions run in float32). The one rule
 (:mod:`ortpa.parity.rule`, bounds in :mod:`ortpa.tolerances`) decides: *structure* on the twin at a float32
 bound relative to each logits row's scale, *precision* of the deployed model by token agreement under the tie
 rule, top-k overlap and KL divergence within a bound derived from its dtype. No bound depends on the model's
@@ -32,12 +34,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ortpa.errors import ConversionError, InvalidModel
+from ortpa.errors import ConversionError
 from ortpa.model.file import LoadedModel
-from ortpa.parity.greedy import GreedyRun, dense_greedy, paged_greedy
+from ortpa.parity.greedy import dense_greedy, paged_greedy
 from ortpa.parity.locate import first_diverging_layer
 from ortpa.parity.locate import lean_options as _lean_options
 from ortpa.parity.locate import twin_options as _twin_options
+from ortpa.parity.reference import BLOCK_SIZE as _BLOCK_SIZE
+from ortpa.parity.reference import (
+    Reference,
+    declared_cache_dtype,
+    dense_twin_run,
+    half_options,
+    open_original,
+    original_options,
+    paged_session,
+    twin_reference,
+)
 from ortpa.parity.rounded import rounded_original
 from ortpa.parity.routing import routing_ties
 from ortpa.parity.rule import Verdict, judge, judge_precision
@@ -47,6 +60,7 @@ from ortpa.tolerances import UNIT_ROUNDOFF
 
 __all__ = [
     "DEFAULT_STEPS",
+    "Reference",
     "Twins",
     "Verification",
     "first_diverging_layer",
@@ -56,7 +70,6 @@ __all__ = [
 ]
 
 DEFAULT_STEPS = 3  # greedy steps: the prefill and two decodes (the first decode reads the cache the prefill wrote)
-_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -107,48 +120,6 @@ def verification_prompts(thresholds: Sequence[int]) -> list[list[int]]:
     return prompts
 
 
-def _open_original(original: str | os.PathLike):
-    """The original's CPU session from its path (as :func:`ortpa.parity.greedy.open_dense`: memory reuse off for
-    the genai fp16 builds' value_info), with :func:`_lean_options`; and its interface."""
-    import onnxruntime as ort
-
-    from ortpa.formats.detect import dense_interface
-    from ortpa.model.file import read_model
-
-    proto = read_model(original, load_external_data=False).proto
-    options = _original_options(_computes_in_half(proto))
-    try:
-        session = ort.InferenceSession(os.fspath(original), options, providers=[CPU])
-    except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
-        if not type(exc).__module__.startswith("onnxruntime"):
-            raise
-        raise ConversionError(
-            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run the original "
-            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
-            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
-            [("original (CPU)", str(exc)[-300:])],
-        ) from None
-    return session, dense_interface(proto)
-
-
-def _original_options(half: bool):
-    """Session options of every run of an original or its twin (its own, its float32 twin's, the routing
-    probe's): memory reuse off (as :func:`ortpa.parity.greedy.open_dense`, for the genai fp16 builds'
-    value_info); for a ``half`` (float16/bfloat16) original, :func:`_twin_options`: ONNX Runtime's CPU kernels
-    take most float16 ops through float32 casts it inserts, and would fold those of the weights into float32
-    copies at creation (2x the weights), where these cast them per use (docs/large_models.md)."""
-    options = _twin_options() if half else _lean_options()
-    options.enable_mem_reuse = False
-    return options
-
-
-def _cache_dtype(session) -> str:
-    from ortpa.dtypes import dtype_name
-
-    declared = {i.name: i for i in session.session.model.graph.input}
-    return dtype_name(declared[session.aliases[0].input_name].type.tensor_type.elem_type)
-
-
 def verify_conversion(
     original: str | os.PathLike,
     converted: str | os.PathLike,
@@ -165,37 +136,25 @@ def verify_conversion(
     from ortpa.model.file import read_model
 
     start = time.perf_counter()
-    thresholds = length_thresholds(read_model(original, load_external_data=False).proto)
-    prompts = verification_prompts(thresholds)
+    proto = read_model(original, load_external_data=False).proto
+    prompts = verification_prompts(length_thresholds(proto))
     if progress is not None:
         progress(f"verifying against the original ({len(prompts)} prompts, {steps} greedy steps)")
-    session, interface = _open_original(original)
-    want = dense_greedy(session, prompts, steps, interface=interface)
-    del session
-    gc.collect()
     blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
-    verdict, twins = run_rule(original, converted, prompts, want, blocks)
+    reference = None
+    if _computes_in_half(proto):
+        want, reference = twin_reference(original, converted, prompts, steps, blocks)
+    else:
+        session, interface = open_original(original)
+        want = dense_greedy(session, prompts, steps, interface=interface)
+        del session
+        gc.collect()
+    del proto
+    verdict, twins = run_rule(original, converted, prompts, want, blocks, reference=reference)
     verification = Verification(verdict, time.perf_counter() - start, steps, [len(p) for p in prompts])
     if not verdict.ok:
         raise _refusal(original, converted, twins, prompts, want, verdict)
     return verification
-
-
-def _paged(model, blocks: int, *, upcast: bool = False):
-    from ortpa.runtime.session import PagedSession
-
-    options = _twin_options() if upcast else _lean_options()  # upcast: as the original's (_open_original)
-    try:
-        return PagedSession(model, num_blocks=blocks, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=options)
-    except InvalidModel as exc:
-        if "Could not find an implementation" not in str(exc):
-            raise
-        raise ConversionError(
-            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run it "
-            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
-            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
-            [("session (CPU)", str(exc)[-300:])],
-        ) from None
 
 
 @dataclass
@@ -207,32 +166,6 @@ class Twins:
     original: LoadedModel | None = None
 
 
-def _dense_twin_run(model: LoadedModel, prompts, steps: int, follow) -> GreedyRun:
-    """The original's float32 twin (:func:`~ortpa.parity.twin.float32_original`) on each prompt alone,
-    teacher-forced on ``follow`` (the original's own tokens). Teacher-forced, every step's input is known: one
-    forward of the prompt and the followed tokens gives each step's logits (the rows at the prompt's last
-    position and after), the same function as prefill-then-decodes in one run instead of ``steps`` (each run
-    casts every weight once)."""
-    import time
-
-    from ortpa.formats.detect import dense_interface
-    from ortpa.parity.greedy import dense_forward
-    from ortpa.runtime.session import InferenceSession
-
-    session = InferenceSession(model, _original_options(half=True), providers=[CPU])
-    interface = dense_interface(model.proto)
-    start = time.perf_counter()
-    tokens, logits = [], []
-    for p, prompt in enumerate(prompts):
-        sequence = [*prompt, *(int(t) for t in follow[p][: steps - 1])]
-        rows = dense_forward(session, sequence, interface=interface)[len(prompt) - 1 : len(prompt) - 1 + steps]
-        tokens.append([int(r.argmax()) for r in rows])
-        logits.append(rows)
-    del session
-    gc.collect()
-    return GreedyRun(tokens, logits, time.perf_counter() - start, len(prompts))
-
-
 def _computes_in_half(proto: onnx.ModelProto) -> bool:
     return source_arithmetic(proto) in ("float16", "bfloat16")
 
@@ -242,11 +175,12 @@ def _coarsest(*arithmetic: str) -> str:
     return max(arithmetic, key=lambda a: UNIT_ROUNDOFF[a])
 
 
-def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None):
+def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None, reference=None):
     """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (or
     ``deployed_session``, a :class:`~ortpa.runtime.session.PagedSession` of it) and then its float32 twin, each
-    teacher-forced on ``want``'s tokens. Returns the :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins`
-    that were judged."""
+    teacher-forced on ``want``'s tokens. ``reference``: a :class:`Reference`, where ``want`` is the run of a half
+    original's float32 twin (:func:`twin_reference`) rather than of the original. Returns the
+    :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins` that were judged."""
     from ortpa.model.file import read_model
 
     twins = Twins()
@@ -260,13 +194,20 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     half = source in ("float16", "bfloat16")
     rounded = source == "float32" and source_arithmetic(header.proto) in ("float16", "bfloat16")
     upcast = half or rounded
-    paged = deployed_session if deployed_session is not None else _paged(converted, blocks, upcast=upcast)
-    cache_dtype = _cache_dtype(paged)
-    got = paged_greedy(paged, prompts, steps, follow=want.tokens)
-    del paged
-    gc.collect()
+    if reference is not None and reference.deployed is not None:
+        got, cache_dtype = reference.deployed, reference.cache_dtype  # already fed want's tokens
+    else:
+        paged = deployed_session
+        if paged is None:
+            paged = paged_session(converted, blocks, half_options() if upcast else _lean_options())
+        cache_dtype = declared_cache_dtype(paged)
+        got = paged_greedy(paged, prompts, steps, follow=want.tokens)
+        del paged
+        gc.collect()
     accounted: set[str] = set()  # the conversion's copies of the original's constants, rounded in both twins
-    if upcast and _has_attention(header.proto):
+    if reference is not None:
+        twins.original = reference.model
+    elif upcast and _has_attention(header.proto):
         if rounded:
             twins.original, accounted = rounded_original(original, header)
         else:
@@ -276,9 +217,11 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     twin_run = twin_original = None
     if twin.model is not None:
         twins.converted = twin.model
-        if twins.original is not None:
-            twin_original = _dense_twin_run(twins.original, prompts, steps, want.tokens)
-        twin_session = _paged(twin.model, blocks, upcast=upcast)
+        if reference is not None:
+            twin_original = want  # the reference is the original's twin's own run
+        elif twins.original is not None:
+            twin_original = dense_twin_run(twins.original, prompts, steps, want.tokens)
+        twin_session = paged_session(twin.model, blocks, _twin_options() if upcast else _lean_options())
         twin_run = paged_greedy(twin_session, prompts, steps, follow=want.tokens)
         del twin_session
         gc.collect()
@@ -308,7 +251,8 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         # looked for where the precision check would refuse (a passing model needs no excuse; the probes cost two
         # more runs)
         try:
-            ties = _routing_ties(original, converted, prompts, want, blocks, precision, half, deployed_session)
+            routed = reference.model if reference is not None else original  # the run ``want`` came from
+            ties = _routing_ties(routed, converted, prompts, want, blocks, precision, half, deployed_session)
         except Exception:  # the probes are an excuse looked for, never a new way to fail: the verdict stands
             ties = set()
         if ties:
@@ -327,8 +271,8 @@ def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, dep
         want.tokens,
         steps,
         dtype,
-        original_options=_original_options(upcast),
-        paged_options=_twin_options() if upcast else _lean_options(),
+        original_options=original_options(upcast),
+        paged_options=half_options() if upcast else _lean_options(),
         blocks=blocks,
         block_size=_BLOCK_SIZE if deployed_session is None else deployed_session.block_size,
         providers=providers,

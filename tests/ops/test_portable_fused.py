@@ -138,29 +138,38 @@ def test_fused_batched_equals_alone(window: int) -> None:
         assert_close(got["output"], exp, np.float16, what=f"sequence {i} alone")
 
 
-def _with_constant_rope(model: onnx.ModelProto, x: dict) -> onnx.ModelProto:
-    """``model`` with its cos/sin caches as initializers (as a converted model has them), not graph inputs."""
+def _with_constant_rope(model: onnx.ModelProto, x: dict, *, cast: bool = False) -> onnx.ModelProto:
+    """``model`` with its cos/sin caches as initializers (as a converted model has them), not graph inputs.
+    ``cast``: float32 initializers cast to T in the graph, the form ``ortpa convert`` writes for a float32 model."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for name in ("cos_cache", "sin_cache"):
         keep = [vi for vi in out.graph.input if vi.name != name]
         del out.graph.input[:]
         out.graph.input.extend(keep)
+        if cast:  # float16 -> float32 is exact, so the cast back gives the same T table
+            out.graph.initializer.append(onnx.numpy_helper.from_array(x[name].astype(np.float32), name + "_f32"))
+            node = onnx.helper.make_node("Cast", [name + "_f32"], [name], to=onnx.TensorProto.FLOAT16)
+            out.graph.node.insert(0, node)
+            continue
         out.graph.initializer.append(onnx.numpy_helper.from_array(x[name].view(np.uint16), name))
         out.graph.initializer[-1].data_type = onnx.TensorProto.FLOAT16
     return out
 
 
 @pytest.mark.parametrize(
-    "rotary", [(64, False, 0), (64, True, 0), (32, False, 16)], ids=["half", "interleaved", "partial"]
+    ("rotary", "cast"),
+    [((64, False, 0), False), ((64, True, 0), False), ((32, False, 16), False), ((64, False, 0), True)],
+    ids=["half", "interleaved", "partial", "half-cast"],
 )
-def test_rope_table_folded_from_initializers(rotary) -> None:
+def test_rope_table_folded_from_initializers(rotary, cast) -> None:
     """Constant cos/sin caches: the layer's float32 table of every row is folded by ONNX Runtime into a constant,
-    and the caches it writes are still bit for bit the oracle's (T arithmetic)."""
+    and the caches it writes are still bit for bit the oracle's (T arithmetic). ``cast``: the tables reach the op
+    through a ``Cast`` of float32 initializers (a converted float32 model), which is as constant."""
     case = make_case(np.random.default_rng(9), np.float16, num_heads=4, kv_num_heads=2, head_size=64,
                      q_lens=(1, 5, 1), pasts=(30, 0, 7), rotary=rotary)  # fmt: skip
     x = case.inputs
-    model = lower_to_portable(_with_constant_rope(paged_attention_model(x, case.attrs), x))
+    model = lower_to_portable(_with_constant_rope(paged_attention_model(x, case.attrs), x, cast=cast))
     layer = next(f for f in model.functions if not f.name.startswith("PagedAttentionPlan"))
     gathered = {n.input[0] for n in layer.node if n.op_type == "Gather"}
     assert not gathered & {"cos_cache", "sin_cache"}, "expected the folded table, not rows gathered per step"

@@ -122,7 +122,8 @@ def portable_config(
 
     ``fused``: let decodes attend through ONNX Runtime's ``com.microsoft::MultiHeadAttention`` where it computes
     the op's semantics (:func:`fused_decode_reason`); ``False`` keeps every kernel a standard ONNX op.
-    ``constants``: the model's initializer names; RoPE tables among them are folded (see :func:`_foldable_rope`)."""
+    ``constants``: names of the model's constant values (:func:`_constant_values`); RoPE tables among them are
+    folded (see :func:`_foldable_rope`)."""
     where = node.name or None
     names = list(node.input) + [""] * (len(PAGED_ATTENTION.inputs) - len(node.input))
     inputs = {f.name: _tensor_info(types.get(names[f.index])) for f in PAGED_ATTENTION.inputs if names[f.index] != ""}
@@ -342,7 +343,7 @@ def lower_to_portable(
     fn_opset = main_opset
     types = _value_infos(out) if types is None else types
     wanted = None if node_names is None else set(node_names)
-    constants = {i.name for i in out.graph.initializer}
+    constants = _constant_values(out.graph)
 
     folded = trailing_writes(out.graph)
 
@@ -359,6 +360,26 @@ def lower_to_portable(
     return out
 
 
+# Ops whose output is a constant when their inputs are: a converter casts the model's cos/sin tables to the op's T
+# in the graph (`Cast` of an initializer), which ONNX Runtime folds at session creation like the initializer itself
+_FOLDED_OPS = frozenset({"Cast", "Identity"})
+
+
+def _constant_values(graph: onnx.GraphProto) -> set[str]:
+    """Names whose values ONNX Runtime knows at session creation: initializers, ``Constant`` outputs, and what
+    :data:`_FOLDED_OPS` compute from them alone (nodes in topological order, as a valid graph lists them)."""
+    overridable = {i.name for i in graph.input}  # an initializer that is also an input is fed at run time
+    constants = {i.name for i in graph.initializer} - overridable
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Constant" or (
+            node.op_type in _FOLDED_OPS and node.input and all(i in constants for i in node.input if i)
+        ):
+            constants.update(o for o in node.output if o)
+    return constants
+
+
 # The largest float32 RoPE table (every position's cos and signed sin per rotated channel, 4x the bytes of float16
 # cos + sin) a layer may fold into a constant; past it the rows are gathered per step (two kernels more per layer)
 _MAX_FOLDED_ROPE_BYTES = 32 << 20
@@ -367,8 +388,8 @@ _MAX_FOLDED_ROPE_BYTES = 32 << 20
 def _foldable_rope(
     node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], constants: Collection[str], rd: int
 ) -> bool:
-    """Whether ``node``'s cos/sin caches are initializers whose folded float32 table stays small (see
-    :data:`_MAX_FOLDED_ROPE_BYTES`)."""
+    """Whether ``node``'s cos/sin caches are constants (initializers, or casts of them) whose folded float32 table
+    stays small (see :data:`_MAX_FOLDED_ROPE_BYTES`)."""
     idx = {name: k for k, name in enumerate(n.name for n in PAGED_ATTENTION.inputs)}
     names = [node.input[idx[n]] if idx[n] < len(node.input) else "" for n in ("cos_cache", "sin_cache")]
     if not all(n in constants for n in names):

@@ -37,6 +37,7 @@ import onnx
 
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
+from ortpa.parity.activations import INT8_ACTIVATION_OPS, int8_activation_matmuls
 from ortpa.parity.upcast import read_names, upcast_to_float32
 
 __all__ = [
@@ -99,7 +100,8 @@ def float32_twin(
         return _portable_twin(loaded, upcast=upcast, original=original, accounted=accounted)
     sizes = {"accumulation": accumulation_length(proto), "layers": len(nodes)}
     own = source_arithmetic(proto)
-    if own != "float32" and not upcast:
+    # int8: activations quantized by the original's own projections (kept; ortpa.parity.activations switches them)
+    if own not in ("float32", "int8") and not upcast:
         # a dtype= conversion of a float32 original: its weights are rounded to T, which the original's are not
         return Twin(None, own, f"the converted model computes in {own} throughout", **sizes)
     producers = {o: n for n in graph.node for o in n.output}
@@ -359,11 +361,8 @@ def source_arithmetic(proto: onnx.ModelProto) -> str:
     """The coarsest arithmetic an original model performs outside attention, read from its graph: ``"int8"``
     where its projections quantize activations (MatMulNBits ``accuracy_level=4``, dynamic quantization), else the
     element type of its largest float weight (``"float32"``, ``"float16"``, ``"bfloat16"``)."""
-    for node in proto.graph.node:
-        if node.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "MatMulInteger"):
-            return "int8"
-        if node.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute):
-            return "int8"
+    if int8_activation_matmuls(proto) or any(n.op_type in INT8_ACTIVATION_OPS for n in proto.graph.node):
+        return "int8"
     floats = (onnx.TensorProto.FLOAT, *_HALF)
     best, size = onnx.TensorProto.FLOAT, -1
     for init in proto.graph.initializer:

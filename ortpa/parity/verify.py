@@ -26,6 +26,7 @@ into private memory) and convert's memory bound holds with verification. The twi
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ import onnx
 
 from ortpa.errors import ConversionError
 from ortpa.model.file import LoadedModel
+from ortpa.parity.activations import switch_to_float32_activations
 from ortpa.parity.greedy import dense_greedy, paged_greedy
 from ortpa.parity.locate import first_diverging_layer
 from ortpa.parity.locate import lean_options as _lean_options
@@ -212,8 +214,16 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
             twins.original, accounted = rounded_original(original, header)
         else:
             twins.original = float32_original(original)
-    del header
     twin = float32_twin(converted, upcast=upcast, original=twins.original, accounted=accounted)
+    # an original that quantizes activations to int8 (genai's int4 builds): both twins with float32 activations,
+    # compared at the float32 bound (ortpa.parity.activations); the deployed model's ties are then int8's
+    activations32 = False
+    if source == "int8" and twin.model is not None and reference is None:
+        plain = read_model(original, load_external_data=False)
+        if switch_to_float32_activations(plain.proto, twin.model.proto):
+            twins.original = dataclasses.replace(plain, label=f"{plain.label} (float32 activations)")
+            activations32 = True
+    del header
     twin_run = twin_original = None
     if twin.model is not None:
         twins.converted = twin.model
@@ -230,7 +240,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     if twin.model is None:
         arithmetic = _coarsest(source, twin.arithmetic, cache_dtype)
     else:
-        arithmetic = "float32" if upcast else _coarsest(source, "float32")
+        arithmetic = "float32" if upcast or activations32 else _coarsest(source, "float32")
     # the deployed T's rounding feeds whatever the original quantizes (int8 activations): judged at the coarser
     precision = _coarsest(cache_dtype, source)
     verdict = judge(
@@ -245,6 +255,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         reason=twin.reason,
         computed=twin.computed,
         stored=twin.stored,
+        cap_ties=not activations32,
     )
     if verdict.structure.ok and not verdict.precision.ok:
         # a float16 router's near-tie picks other experts for a token: the routing analogue of a greedy tie. Only
@@ -256,7 +267,9 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         except Exception:  # the probes are an excuse looked for, never a new way to fail: the verdict stands
             ties = set()
         if ties:
-            verdict = Verdict(verdict.structure, judge_precision(want, got, precision, ties))
+            verdict = Verdict(
+                verdict.structure, judge_precision(want, got, precision, ties, cap_ties=not activations32)
+            )
     return verdict, twins
 
 

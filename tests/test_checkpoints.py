@@ -181,12 +181,13 @@ def test_check_refuses_bfloat16_on_cpu_naming_the_op(bf16_dense, tmp_path, capsy
     assert "cannot verify the converted model on this machine" in capsys.readouterr().err
     assert main(["convert", str(bf16_dense), str(out), "--quiet", "--providers", "cuda", "--no-verify"]) == 0
     assert out.is_file()
-    # --dtype float16: the same model at 2 bytes a weight, runs on CPU (the bfloat16 original itself cannot run
-    # here, so it cannot be verified against: a checkpoint folder is exported as float16 instead, and verified)
+    # --dtype float16: the same model at 2 bytes a weight, runs on CPU, and is verified there: the bfloat16
+    # original itself cannot run here, but a half original's reference is its float32 twin, which can
     cpu = tmp_path / "cpu" / "paged.onnx"
-    assert main(["convert", str(bf16_dense), str(cpu), "--quiet", "--dtype", "float16"]) == 1
-    assert "cannot verify the converted model on this machine" in capsys.readouterr().err
-    assert main(["convert", str(bf16_dense), str(cpu), "--quiet", "--dtype", "float16", "--no-verify"]) == 0
+    assert main(["convert", str(bf16_dense), str(cpu), "--quiet", "--dtype", "float16", "--json"]) == 0
+    verification = json.loads(capsys.readouterr().out)["verification"]
+    assert verification["ok"] and verification["structure"]["twin"], verification
+    assert verification["structure"]["arithmetic"] == "float32", verification
     weights = [i for i in onnx.load(str(cpu)).graph.initializer if len(i.raw_data) > 4096]
     assert weights and {i.data_type for i in weights} == {onnx.TensorProto.FLOAT16}
     outputs = _generate(cpu, 4, capsys)

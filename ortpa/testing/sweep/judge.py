@@ -72,7 +72,9 @@ def judge_conversion(
     """``converted`` (a paged model file) against its original ``dense``, on ``prompts`` for ``steps`` tokens.
 
     ``dtype``: the converted model's activation dtype, whose tolerance sets the tie margin."""
-    original = dense_greedy(open_dense(dense, threads=2).session, prompts, steps)
+    opened = open_dense(dense, threads=2)  # its interface: how a genai, optimum or OnnxExporter file is fed
+    original = dense_greedy(opened.session, prompts, steps, interface=opened.interface)
+    del opened
     blocks = sum(-(-(len(p) + steps) // BLOCK_SIZE) for p in prompts) + len(prompts)
     session = PagedSession(os.fspath(converted), num_blocks=blocks, block_size=BLOCK_SIZE)
     batched = paged_greedy(session, prompts, steps, follow=original.tokens)

@@ -274,8 +274,9 @@ def export_in_venv(
     (work / "export.log").write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-12:])
-        raise RuntimeError(f"the {tool} export failed (exit {proc.returncode}): {tail}")
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+        last = tail[-1] if tail else ""  # the tool's own exception, first: reports keep a first line
+        raise RuntimeError(f"the {tool} export failed (exit {proc.returncode}): {last}\n" + "\n".join(tail))
     done = json.loads(lines[-1])
     return Export(
         Path(done["model"]), Path(done["folder"]), done["command"], {k: Path(v) for k, v in done["extras"].items()}

@@ -164,6 +164,8 @@ def _phi3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     cfg.update(original_max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg["rope_parameters"], note = _rope(rng, ("default", "longrope"), cfg["head_dim"], seed)
+    if note == "rope":  # no LongRoPE: one length, as Phi-3 ships (the genai builder reads a shorter one as LongRoPE)
+        cfg["original_max_position_embeddings"] = _MAX_POSITIONS
     return cfg, (note,), "sdpa"
 
 
@@ -399,7 +401,9 @@ _CORE = ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "gemma3", "deep
 # DeepSeek-V2 or MiniCPM3, and brings Falcon, StableLM, GPT-NeoX and Phi
 TOOL_FAMILIES: dict[str, tuple[str, ...]] = {
     "dynamo": _CORE,
-    "genai": ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "gemma3", "phi"),
+    # no gemma3: the 0.18 builder reads rope_parameters["rope_type"], which transformers 5 nests per layer type
+    # for Gemma-3 (KeyError: 'rope_type', docs/sweep.md)
+    "genai": ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "phi"),
     "optimum": (*_CORE[:7], "deepseek_v3", "falcon", "stablelm", "gpt_neox", "phi"),
     "onnx_exporter": _CORE,
 }

@@ -172,6 +172,9 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "optimum_gemma": ("optimum", GEMMA, {}),
     "optimum_mistral": ("optimum", MISTRAL, {}),
     "optimum_qwen2": ("optimum", QWEN2, {}),
+    # Gemma-2's alternating windows (layer 0 sliding, layer 1 full) through optimum: the full layer's mask takes its
+    # width from Shape(key), whose ancestors reach layer 0's window comparison (docs/sweep.md)
+    "optimum_gemma2": ("optimum", GEMMA2, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
 }

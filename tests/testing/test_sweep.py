@@ -151,6 +151,40 @@ def test_the_sweep_records_a_wrong_conversion_as_wrong(tmp_path):
     assert outcome == OTHER and "unverified: written, greedy tokens the original's" in reason
 
 
+def test_an_int8_activation_original_is_judged_with_float32_activations_too(tmp_path):
+    """A genai int4 build (MatMulNBits accuracy_level=4): its float32-activation copy is what the sweep holds to the
+    converted dtype's full tie rule, where int8's step cannot excuse a flip. The true conversion passes with a
+    float16-sized error there; one with its softmax scale x1.5 is wrong, and that copy's comparison says so."""
+    import shutil
+
+    from ortpa.rewriter.pipeline import convert
+    from ortpa.testing.sweep.judge import float32_activations, judge_conversion
+
+    name = "genai_qwen3_int4"
+    dense = tmp_path / f"{name}.onnx"
+    shutil.copy(FIXTURES / "formats" / f"{name}.onnx", dense)
+    head_size = json.loads((FIXTURES / "formats" / f"{name}.json").read_text())["head_size"]
+    with float32_activations(dense) as copy:
+        levels = {a.i for n in onnx.load(str(copy)).graph.node for a in n.attribute if a.name == "accuracy_level"}
+        assert levels == {0}
+    assert not copy.exists()  # removed on exit
+    prompts = sweep_prompts(256, [], seed=1)
+    true, tampered = tmp_path / "true.onnx", tmp_path / "tampered.onnx"
+    model = convert(dense)  # unverified: the sweep's judge is under test
+    onnx.save(model, true)
+    for node in (n for n in model.graph.node if n.op_type == "PagedAttention"):
+        kept = [a for a in node.attribute if a.name != "scale"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, onnx.helper.make_attribute("scale", 1.5 / head_size**0.5)])
+    onnx.save(model, tampered)
+
+    good = judge_conversion(dense, true, prompts, steps=4)
+    assert good.correct, good.reason
+    assert good.float32_activations_error is not None and good.float32_activations_error < 0.02
+    bad = judge_conversion(dense, tampered, prompts, steps=4)
+    assert not bad.correct and "float32 activations, batched vs original" in bad.reason, bad.reason
+
+
 def _smallest_seed(family: str, seeds: range = range(8)) -> int:
     """The seed among ``seeds`` whose draw has the fewest weights (export time grows with depth and width)."""
 

@@ -135,7 +135,13 @@ def convert_and_judge(
             reason = f"{reason} -- unverified: {_second_opinion(dense, out, prompts, steps, convert, source)}"
         return outcome, reason, None
     verdict = judge_conversion(dense, out, prompts, steps=steps)
-    return (CORRECT if verdict.correct else WRONG), verdict.reason, verdict.max_abs_logit_error
+    reason = verdict.reason
+    if verdict.correct and verdict.float32_activations_error is not None:  # an int8-activation original's figures
+        reason = (
+            f"{verdict.int8_ties} tie flip(s) under int8's rule; float32 activations max |dlogit| "
+            f"{verdict.float32_activations_error:.2e}"
+        )
+    return (CORRECT if verdict.correct else WRONG), reason, verdict.max_abs_logit_error
 
 
 def _second_opinion(

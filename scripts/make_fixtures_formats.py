@@ -7,7 +7,9 @@ heads, head size, dtype) and the thresholds a long prompt must cross (LongRoPE's
 ``original_max_position_embeddings``). genai builder fixtures also keep ``<name>.genai_config.json``.
 
 The tools cannot share one environment, so each runs in its own venv (no network: weights are random, the
-tokenizer is built offline with ``tokenizers``); pass the tool as the first argument:
+tokenizer is built offline with ``tokenizers``); ``scripts/make_tool_venvs.sh`` builds the genai and optimum
+venvs. The folder build and each tool's call live in ``ortpa/testing/export_tools.py``, shared with the sweep's
+tool axis (``python -m ortpa.testing.sweep --tool T``). Pass the tool as the first argument:
 
 * ``genai``: onnxruntime-genai 0.18.0 model builder (``python -m onnxruntime_genai.models.builder``), in a venv
   with onnxruntime-genai 0.18.0 (it pulls the ``onnxruntime`` 1.32 CPU wheel), onnx-ir (the builder imports it
@@ -34,22 +36,24 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.metadata
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's ortpa, also from a tool's venv
+
+from ortpa.testing import export_tools  # noqa: E402  (stdlib-only at import: runs in every tool's venv)
+
 FORMATS_DIR = ROOT / "tests" / "fixtures" / "formats"
 PAGED_DIR = ROOT / "tests" / "fixtures" / "genai_paged"  # paged models: not sources of tests/test_formats.py
 SEED = 0
 GENAI_NEW_TOKENS = 6  # greedy tokens recorded from onnxruntime-genai's own run of each genai fixture
 VOCAB = 256
-BOS, EOS, PAD, UNK = 1, 2, 0, 3
+BOS, EOS, PAD, UNK = export_tools.BOS, export_tools.EOS, export_tools.PAD, export_tools.UNK
 
 # Tiny configs in the legacy (transformers 4.x) spelling, which transformers 5.x also reads: each venv builds
 # the Hugging Face folder with its own transformers, from these dicts, with the same seeded weights.
@@ -168,6 +172,9 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "optimum_gemma": ("optimum", GEMMA, {}),
     "optimum_mistral": ("optimum", MISTRAL, {}),
     "optimum_qwen2": ("optimum", QWEN2, {}),
+    # Gemma-2's alternating windows (layer 0 sliding, layer 1 full) through optimum: the full layer's mask takes its
+    # width from Shape(key), whose ancestors reach layer 0's window comparison (docs/sweep.md)
+    "optimum_gemma2": ("optimum", GEMMA2, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
 }
@@ -220,71 +227,11 @@ _ATTENTION_OPS = {
 }
 
 
-# ------------------------------------------------------------------------------------------------ HF folder
-def _randomise(model) -> None:
-    """The weight draw of ``ortpa.export.build_model``: unit-scale activations, so greedy tokens are not ties."""
-    import torch
-
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
-
-
-def _tokenizer():
-    """A word-level tokenizer over VOCAB tokens, built offline (the genai builder copies one beside the model)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, "<unk>": UNK}
-    vocab.update({f"t{i}": i for i in range(4, VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-
-
+# ---------------------------------------------------------------------------------------------- the tools
+# The folder build and each tool's export are shared with the sweep's tool axis (ortpa/testing/export_tools.py).
 def build_hf_dir(cfg: dict, out: Path, *, attn_implementation: str | None = None) -> None:
     """Save a seeded random-weight causal LM (float32 safetensors) and a tokenizer to ``out``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(cfg)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    torch.manual_seed(SEED)
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_config(config, **kwargs).float().eval()
-    _randomise(model)
-    model.save_pretrained(str(out))
-    _tokenizer().save_pretrained(str(out))
-
-
-# ---------------------------------------------------------------------------------------------- the tools
-def _run(cmd: list[str], log: Path) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")
-
-
-def _export_genai(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
-    out, cache = work / "out", work / "cache"
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
-    cmd += ["-p", opts["precision"], "-e", opts.get("ep", "cpu"), "-c", str(cache)]
-    if opts.get("paged"):
-        cmd += ["--extra_options", "use_paged_attention=true"]
-    _run(cmd, work / "builder.log")
-    if opts.get("ep", "cpu") != "cpu":  # genai's CPU wheel cannot open a CUDA build: no runtime record
-        return out / "model.onnx", cmd, {"genai_config.json": out / "genai_config.json"}
-    (work / "genai_runtime.json").write_text(
-        json.dumps(_genai_runtime_greedy(out, reference_prompts(opts["config"]), GENAI_NEW_TOKENS))
-    )
-    return out / "model.onnx", cmd, {"genai_config.json": out / "genai_config.json"}
+    export_tools.build_hf_dir(cfg, out, seed=SEED, attn_implementation=attn_implementation)
 
 
 def reference_prompts(cfg: dict) -> list[list[int]]:
@@ -315,52 +262,12 @@ def _genai_runtime_greedy(model_dir: Path, prompts: list[list[int]], new_tokens:
         return {"prompts": prompts, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"}
 
 
-def _export_optimum(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
-    out = work / "out"
-    cli = Path(sys.executable).with_name("optimum-cli")
-    cmd = [str(cli), "export", "onnx", "--model", str(hf), "--task", "text-generation-with-past", str(out)]
-    _run(cmd, work / "optimum.log")
-    return out / "model.onnx", cmd, {}
-
-
-def _export_onnx_exporter(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.exporters import OnnxExporter
-    from transformers.exporters.configs import OnnxConfig
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True).float().eval()
-    # The documented call: generate-style sample inputs (one prompt), a dynamic-shape export, multi-token decode
-    # so that the decode model also prefills (on an empty cache).
-    sample = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "attention_mask": torch.ones((1, 5), dtype=torch.long)}
-    exported = OnnxExporter().export_for_generation(
-        model, sample, OnnxConfig(dynamic=True, ort_fusions=None), multi_token_decode=True
-    )
-    out = work / "out"
-    exported.save_pretrained(str(out))
-    cmd = [
-        "OnnxExporter().export_for_generation(model, {input_ids [1,5], attention_mask}, "
-        "OnnxConfig(dynamic=True, ort_fusions=None), multi_token_decode=True).save_pretrained(out)  # decode.onnx"
-    ]
-    return out / "decode.onnx", cmd, {}
-
-
-def _export_ortpa(hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
-    sys.path.insert(0, str(ROOT))
-    from ortpa.export.hf import export_hf
-
-    path = work / "model.onnx"
-    # random_weights=False: load the seeded folder, so this fixture has the same weights as the genai one.
-    export_hf(str(hf), path, random_weights=False, opset=18, attn_implementation="sdpa")
-    return path, ["ortpa.export.export_hf(hf_dir, random_weights=False, opset=18, attn_implementation='sdpa')"], {}
-
-
-_TOOLS = {
-    "genai": (_export_genai, ["onnxruntime-genai", "onnxruntime", "torch", "transformers", "onnx"]),
-    "optimum": (_export_optimum, ["optimum-onnx", "optimum", "onnxruntime", "torch", "transformers", "onnx"]),
-    "onnx_exporter": (_export_onnx_exporter, ["transformers", "torch", "onnxscript", "onnx"]),
-    "ortpa": (_export_ortpa, ["torch", "transformers", "onnxscript", "onnx"]),
-}
+def _export(tool: str, hf: Path, work: Path, opts: dict) -> tuple[Path, list[str], dict[str, Path]]:
+    made = export_tools.export(tool, hf, work, opts)
+    if tool == "genai" and opts.get("ep", "cpu") == "cpu":  # genai's CPU wheel cannot open a CUDA build
+        runtime = _genai_runtime_greedy(made.folder, reference_prompts(opts["config"]), GENAI_NEW_TOKENS)
+        (work / "genai_runtime.json").write_text(json.dumps(runtime))
+    return made.model, made.command, made.extras
 
 
 # ------------------------------------------------------------------------------------------- description
@@ -448,26 +355,15 @@ def _source_format(tool: str, opts: dict) -> str:
     return {"optimum": "optimum", "onnx_exporter": "onnx_exporter", "ortpa": "ortpa_dynamo"}[tool]
 
 
-def _versions(packages: list[str]) -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for p in packages:
-        try:
-            out[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            out[p] = "not installed"
-    return out
-
-
 def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
     import onnx
 
     tool, cfg, opts = FIXTURES[name]
-    export, packages = _TOOLS[tool]
     with tempfile.TemporaryDirectory(prefix=f"fx_{name}_") as tmp:
         work = Path(tmp)
         hf = work / "hf"
         build_hf_dir(cfg, hf)
-        model_path, cmd, extras = export(hf, work, {**opts, "config": cfg})
+        model_path, cmd, extras = _export(tool, hf, work, {**opts, "config": cfg})
         runtime = work / "genai_runtime.json"
         genai_runtime = json.loads(runtime.read_text()) if runtime.exists() else None
         model = onnx.load(str(model_path))  # folds external data in: one self-contained file
@@ -484,7 +380,7 @@ def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
         "command": cmd,
         "options": opts,
         "seed": SEED,
-        "versions": _versions(packages),
+        "versions": export_tools.versions(export_tools.PACKAGES[tool]),
         "config": cfg,
         **_numbers(cfg),
         "dtype": "float16" if opts.get("precision") == "fp16" else "float32",
@@ -499,7 +395,7 @@ def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("tool", choices=sorted(_TOOLS))
+    ap.add_argument("tool", choices=sorted(export_tools.TOOLS))
     ap.add_argument("--only", nargs="*", default=None, help="fixture names (default: every fixture of the tool)")
     ap.add_argument(
         "--out",
@@ -510,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     keep = Path(args.keep) if args.keep else None
     names = [n for n, (tool, _, _) in FIXTURES.items() if tool == args.tool and (not args.only or n in args.only)]
-    print(json.dumps(_versions(_TOOLS[args.tool][1])))
+    print(json.dumps(export_tools.versions(export_tools.PACKAGES[args.tool])))
     failed = []
     for name in names:
         t = time.time()

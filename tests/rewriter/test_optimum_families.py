@@ -77,3 +77,32 @@ def test_stablelm_scale_is_folded_from_the_recovered_head_dim():
     for node in paged_nodes(paged):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert abs((attrs.get("scale", 0.0) or head**-0.5) - head**-0.5) < 1e-7, attrs
+
+
+def _windows(paged: onnx.ModelProto) -> list[int]:
+    return [
+        {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("local_window_size", -1)
+        for n in paged_nodes(paged)
+    ]
+
+
+def test_gemma2_windows_stay_on_their_layers():
+    """Gemma-2 through optimum (transformers 4.57): layer 0 slides over 8 positions, layer 1 attends to everything.
+    optimum cuts layer 1's full mask to the key's length, ``Shape(key)``, and the key descends from layer 0, whose
+    mask holds the window comparison; a window read through that ``Shape`` put layer 0's window on layer 1 (a wrong
+    model, which verification refused: the sweep's optimum gemma2 seed 0)."""
+    window = json.loads((FORMATS / "optimum_gemma2.json").read_text())["config"]["sliding_window"]
+    assert _windows(convert(FORMATS / "optimum_gemma2.onnx", providers=())) == [window, -1]
+
+
+@pytest.mark.slow
+def test_gemma2_converts_verified_with_parity_past_its_window(tmp_path):
+    name = "optimum_gemma2"
+    window = json.loads((FORMATS / f"{name}.json").read_text())["config"]["sliding_window"]
+    out = tmp_path / "paged.onnx"
+    verification = convert_file(FORMATS / f"{name}.onnx", out).verification
+    assert verification is not None and verification.ok
+    paged = onnx.load(str(out))
+    assert _windows(paged) == [window, -1]
+    result = run_parity(paged, FORMATS / f"{name}.onnx", steps=8)
+    assert result.max_context > window

@@ -12,8 +12,10 @@ import pytest
 from support.parity import FIXTURES
 
 from ortpa.errors import ConversionError
+from ortpa.testing.export_tools import legacy_config
 from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, run_draw, sweep_prompts
 from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, WRONG, convert_and_judge
+from ortpa.testing.sweep.space import GENAI_PRECISIONS, TOOL_FAMILIES
 
 SEEDS = range(12)
 MOE = ("deepseek_v2", "deepseek_v3")
@@ -51,6 +53,36 @@ def test_the_draws_cover_the_space():
             assert c["num_key_value_heads"] == 1 and c["sliding_window"] > 0
         embed = c["vocab_size"] * c["hidden_size"]
         assert embed <= 1 << 21, d  # small enough to export in seconds
+
+
+def test_the_tool_axis_draws_the_same_model_and_every_genai_precision():
+    """A seed is the same model under every tool; genai draws each builder precision within three seeds of a
+    family; FP8 checkpoints stay with ortpa's own export (the other tools read bfloat16 instead)."""
+    for tool, families in TOOL_FAMILIES.items():
+        for family in families:
+            assert draw(family, 1, tool).config == draw(family, 1).config, (tool, family)
+    for family in TOOL_FAMILIES["genai"]:
+        assert {draw(family, s, "genai").tool_options["precision"] for s in range(3)} == set(GENAI_PRECISIONS)
+    fp8 = next(s for s in SEEDS if draw("deepseek_v3", s).source_dtype == "fp8")
+    assert draw("deepseek_v3", fp8, "optimum").source_dtype == "bfloat16"
+    assert {"falcon", "stablelm", "gpt_neox", "phi"} <= set(TOOL_FAMILIES["optimum"])
+    assert not {"falcon", "stablelm", "gpt_neox", "phi"} & set(TOOL_FAMILIES["dynamo"])
+
+
+def test_configs_reach_transformers_4_in_its_own_spelling():
+    """optimum's transformers 4.57 ignores ``rope_parameters``: the scaling and both Gemma-3 bases must move."""
+    llama = legacy_config(draw("llama", 1).config)  # linear scaling
+    assert "rope_parameters" not in llama and llama["rope_theta"] in (10000.0, 500000.0)
+    assert llama["rope_scaling"]["type"] == llama["rope_scaling"]["rope_type"] == "linear"
+    assert "rope_theta" not in llama["rope_scaling"]
+    plain = legacy_config(draw("llama", 0).config)
+    assert "rope_scaling" not in plain
+    gemma3 = draw("gemma3", 1).config
+    legacy = legacy_config(gemma3)
+    rope = gemma3["rope_parameters"]
+    assert legacy["rope_theta"] == rope["full_attention"]["rope_theta"]
+    assert legacy["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"]
+    assert legacy["rope_scaling"]["type"] == rope["full_attention"]["rope_type"] != "default"
 
 
 def test_prompts_pass_every_threshold():
@@ -119,6 +151,40 @@ def test_the_sweep_records_a_wrong_conversion_as_wrong(tmp_path):
     assert outcome == OTHER and "unverified: written, greedy tokens the original's" in reason
 
 
+def test_an_int8_activation_original_is_judged_with_float32_activations_too(tmp_path):
+    """A genai int4 build (MatMulNBits accuracy_level=4): its float32-activation copy is what the sweep holds to the
+    converted dtype's full tie rule, where int8's step cannot excuse a flip. The true conversion passes with a
+    float16-sized error there; one with its softmax scale x1.5 is wrong, and that copy's comparison says so."""
+    import shutil
+
+    from ortpa.rewriter.pipeline import convert
+    from ortpa.testing.sweep.judge import float32_activations, judge_conversion
+
+    name = "genai_qwen3_int4"
+    dense = tmp_path / f"{name}.onnx"
+    shutil.copy(FIXTURES / "formats" / f"{name}.onnx", dense)
+    head_size = json.loads((FIXTURES / "formats" / f"{name}.json").read_text())["head_size"]
+    with float32_activations(dense) as copy:
+        levels = {a.i for n in onnx.load(str(copy)).graph.node for a in n.attribute if a.name == "accuracy_level"}
+        assert levels == {0}
+    assert not copy.exists()  # removed on exit
+    prompts = sweep_prompts(256, [], seed=1)
+    true, tampered = tmp_path / "true.onnx", tmp_path / "tampered.onnx"
+    model = convert(dense)  # unverified: the sweep's judge is under test
+    onnx.save(model, true)
+    for node in (n for n in model.graph.node if n.op_type == "PagedAttention"):
+        kept = [a for a in node.attribute if a.name != "scale"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, onnx.helper.make_attribute("scale", 1.5 / head_size**0.5)])
+    onnx.save(model, tampered)
+
+    good = judge_conversion(dense, true, prompts, steps=4)
+    assert good.correct, good.reason
+    assert good.float32_activations_error is not None and good.float32_activations_error < 0.02
+    bad = judge_conversion(dense, tampered, prompts, steps=4)
+    assert not bad.correct and "float32 activations, batched vs original" in bad.reason, bad.reason
+
+
 def _smallest_seed(family: str, seeds: range = range(8)) -> int:
     """The seed among ``seeds`` whose draw has the fewest weights (export time grows with depth and width)."""
 
@@ -132,7 +198,7 @@ def _smallest_seed(family: str, seeds: range = range(8)) -> int:
 # In CI the smallest of the first eight draws of three families (GQA with a window, alternating windows and
 # softcaps, MoE in consecutive layers): one export each. The rest: seed 0 of every family, with ORTPA_SLOW=1.
 CI = [(f, _smallest_seed(f)) for f in ("mistral", "gemma2", "deepseek_v3")]
-SLOW = [(f, 0) for f in FAMILIES]
+SLOW = [(f, 0) for f in TOOL_FAMILIES["dynamo"]]
 
 
 def _check(family: str, seed: int, tmp_path) -> None:

@@ -178,7 +178,12 @@ def _past_row_zeroing(attn_out: ir.Value) -> ir.Value:
     return attn_out
 
 
+# ops whose output depends on their input's shape only
+_SHAPE_ONLY = frozenset({"Shape", "Size"})
+
+
 def _ancestors(values: list[ir.Value], limit: int = _MAX_MASK_NODES) -> list[ir.Node]:
+    """The nodes whose values ``values`` depend on (up to ``limit``), not walking past a ``Shape`` / ``Size``."""
     seen: dict[int, ir.Node] = {}
     queue = deque(values)
     while queue and len(seen) < limit:
@@ -186,6 +191,11 @@ def _ancestors(values: list[ir.Value], limit: int = _MAX_MASK_NODES) -> list[ir.
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
+        if node.op_type in _SHAPE_ONLY:
+            # its output is the input's shape, never its values: a comparison upstream of that input (the previous
+            # layer's window, reached through Shape(key) where optimum cuts the mask to the key's length) does not
+            # decide this mask
+            continue
         queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
     return list(seen.values())
 

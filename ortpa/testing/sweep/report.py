@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from ortpa.testing.sweep.run import OUTCOMES, Outcome
 from ortpa.testing.sweep.space import FAMILIES
 
-__all__ = ["command", "markdown"]
+__all__ = ["command", "markdown", "tool_tables"]
 
 _HEADER = """# The config sweep
 
@@ -57,5 +57,28 @@ def markdown(outcomes: Sequence[Outcome], *, when: str = "") -> str:
         reason = o.reason or ""
         lines.append(
             f"| {o.family} | {o.seed} | {_cell(o.config)} | {o.outcome} | {err} | {o.seconds:.0f} | {_cell(reason)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def tool_tables(outcomes: Sequence[Outcome]) -> str:
+    """Counts per tool and family, then every config with its tool (the tool axis' section of docs/sweep.md)."""
+    lines = ["### Counts per tool and family", ""]
+    lines.append("| tool | family | " + " | ".join(OUTCOMES) + " |")
+    lines.append("|---|---|" + "---:|" * len(OUTCOMES))
+    keys = sorted({(o.tool, o.family) for o in outcomes})
+    for tool in sorted({t for t, _ in keys}):
+        for family in [*(f for t, f in keys if t == tool), "all"]:
+            mine = [o for o in outcomes if o.tool == tool and family in ("all", o.family)]
+            counts = " | ".join(str(sum(o.outcome == k for o in mine)) for k in OUTCOMES)
+            lines.append(f"| {tool} | {'**all**' if family == 'all' else family} | {counts} |")
+    lines += ["", "### Every config", ""]
+    lines.append("| tool | family | seed | config | outcome | max \\|dlogit\\| | seconds | reason |")
+    lines.append("|---|---|---:|---|---|---:|---:|---|")
+    for o in sorted(outcomes, key=lambda o: (o.tool, o.family, o.seed)):
+        err = "" if o.max_abs_logit_error is None else f"{o.max_abs_logit_error:.2e}"
+        lines.append(
+            f"| {o.tool} | {o.family} | {o.seed} | {_cell(o.config)} | {o.outcome} | {err} | {o.seconds:.0f} "
+            f"| {_cell(o.reason or '')} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,10 +1,13 @@
 """One drawn config through the whole path a user takes, and its outcome.
 
 The model is built from the draw's config with seeded random weights and saved as a Hugging Face checkpoint in
-the draw's dtype (FP8 block-quantized in DeepSeek-V3's layout for ``fp8``). The checkpoint is exported as
-``ortpa convert HF_DIR`` exports it (:func:`ortpa.export.hf.export_hf`, its default dtype: float16 for bfloat16
-and FP8 folders), converted by :func:`ortpa.convert_file` with its default options (verification on), and the written
-model judged against that export (:mod:`ortpa.testing.sweep.judge`). Outcomes:
+the draw's dtype (FP8 block-quantized in DeepSeek-V3's layout for ``fp8``). The checkpoint is exported by the
+draw's tool: ``dynamo`` as ``ortpa convert HF_DIR`` exports it (:func:`ortpa.export.hf.export_hf`, its default
+dtype: float16 for bfloat16 and FP8 folders); ``genai``, ``optimum`` and ``onnx_exporter`` by that tool with its
+default options, in its own venv (:func:`ortpa.testing.export_tools.export_in_venv`, which also saves the
+checkpoint there, with that venv's transformers). The export (the tool's output folder, or its decode model for
+``onnx_exporter``) is converted by :func:`ortpa.convert_file` with its default options (verification on), and the
+written model judged against the export run by ONNX Runtime (:mod:`ortpa.testing.sweep.judge`). Outcomes:
 
 * ``converted-and-correct``: written, and its greedy tokens batched and alone are the original's (tie rule);
 * ``refused-with-a-named-leak``: refused by the per-sequence flow, every reason a definite leak (a value shown
@@ -60,6 +63,7 @@ class Outcome:
     seconds: float
     stage: str  # where it ended: build, export, convert, judge, done
     max_abs_logit_error: float | None = None
+    tool: str = "dynamo"  # the exporter (space.TOOLS)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,8 +113,10 @@ def convert_and_judge(
     *,
     steps: int = 6,
     convert: Callable[..., object] | None = None,
+    source: Path | None = None,
 ) -> tuple[str, str, float | None]:
-    """``(outcome, reason, max |dlogit|)`` of converting ``dense`` into ``out`` with the default options.
+    """``(outcome, reason, max |dlogit|)`` of converting ``source`` (``dense`` unless given: a tool's output
+    folder, say) into ``out`` with the default options, judged against the dense model file ``dense``.
 
     A refusal that is not a named leak gets a second opinion: the same conversion unverified
     (``verify=False``), judged like any other, so the table says whether a correct model was refused (its
@@ -120,20 +126,29 @@ def convert_and_judge(
         import ortpa
 
         convert = ortpa.convert_file
+    source = dense if source is None else source
     try:
-        convert(str(dense), str(out))
+        convert(str(source), str(out))
     except Exception as exc:  # a refusal (or a crash): which kind is the point of the sweep
         outcome, reason = classify_refusal(exc)
         if outcome == OTHER:
-            reason = f"{reason} -- unverified: {_second_opinion(dense, out, prompts, steps, convert)}"
+            reason = f"{reason} -- unverified: {_second_opinion(dense, out, prompts, steps, convert, source)}"
         return outcome, reason, None
     verdict = judge_conversion(dense, out, prompts, steps=steps)
-    return (CORRECT if verdict.correct else WRONG), verdict.reason, verdict.max_abs_logit_error
+    reason = verdict.reason
+    if verdict.correct and verdict.float32_activations_error is not None:  # an int8-activation original's figures
+        reason = (
+            f"{verdict.int8_ties} tie flip(s) under int8's rule; float32 activations max |dlogit| "
+            f"{verdict.float32_activations_error:.2e}"
+        )
+    return (CORRECT if verdict.correct else WRONG), reason, verdict.max_abs_logit_error
 
 
-def _second_opinion(dense: Path, out: Path, prompts: list[list[int]], steps: int, convert: Callable) -> str:
+def _second_opinion(
+    dense: Path, out: Path, prompts: list[list[int]], steps: int, convert: Callable, source: Path
+) -> str:
     try:
-        convert(str(dense), str(out), verify=False)
+        convert(str(source), str(out), verify=False)
         verdict = judge_conversion(dense, out, prompts, steps=steps)
     except Exception as exc:  # what the unverified path says is information, never the sweep's end
         return f"not written ({_first_line(exc, 200)})"
@@ -153,18 +168,31 @@ def run_draw(draw: Draw, workdir: str | Path | None = None, *, steps: int = 6) -
 
     def done(outcome: str, reason: str, err: float | None = None) -> Outcome:
         seconds = time.perf_counter() - start
-        return Outcome(draw.family, draw.seed, draw.summary(), outcome, reason, round(seconds, 1), stage, err)
+        summary = draw.summary()
+        return Outcome(draw.family, draw.seed, summary, outcome, reason, round(seconds, 1), stage, err, draw.tool)
 
     try:
-        from ortpa.export.hf import export_hf
+        out = root / "paged" / "model.onnx"
+        if draw.tool == "dynamo":
+            from ortpa.export.hf import export_hf
 
-        folder, dense, out = root / "ckpt", root / "dense" / "model.onnx", root / "paged" / "model.onnx"
-        _save_checkpoint(draw, folder)
-        stage = "export"
-        export_hf(folder, dense, random_weights=False, attn_implementation=draw.attn_implementation)
+            folder, dense = root / "ckpt", root / "dense" / "model.onnx"
+            _save_checkpoint(draw, folder)
+            stage = "export"
+            export_hf(folder, dense, random_weights=False, attn_implementation=draw.attn_implementation)
+            source = dense
+        else:
+            from ortpa.testing.export_tools import export_in_venv
+
+            stage = "export"  # the tool's venv saves the checkpoint with its own transformers, then exports it
+            made = export_in_venv(
+                draw.tool, draw.config, root / "tool", seed=draw.seed, dtype=draw.source_dtype, opts=draw.tool_options
+            )
+            # what a user hands to `ortpa convert`: the output folder where the tool writes one model to a folder
+            dense, source = made.model, (made.model if draw.tool == "onnx_exporter" else made.folder)
         stage = "convert"
         prompts = sweep_prompts(draw.config["vocab_size"], _thresholds(draw.config), draw.seed)
-        outcome, reason, err = convert_and_judge(dense, out, prompts, steps=steps)
+        outcome, reason, err = convert_and_judge(dense, out, prompts, steps=steps, source=source)
         stage = "done"
         return done(outcome, reason, err)
     except Exception as exc:  # the sweep goes on: the class and first line are the record

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAMILIES", "Draw", "draw"]
+__all__ = ["FAMILIES", "GENAI_PRECISIONS", "TOOLS", "TOOL_FAMILIES", "Draw", "draw"]
 
 _HIDDEN = (64, 128, 256, 512, 1024)
 _VOCAB = (256, 1000, 4096, 32000)
@@ -35,12 +35,14 @@ class Draw:
     source_dtype: str  # float32 | float16 | bfloat16 | fp8 (DeepSeek-V3's block-quantized layout)
     attn_implementation: str = "sdpa"
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the draw exercises, for the table
+    tool: str = "dynamo"  # which exporter makes the dense model (TOOLS)
+    tool_options: dict[str, Any] = field(default_factory=dict)  # genai: {"precision": fp32 | fp16 | int4}
 
     def summary(self) -> str:
         """One line: the dimensions and features that vary, for the report's table."""
         c = self.config
         heads = f"{c.get('num_attention_heads')}q/{c.get('num_key_value_heads', c.get('num_attention_heads'))}kv"
-        head_dim = c.get("head_dim") or _mla_head(c)
+        head_dim = c.get("head_dim") or (_mla_head(c) if "kv_lora_rank" in c else _head_dim(c))
         parts = [
             f"L{c['num_hidden_layers']}",
             f"h{c['hidden_size']}",
@@ -49,7 +51,12 @@ class Draw:
             f"V{c['vocab_size']}",
             self.source_dtype,
         ]
-        return " ".join(parts + list(self.notes))
+        precision = [f"-p {self.tool_options['precision']}"] if "precision" in self.tool_options else []
+        return " ".join(parts + list(self.notes) + precision)
+
+
+def _head_dim(c: dict) -> int:
+    return c["hidden_size"] // c["num_attention_heads"]
 
 
 def _mla_head(c: dict) -> str:
@@ -157,6 +164,8 @@ def _phi3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     cfg.update(original_max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg["rope_parameters"], note = _rope(rng, ("default", "longrope"), cfg["head_dim"], seed)
+    if note == "rope":  # no LongRoPE: one length, as Phi-3 ships (the genai builder reads a shorter one as LongRoPE)
+        cfg["original_max_position_embeddings"] = _MAX_POSITIONS
     return cfg, (note,), "sdpa"
 
 
@@ -262,6 +271,111 @@ def _minicpm3(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str
     return cfg, ("MLA",), "sdpa"
 
 
+def _mha_heads(rng: random.Random, hidden: int) -> tuple[int, int]:
+    """(query heads, head dim) for families whose head dim is hidden / heads."""
+    head_dim = rng.choice([d for d in (32, 64, 128) if d <= hidden] or [hidden])
+    return hidden // head_dim, head_dim
+
+
+def _rope_theta(rng: random.Random) -> dict:
+    return {"rope_type": "default", "rope_theta": rng.choice((10000.0, 500000.0))}
+
+
+def _falcon(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
+    """Falcon's fused QKV: multi-query (Falcon-7B) or grouped with the new decoder architecture (Falcon-40B)."""
+    hidden, layers, vocab = _width(rng)
+    heads, _ = _mha_heads(rng, hidden)
+    new_arch = rng.random() < 0.5
+    kv = rng.choice([k for k in (1, 2, 4) if heads % k == 0]) if new_arch else 1
+    cfg = {
+        "model_type": "falcon",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_kv_heads": kv,
+        "num_key_value_heads": kv,  # for the table; Falcon reads num_kv_heads (and multi_query)
+        "multi_query": not new_arch,
+        "new_decoder_architecture": new_arch,
+        "parallel_attn": True,
+        "alibi": False,
+        "bias": rng.random() < 0.3,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rope_parameters": _rope_theta(rng),
+        "tie_word_embeddings": rng.random() < 0.5,
+    }
+    return cfg, ("new decoder" if new_arch else "multi-query",), "sdpa"
+
+
+def _stablelm(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
+    """StableLM: partial rotary, optional QKV bias and per-head q/k LayerNorm (StableLM-2 12B)."""
+    hidden, layers, vocab = _width(rng)
+    heads, _ = _mha_heads(rng, hidden)
+    kv = rng.choice([k for k in (1, 2, 4) if heads % k == 0])
+    rotary, bias, qk_norm = rng.choice((0.25, 0.5, 1.0)), rng.random() < 0.5, rng.random() < 0.3
+    cfg = {
+        "model_type": "stablelm",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": rng.choice((64, 128, 256)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "partial_rotary_factor": rotary,
+        "use_qkv_bias": bias,
+        "qk_layernorm": qk_norm,
+        "use_parallel_residual": rng.random() < 0.3,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rope_parameters": _rope_theta(rng),
+        "tie_word_embeddings": False,
+    }
+    notes = [f"rotary {rotary:g}"] + (["qkv bias"] if bias else []) + (["q/k-norm"] if qk_norm else [])
+    return cfg, tuple(notes), "sdpa"
+
+
+def _gpt_neox(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
+    """GPT-NeoX (Pythia): fused per-head QKV, partial rotary, parallel residual or not."""
+    hidden, layers, vocab = _width(rng)
+    heads, _ = _mha_heads(rng, hidden)
+    rotary, parallel = rng.choice((0.25, 0.5, 1.0)), rng.random() < 0.7
+    cfg = {
+        "model_type": "gpt_neox",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": rng.choice((64, 128, 256)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "rotary_pct": rotary,
+        "use_parallel_residual": parallel,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rope_parameters": _rope_theta(rng),
+        "tie_word_embeddings": False,
+    }
+    return cfg, (f"rotary {rotary:g}", "parallel residual" if parallel else "sequential"), "sdpa"
+
+
+def _phi(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
+    """Phi-1/2: partial rotary, dense layer with bias, parallel attention and MLP, GQA or not."""
+    hidden, layers, vocab = _width(rng)
+    heads, _ = _mha_heads(rng, hidden)
+    kv = rng.choice([k for k in (1, 2, 4, heads) if heads % k == 0])
+    rotary = rng.choice((0.4, 0.5, 1.0))
+    cfg = {
+        "model_type": "phi",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": rng.choice((64, 128, 256)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "partial_rotary_factor": rotary,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rope_parameters": _rope_theta(rng),
+        "tie_word_embeddings": False,
+    }
+    return cfg, (f"rotary {rotary:g}",), "sdpa"
+
+
 # family -> the sampler; DeepSeek-V3 also draws FP8 checkpoints (its shipped layout)
 FAMILIES: dict[str, Callable[[random.Random, int], tuple[dict, tuple[str, ...], str]]] = {
     "llama": _llama,
@@ -274,16 +388,46 @@ FAMILIES: dict[str, Callable[[random.Random, int], tuple[dict, tuple[str, ...], 
     "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _deepseek_v3,
     "minicpm3": _minicpm3,
+    # the families optimum brings (issue 28): configs for the tool axis
+    "falcon": _falcon,
+    "stablelm": _stablelm,
+    "gpt_neox": _gpt_neox,
+    "phi": _phi,
 }
 _FP8 = ("deepseek_v3",)
+_CORE = ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3", "minicpm3")
+# tool -> the families it exports (each tool's own list of architectures, intersected with the space):
+# onnxruntime-genai 0.18's builder has no MLA; optimum-onnx 0.1.0 (transformers 4.57) has DeepSeek-V3 but not
+# DeepSeek-V2 or MiniCPM3, and brings Falcon, StableLM, GPT-NeoX and Phi
+TOOL_FAMILIES: dict[str, tuple[str, ...]] = {
+    "dynamo": _CORE,
+    # no gemma3: the 0.18 builder reads rope_parameters["rope_type"], which transformers 5 nests per layer type
+    # for Gemma-3 (KeyError: 'rope_type', docs/sweep.md)
+    "genai": ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "phi"),
+    "optimum": (*_CORE[:7], "deepseek_v3", "falcon", "stablelm", "gpt_neox", "phi"),
+    "onnx_exporter": _CORE,
+}
+TOOLS = tuple(TOOL_FAMILIES)
+GENAI_PRECISIONS = ("fp32", "fp16", "int4")
 
 
-def draw(family: str, seed: int) -> Draw:
-    """The config ``seed`` draws from ``family``'s space (:data:`FAMILIES`)."""
+def draw(family: str, seed: int, tool: str = "dynamo") -> Draw:
+    """The config ``seed`` draws from ``family``'s space (:data:`FAMILIES`), exported by ``tool``.
+
+    The config does not depend on the tool (the same seed is the same model under every tool); FP8 checkpoints
+    are ortpa's own export's (``ortpa convert HF_DIR`` dequantizes them), other tools get bfloat16 instead. genai
+    draws its builder's precision, every one within the first few seeds of a family."""
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
+    if tool not in TOOL_FAMILIES:
+        raise KeyError(f"unknown tool {tool!r}; expected one of {TOOLS}")
     rng = random.Random(f"{family}:{seed}")
     config, notes, attn = FAMILIES[family](rng, seed)
     dtypes = _DTYPES + (("fp8",) if family in _FP8 else ())
     source = dtypes[seed % len(dtypes)]  # every dtype within the first few seeds
-    return Draw(family, seed, config, source, attn, notes)
+    options: dict[str, Any] = {}
+    if tool != "dynamo":
+        source = "bfloat16" if source == "fp8" else source
+    if tool == "genai":
+        options["precision"] = GENAI_PRECISIONS[(seed + sorted(FAMILIES).index(family)) % len(GENAI_PRECISIONS)]
+    return Draw(family, seed, config, source, attn, notes, tool, options)

@@ -140,6 +140,18 @@ PHI = {**_COMMON, "model_type": "phi", "num_key_value_heads": 4, "partial_rotary
 GEMMA = {**_COMMON, "model_type": "gemma", "head_dim": 16}
 MISTRAL = {**_COMMON, "model_type": "mistral", "head_dim": 16, "sliding_window": 8}
 QWEN2 = {**_COMMON, "model_type": "qwen2"}
+# Dense MLA without MoE (MiniCPM3), for transformers 5's OnnxExporter: it caches the normalised latent as
+# ``keys`` and the roped key part as ``values``, and zeroes fully masked rows after each attention.
+MINICPM3 = {
+    **{k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads",)},
+    "model_type": "minicpm3",
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+}
 # No optimum MoE fixture: optimum-onnx 0.1.0 exports no MoE decoder ("Trying to export a mixtral model, that is a
 # custom or unsupported architecture", 2026-12-01); its MoE form is whatever a custom onnx config traces.
 
@@ -176,6 +188,7 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     # width from Shape(key), whose ancestors reach layer 0's window comparison (docs/sweep.md)
     "optimum_gemma2": ("optimum", GEMMA2, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
+    "onnxexporter_minicpm3": ("onnx_exporter", MINICPM3, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
 }
 
@@ -334,13 +347,15 @@ def _numbers(cfg: dict) -> dict:
         thresholds["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     if cfg.get("sliding_window"):
         thresholds["sliding_window"] = cfg["sliding_window"]
+    cache = {"num_kv_heads": kv, "head_size": head}
+    if "kv_lora_rank" in cfg:  # dense MLA: one latent head in the key cache, the roped key part in the value cache
+        cache = {"num_kv_heads": 1, "head_size": cfg["kv_lora_rank"], "value_head_size": cfg["qk_rope_head_dim"]}
     return {
         "model_type": cfg["model_type"],
         "vocab_size": cfg["vocab_size"],
         "num_layers": cfg["num_hidden_layers"],
         "num_heads": heads,
-        "num_kv_heads": kv,
-        "head_size": head,
+        **cache,
         "max_position_embeddings": cfg["max_position_embeddings"],
         "thresholds": thresholds,
     }

@@ -152,6 +152,23 @@ MINICPM3 = {
     "qk_rope_head_dim": 16,
     "v_head_dim": 16,
 }
+# DeepSeek-V3 through the OnnxExporter: MLA, then MoE in two consecutive layers; its dispatch counts rows per
+# expert with a ScatterElements add (histc) over the rows sorted by expert.
+DEEPSEEK_V3 = {
+    **MINICPM3,
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 3,
+    "q_lora_rank": None,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "rope_interleave": True,
+}
 # No optimum MoE fixture: optimum-onnx 0.1.0 exports no MoE decoder ("Trying to export a mixtral model, that is a
 # custom or unsupported architecture", 2026-12-01); its MoE form is whatever a custom onnx config traces.
 
@@ -189,6 +206,7 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "optimum_gemma2": ("optimum", GEMMA2, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "onnxexporter_minicpm3": ("onnx_exporter", MINICPM3, {}),
+    "onnxexporter_deepseek_v3": ("onnx_exporter", DEEPSEEK_V3, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
 }
 

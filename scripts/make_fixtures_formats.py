@@ -22,9 +22,11 @@ tool axis (``python -m ortpa.testing.sweep --tool T``). Pass the tool as the fir
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23. One that reuses ortpa's torch and onnx:
   ``python -m venv V``, a ``.pth`` file in V's site-packages naming ortpa's site-packages (it comes after V's own,
   so V's transformers 4.57 wins), ``V/bin/pip install optimum-onnx "transformers<4.58"``, then run this script
-  with ``V/bin/python``. Llama, Qwen3, Falcon, StableLM, GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2.
+  with ``V/bin/python``. Llama, Qwen3, Falcon, StableLM, GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2,
+  Gemma-2 (alternating windows).
 * ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
-  environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7).
+  environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7). Llama, MiniCPM3 (dense
+  MLA) and DeepSeek-V3 (MLA, MoE in two consecutive layers).
 * ``ortpa``: ``ortpa.export.export_hf`` (``torch.onnx.export(dynamo=True)``), ortpa's environment, for the
   Phi-3.5-style LongRoPE model.
 

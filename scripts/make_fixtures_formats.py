@@ -22,9 +22,11 @@ tool axis (``python -m ortpa.testing.sweep --tool T``). Pass the tool as the fir
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23. One that reuses ortpa's torch and onnx:
   ``python -m venv V``, a ``.pth`` file in V's site-packages naming ortpa's site-packages (it comes after V's own,
   so V's transformers 4.57 wins), ``V/bin/pip install optimum-onnx "transformers<4.58"``, then run this script
-  with ``V/bin/python``. Llama, Qwen3, Falcon, StableLM, GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2.
+  with ``V/bin/python``. Llama, Qwen3, Falcon, StableLM, GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2,
+  Gemma-2 (alternating windows).
 * ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
-  environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7).
+  environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7). Llama, MiniCPM3 (dense
+  MLA) and DeepSeek-V3 (MLA, MoE in two consecutive layers).
 * ``ortpa``: ``ortpa.export.export_hf`` (``torch.onnx.export(dynamo=True)``), ortpa's environment, for the
   Phi-3.5-style LongRoPE model.
 
@@ -140,6 +142,35 @@ PHI = {**_COMMON, "model_type": "phi", "num_key_value_heads": 4, "partial_rotary
 GEMMA = {**_COMMON, "model_type": "gemma", "head_dim": 16}
 MISTRAL = {**_COMMON, "model_type": "mistral", "head_dim": 16, "sliding_window": 8}
 QWEN2 = {**_COMMON, "model_type": "qwen2"}
+# Dense MLA without MoE (MiniCPM3), for transformers 5's OnnxExporter: it caches the normalised latent as
+# ``keys`` and the roped key part as ``values``, and zeroes fully masked rows after each attention.
+MINICPM3 = {
+    **{k: v for k, v in _COMMON.items() if k not in ("num_key_value_heads",)},
+    "model_type": "minicpm3",
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+}
+# DeepSeek-V3 through the OnnxExporter: MLA, then MoE in two consecutive layers; its dispatch counts rows per
+# expert with a ScatterElements add (histc) over the rows sorted by expert.
+DEEPSEEK_V3 = {
+    **MINICPM3,
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 3,
+    "q_lora_rank": None,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "rope_interleave": True,
+}
 # No optimum MoE fixture: optimum-onnx 0.1.0 exports no MoE decoder ("Trying to export a mixtral model, that is a
 # custom or unsupported architecture", 2026-12-01); its MoE form is whatever a custom onnx config traces.
 
@@ -176,6 +207,8 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     # width from Shape(key), whose ancestors reach layer 0's window comparison (docs/sweep.md)
     "optimum_gemma2": ("optimum", GEMMA2, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
+    "onnxexporter_minicpm3": ("onnx_exporter", MINICPM3, {}),
+    "onnxexporter_deepseek_v3": ("onnx_exporter", DEEPSEEK_V3, {}),
     "ortpa_phi3_longrope": ("ortpa", PHI3_LONGROPE, {}),
 }
 
@@ -334,13 +367,15 @@ def _numbers(cfg: dict) -> dict:
         thresholds["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     if cfg.get("sliding_window"):
         thresholds["sliding_window"] = cfg["sliding_window"]
+    cache = {"num_kv_heads": kv, "head_size": head}
+    if "kv_lora_rank" in cfg:  # dense MLA: one latent head in the key cache, the roped key part in the value cache
+        cache = {"num_kv_heads": 1, "head_size": cfg["kv_lora_rank"], "value_head_size": cfg["qk_rope_head_dim"]}
     return {
         "model_type": cfg["model_type"],
         "vocab_size": cfg["vocab_size"],
         "num_layers": cfg["num_hidden_layers"],
         "num_heads": heads,
-        "num_kv_heads": kv,
-        "head_size": head,
+        **cache,
         "max_position_embeddings": cfg["max_position_embeddings"],
         "thresholds": thresholds,
     }

@@ -80,7 +80,7 @@ def test_fixture_file_matches_its_json(name: str) -> None:
         assert (c.kv_heads, c.key_head_size, c.value_head_size) == (
             info["num_kv_heads"],
             info["head_size"],
-            info["head_size"],
+            info.get("value_head_size", info["head_size"]),  # MLA: the latent, then the roped key part
         ), c
         assert c.dtype == np.dtype(info["dtype"])
 

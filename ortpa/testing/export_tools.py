@@ -110,8 +110,9 @@ def legacy_config(cfg: dict) -> dict:
     rope = dict(rope)
     if "rope_theta" in rope:
         cfg["rope_theta"] = rope.pop("rope_theta")
-    if rope.get("rope_type", "default") != "default":
-        cfg["rope_scaling"] = {**rope, "type": rope["rope_type"]}
+    kind = rope.pop("rope_type", "default")
+    if kind != "default":  # "type" alone: 4.x's Phi-3 wants exactly type, short_factor and long_factor
+        cfg["rope_scaling"] = {"type": kind, **rope}
     return cfg
 
 

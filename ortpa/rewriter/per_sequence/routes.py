@@ -193,6 +193,19 @@ def _scatter(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind] | None:
     """``ScatterND(zeros, P, Range(0, n))``: the inverse permutation; ``ScatterND(x, f(P), rows)``: each sorted row
     written (or added) back onto its own token."""
     data, idx, upd = ins[0], ins[1], ins[2]
+    reduction = node.attributes.get("reduction")
+    if (
+        reduction is not None
+        and reduction.value == "add"
+        and data.tag in ("const", "count")
+        and upd.tag in ("const", "count")
+        and idx.tag == "route"
+        and idx.role == "rows"
+        and idx.rank == 1
+    ):
+        # constants added at the sorted rows' values: a histogram (rows per expert, transformers 5's histc as
+        # OnnxExporter writes it), counted over every row like a segment's bounds
+        return [Kind("route", 1, node=idx.node, role="meta", span=idx.span)]
     if node.op_type == "ScatterND":
         dims = flow.dims(node.inputs[1])
         if not dims or dims[-1] != 1 or idx.tag != "route" or idx.role != "perm":

@@ -52,9 +52,13 @@ def _extending_concat(past: ir.Value, outputs: set[ir.Value]) -> ir.Value | None
 
 
 def _role(present: ir.Value, max_nodes: int = 120) -> tuple[str, ir.Node] | None:
-    """('key' | 'value', the Softmax it serves), walking forward from the extended cache."""
+    """('key' | 'value' | 'latent', the Softmax it serves), walking forward from the extended cache to the
+    attention it feeds and no further. ``latent``: the cache reaches one Softmax both through the scores and as
+    what its probabilities multiply (dense MLA's compressed KV, expanded into keys and values by ``kv_b_proj``)."""
     seen: set[int] = set()
     queue = deque([present])
+    as_key: ir.Node | None = None
+    as_value: ir.Node | None = None
     while queue and len(seen) < max_nodes:
         value = queue.popleft()
         for node in value.consumers():
@@ -64,11 +68,17 @@ def _role(present: ir.Value, max_nodes: int = 120) -> tuple[str, ir.Node] | None
             if node.op_type == "MatMul" and node.inputs[1] is value:
                 softmax = softmax_of(node.inputs[0])
                 if softmax is not None:
-                    return "value", softmax
+                    as_value = as_value or softmax
+                    continue  # the attention's output: past it lies the next layer
             if node.op_type == "Softmax":
-                return "key", node
+                as_key = as_key or node
+                continue
             queue.extend(node.outputs)
-    return None
+    if as_key is not None and as_value is not None:
+        return ("latent", as_key) if as_key is as_value else ("value", as_value)
+    if as_value is not None:
+        return "value", as_value
+    return ("key", as_key) if as_key is not None else None
 
 
 def _name_hint(name: str) -> tuple[int, str] | None:
@@ -102,6 +112,13 @@ def canonicalise_cache_io(graph: ir.Graph) -> list[str]:
         found.append((past, present, role[0] if role else None, order.get(id(role[1])) if role else None))
     if not found:
         return notes
+    # dense MLA: the latent is the layer's key cache (one latent head, as the MLA recogniser reads it), the
+    # cache of the roped key part that reaches the same Softmax only through the scores its value cache
+    latent_at = {o for _, _, kind, o in found if kind == "latent"}
+    found = [
+        (past, present, "key" if kind == "latent" else "value" if kind == "key" and o in latent_at else kind, o)
+        for past, present, kind, o in found
+    ]
     hints = [_name_hint(past.name or "") for past, *_ in found]
     if all(h is not None for h in hints):  # the exporter numbers its layers: keep its numbers
         layer_of = [h[0] for h in hints if h is not None]

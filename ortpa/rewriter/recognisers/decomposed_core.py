@@ -18,7 +18,7 @@ from ortpa.rewriter._fold import folded_scalar
 from ortpa.rewriter._graph import const_array, consumers, int_attr, producer_op, scalar, static_dim
 from ortpa.rewriter.recognisers._match import MatchFail, consumer_ops, need, softmax_of, strip_scales
 
-__all__ = ["AttentionCore", "attention_core", "sliding_window"]
+__all__ = ["AttentionCore", "attention_core", "past_row_zeroing", "sliding_window"]
 
 _MAX_MASK_NODES = 400  # the mask subgraph of a tiny or a 70B model is the same few dozen nodes
 
@@ -150,7 +150,7 @@ def attention_core(present_v: ir.Value) -> AttentionCore:
                     query,
                     key,
                     v,
-                    _past_row_zeroing(node.outputs[0]),
+                    past_row_zeroing(node.outputs[0]),
                     s.scale * qf * kf,
                     s.softcap,
                     s.masks,
@@ -162,7 +162,7 @@ def attention_core(present_v: ir.Value) -> AttentionCore:
     )
 
 
-def _past_row_zeroing(attn_out: ir.Value) -> ir.Value:
+def past_row_zeroing(attn_out: ir.Value) -> ir.Value:
     """The attention output after transformers' ``Where(row fully masked, 0, out)`` when there is one.
 
     transformers 5.x's SDPA export zeroes query rows that see no key. Under a causal mask every query sees

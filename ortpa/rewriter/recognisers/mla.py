@@ -36,6 +36,7 @@ from ortpa.rewriter.recognisers._match import (
     softmax_of,
     strip_scales,
 )
+from ortpa.rewriter.recognisers.decomposed_core import past_row_zeroing
 
 __all__ = ["match_mla_layer", "match_mla_layers"]
 
@@ -117,7 +118,8 @@ def _attention_core(v: ir.Value, head_qk: int) -> tuple[ir.Value, ir.Value, ir.V
             qk, s_scores = found
             query, s_q = strip_scales(qk.inputs[0])
             key, s_k = strip_scales(qk.inputs[1], through_layout=True)
-            return query, key, node.outputs[0], s_scores * s_q * s_k, "matmul-softmax"
+            # transformers 5's SDPA exports zero fully masked rows after the attention (none under a causal mask)
+            return query, key, past_row_zeroing(node.outputs[0]), s_scores * s_q * s_k, "matmul-softmax"
     raise MatchFail(f"no attention (MatMul(p, v) or ONNX Attention) consumes v; consumers: {consumer_ops(v)}", v)
 
 

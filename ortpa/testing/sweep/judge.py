@@ -42,6 +42,7 @@ import onnx
 
 from ortpa.model.file import read_model
 from ortpa.parity import GreedyRun, compare_runs, dense_greedy, open_dense, paged_greedy
+from ortpa.parity.activations import switch_to_float32_activations
 from ortpa.parity.twin import source_arithmetic
 from ortpa.runtime.session import PagedSession
 from ortpa.tolerances import precision_ties, tol_for, unit_roundoff
@@ -105,21 +106,6 @@ def _verdict(
     )
 
 
-def _int8_nodes(proto: onnx.ModelProto) -> tuple[list[onnx.NodeProto], list[str]]:
-    """The MatMulNBits nodes that quantize activations to int8, and the other int8-activation ops' types."""
-    nbits = [
-        n
-        for n in proto.graph.node
-        if n.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i == 4 for a in n.attribute)
-    ]
-    others = [
-        n.op_type
-        for n in proto.graph.node
-        if n.op_type in ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "MatMulInteger")
-    ]
-    return nbits, others
-
-
 @contextmanager
 def float32_activations(model: str | os.PathLike) -> Iterator[Path | None]:
     """A copy of the model file ``model`` whose MatMulNBits compute with float32 activations (``accuracy_level``
@@ -128,14 +114,9 @@ def float32_activations(model: str | os.PathLike) -> Iterator[Path | None]:
     (dynamic quantization's ``MatMulInteger``: no attribute turns it off) or not at all."""
     path = Path(model)
     proto = onnx.load(str(path), load_external_data=False)
-    nbits, others = _int8_nodes(proto)
-    if not nbits or others:
+    if not switch_to_float32_activations(proto):
         yield None
         return
-    for node in nbits:
-        for a in node.attribute:
-            if a.name == "accuracy_level":
-                a.i = 0
     copy = path.with_name(f"{path.stem}.float32-activations{path.suffix}")
     onnx.save(proto, str(copy))
     try:

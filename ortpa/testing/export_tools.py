@@ -112,7 +112,8 @@ def legacy_config(cfg: dict) -> dict:
         cfg["rope_theta"] = rope.pop("rope_theta")
     kind = rope.pop("rope_type", "default")
     if kind != "default":  # 4.x's YaRN check wants rope_type; its Phi-3 LongRoPE exactly type and the two factors
-        cfg["rope_scaling"] = {"type": kind, **rope} if kind == "longrope" else {"rope_type": kind, "type": kind, **rope}
+        named = {"type": kind} if kind == "longrope" else {"rope_type": kind, "type": kind}
+        cfg["rope_scaling"] = {**named, **rope}
     return cfg
 
 

@@ -111,8 +111,9 @@ def legacy_config(cfg: dict) -> dict:
     if "rope_theta" in rope:
         cfg["rope_theta"] = rope.pop("rope_theta")
     kind = rope.pop("rope_type", "default")
-    if kind != "default":  # "type" alone: 4.x's Phi-3 wants exactly type, short_factor and long_factor
-        cfg["rope_scaling"] = {"type": kind, **rope}
+    if kind != "default":  # 4.x's YaRN check wants rope_type; its Phi-3 LongRoPE exactly type and the two factors
+        named = {"type": kind} if kind == "longrope" else {"rope_type": kind, "type": kind}
+        cfg["rope_scaling"] = {**named, **rope}
     return cfg
 
 

@@ -73,7 +73,8 @@ def test_configs_reach_transformers_4_in_its_own_spelling():
     """optimum's transformers 4.57 ignores ``rope_parameters``: the scaling and both Gemma-3 bases must move."""
     llama = legacy_config(draw("llama", 1).config)  # linear scaling
     assert "rope_parameters" not in llama and llama["rope_theta"] in (10000.0, 500000.0)
-    assert llama["rope_scaling"] == {"type": "linear", "factor": draw("llama", 1).config["rope_parameters"]["factor"]}
+    factor = draw("llama", 1).config["rope_parameters"]["factor"]
+    assert llama["rope_scaling"] == {"rope_type": "linear", "type": "linear", "factor": factor}
     phi3 = legacy_config(draw("phi3", 1).config)  # LongRoPE: 4.x's Phi-3 wants exactly these three fields
     assert set(phi3["rope_scaling"]) == {"type", "short_factor", "long_factor"}
     plain = legacy_config(draw("llama", 0).config)

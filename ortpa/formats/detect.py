@@ -99,6 +99,8 @@ class DenseInterface:
     logits: str
     caches: tuple[CacheIO, ...]
     batch: int | None  # a batch size fixed in the graph (OnnxExporter exports batch 1), else None
+    # scalar state inputs the graph only hands back unread (:func:`_pass_throughs`), fed a zero each step
+    pass_throughs: tuple[str, ...] = ()
 
     def empty_past(self) -> dict[str, np.ndarray]:
         past: dict[str, np.ndarray] = {}
@@ -110,6 +112,8 @@ class DenseInterface:
         """Inputs for one step of one sequence: ``ids`` new tokens after ``past_length`` cached ones."""
         n = len(ids)
         feed = {self.input_ids: np.array([ids], np.int64), **past}
+        for name in self.pass_throughs:
+            feed[name] = np.zeros((), np.int64)
         if self.attention_mask is not None:
             feed[self.attention_mask] = np.ones((1, past_length + n), np.int64)
         if self.position_ids is not None:
@@ -213,6 +217,34 @@ def _static(dim, what: str, where: str) -> int:
     raise InvalidModel(where, f"expected a fixed {what}, found the symbol {dim!r}")
 
 
+def _pass_throughs(model: onnx.ModelProto | None, inputs) -> tuple[str, ...]:
+    """Scalar integer inputs the graph reads only to hand them back as an output: transformers 5's OnnxExporter
+    round-trips each sliding-window cache layer's ``_sliding_window_tensor`` (its window, as a cache attribute)
+    through an ``Identity``, and computes the window from constants in the mask. Unread, their value cannot
+    change an output, so any is right; one a node computes with is refused, naming the node, not guessed."""
+    scalars = [
+        v.name
+        for v in inputs
+        if v.type.tensor_type.elem_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+        and not v.type.tensor_type.shape.dim
+        and v.name.endswith("_sliding_window_tensor")
+    ]
+    if not scalars:
+        return ()
+    if model is None:  # only the session's I/O: nothing says they are unread
+        raise InvalidModel(scalars[0], "expected the model's graph to check that this scalar input is unread")
+    graph_outputs = {o.name for o in model.graph.output}
+    for node in model.graph.node:
+        for name in scalars:
+            if name in node.input and not (node.op_type == "Identity" and node.output[0] in graph_outputs):
+                raise InvalidModel(
+                    name,
+                    f"expected the scalar input only handed back through an Identity to a graph output, found it "
+                    f"read by {node.op_type} node {node.name!r}",
+                )
+    return tuple(scalars)
+
+
 def _interface(model: onnx.ModelProto | None, inputs, outputs, fmt: SourceFormat | None) -> DenseInterface:
     input_names = [i.name for i in inputs]
     output_names = [o.name for o in outputs]
@@ -269,6 +301,7 @@ def _interface(model: onnx.ModelProto | None, inputs, outputs, fmt: SourceFormat
         logits=logits,
         caches=tuple(caches),
         batch=batch,
+        pass_throughs=_pass_throughs(model, inputs),
     )
 
 

@@ -14,7 +14,8 @@ The dense models people have come from a handful of tools, each with its own gra
 ``optimum``             optimum's TorchScript-era export (``text-generation-with-past``): decomposed attention,
                         ``attention_mask`` + ``position_ids``, the same cache names as ``ortpa_dynamo``.
 ``onnx_exporter``       transformers 5.x ``OnnxExporter`` decode model: no ``attention_mask``, ``position_ids``,
-                        caches ``input.cache.layers.{i}.keys/.values`` -> ``output.cache.layers.{i}.*``.
+                        caches ``input.cache.layers.{i}.keys/.values`` -> ``output.cache.layers.{i}.*``;
+                        a sliding layer also hands back an unread scalar ``..._sliding_window_tensor``.
 ======================  =====================================================================================
 
 :func:`detect_format` tells them apart from the graph's ops and I/O; :func:`dense_interface` describes what a

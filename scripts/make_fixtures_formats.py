@@ -191,6 +191,8 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     # ("Original GPT-OSS MXFP4 tensor 'model.layers.0.mlp.experts.gate_up_proj_blocks' was not found"), which a
     # float random-weight checkpoint does not have
     "genai_gemma2_fp32": ("genai", GEMMA2, {"precision": "fp32"}),
+    # Phi (partial rotary 0.5) at fp16: MultiHeadAttention takes the caches as its own past_key / past_value
+    "genai_phi_fp16": ("genai", PHI, {"precision": "fp16"}),
     # genai's own paged model (PagedAttention, packed QKV, RoPE in the op): fp16 for CUDA, the only paged build
     # the builder makes besides WebGPU; it builds on a machine without a GPU. Same weights as genai_llama_fp16.
     "genai_llama_paged_fp16": ("genai", LLAMA, {"precision": "fp16", "ep": "cuda", "paged": True}),

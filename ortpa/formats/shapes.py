@@ -5,6 +5,8 @@ the weights. It follows from what reads the past input:
 
 * ``com.microsoft::GroupQueryAttention`` (past at input 3 / 4): the packed QKV width over
   ``num_heads + 2 * kv_num_heads``, or the separate key's (value's) width over ``kv_num_heads``;
+* ``com.microsoft::MultiHeadAttention`` taking it as its own ``past_key`` / ``past_value`` (input 6 / 7, the
+  genai phi fp16 form): the new key's (value's) width, input 1 / 2, over ``num_heads``;
 * a ``Concat`` on the sequence axis (genai fp16's MultiHeadAttention form, TorchScript and dynamo exports): the
   last dim of the new tensor concatenated to the past.
 
@@ -60,6 +62,14 @@ def _from_gqa(node: ir.Node, slot: int) -> int | None:
     return None if width is None else width // kv_heads
 
 
+def _from_mha(node: ir.Node, slot: int) -> int | None:
+    if slot not in (6, 7):
+        return None
+    new = node.inputs[1 if slot == 6 else 2]
+    width = None if new is None else static_width(new)
+    return None if width is None else width // _attr(node, "num_heads")
+
+
 def cache_head_size(graph: ir.Graph, past_input: str) -> int:
     """The head size of graph input ``past_input`` (a past key or value), from what reads it."""
     past = _value(graph, past_input)
@@ -68,6 +78,8 @@ def cache_head_size(graph: ir.Graph, past_input: str) -> int:
         found: int | None = None
         if node.op_type == "GroupQueryAttention":
             found = _from_gqa(node, list(node.inputs).index(past))
+        elif node.op_type == "MultiHeadAttention":
+            found = _from_mha(node, list(node.inputs).index(past))
         elif node.op_type == "Concat":
             others = [i for i in node.inputs if i is not past]
             found = next((d for d in map(static_width, others) if d is not None), None)
@@ -76,8 +88,9 @@ def cache_head_size(graph: ir.Graph, past_input: str) -> int:
     kinds = sorted({n.op_type for n in readers})
     raise InvalidModel(
         past_input,
-        f"expected the cache's head size to follow from what reads it (GroupQueryAttention or a Concat of new "
-        f"keys/values with static widths), found readers {kinds} and no static width",
+        f"expected the cache's head size to follow from what reads it (GroupQueryAttention, MultiHeadAttention's "
+        f"past_key / past_value, or a Concat of new keys/values with static widths), found readers {kinds} and no "
+        "static width",
     )
 
 

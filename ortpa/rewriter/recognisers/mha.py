@@ -81,19 +81,55 @@ def _bsd(value: ir.Value, what: str) -> ir.Value:
     return reshape.inputs[0]
 
 
+def _own_past(node: ir.Node, past_k: ir.Value, past_v: ir.Value) -> bool:
+    """The op takes the layer's caches as its own ``past_key`` / ``past_value`` (it appends the new keys / values
+    along the sequence itself and emits ``present_key`` / ``present_value``)."""
+    ins = list(node.inputs) + [None] * (8 - len(node.inputs))
+    if ins[6] is None and ins[7] is None:
+        return False
+    need(
+        ins[6] is past_k and ins[7] is past_v,
+        f"past_key / past_value are {getattr(ins[6], 'name', None)} / {getattr(ins[7], 'name', None)}, "
+        f"expected {past_k.name} / {past_v.name}",
+        node,
+    )
+    return True
+
+
 def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
     """Describe layer ``layer``'s MultiHeadAttention; a :class:`MatchFail` with the reason when it cannot."""
     past_k, past_v = cache_inputs(graph, layer)
+    direct = next((n for n in past_k.consumers() if n.op_type == OP_TYPE and n.domain == "com.microsoft"), None)
+    if direct is not None and _own_past(direct, past_k, past_v):
+        return _recognise(direct, layer, past_k, None, None)
     present_k, k_new = cache_concat(past_k)
     present_v, v_new = cache_concat(past_v)
     node = forward_op(present_k, OP_TYPE)
     if node is None:
         raise MatchFail(f"no com.microsoft::{OP_TYPE} reads the key cache ({consumer_ops(present_k)})", present_k)
+    return _recognise(node, layer, past_k, (present_k, k_new), (present_v, v_new))
+
+
+def _recognise(
+    node: ir.Node,
+    layer: int,
+    past_k: ir.Value,
+    concat_k: tuple[ir.Value, ir.Value] | None,
+    concat_v: tuple[ir.Value, ir.Value] | None,
+) -> AttentionLayer:
+    """``concat_k`` / ``concat_v``: (present, new) of the explicit cache Concat, None when the op takes the caches
+    as its own past_key / past_value (then its key / value inputs are the new ``[B,S,H*D]`` tensors)."""
     ins = list(node.inputs) + [None] * (10 - len(node.inputs))
     h = int(attr_value(node, "num_heads", 0))
     need(h > 0, "num_heads is not set", node)
-    for index, what in ((3, "bias"), (6, "past_key"), (7, "past_value"), (8, "past_sequence_length")):
-        need(ins[index] is None, f"input {what} is set: not converted (the cache is concatenated before the op)", node)
+    own_past = concat_k is None
+    unset = (
+        ((3, "bias"), (8, "past_sequence_length"))
+        if own_past
+        else ((3, "bias"), (6, "past_key"), (7, "past_value"), (8, "past_sequence_length"))
+    )
+    for index, what in unset:
+        need(ins[index] is None, f"input {what} is set: not converted", node)
     need(ins[9] is None, "input cache_indirection is set: not converted", node)
     for index in (4, 5):
         mask = ins[index]
@@ -106,8 +142,9 @@ def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
     query, key, value = ins[0], ins[1], ins[2]
     need(query is not None and key is not None and value is not None, "packed or missing q / k / v", node)
     assert query is not None and key is not None and value is not None
-    need(reaches(key, present_k, 80), "the op's key does not come from the key cache", key)
-    need(reaches(value, present_v, 80), "the op's value does not come from the value cache", value)
+    if concat_k is not None and concat_v is not None:
+        need(reaches(key, concat_k[0], 80), "the op's key does not come from the key cache", key)
+        need(reaches(value, concat_v[0], 80), "the op's value does not come from the value cache", value)
     width = static_width(query)
     need(width is not None and width % h == 0, f"query width {width} is not {h} heads x head size", query)
     assert width is not None
@@ -115,13 +152,22 @@ def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
     kvh = static_dim(past_k, 1)
     need(kvh is not None and h % kvh == 0, f"key cache heads {kvh} do not divide {h} query heads", past_k)
     assert kvh is not None
-    k_bsd, v_bsd = _bsd(k_new, "key"), _bsd(v_new, "value")
+    if concat_k is not None and concat_v is not None:
+        k_bsd, v_bsd = _bsd(concat_k[1], "key"), _bsd(concat_v[1], "value")
+    else:
+        # the op's own past: one KV head per query head, new keys / values [B,S,H*D] (BNSH past, schema)
+        need(kvh == h, f"key cache heads {kvh}, expected the op's {h} heads (past_key is BNSH)", past_k)
+        for what, v in (("key", key), ("value", value)):
+            rank = len(v.shape) if v.shape is not None else None
+            need(rank == 3, f"new {what} has rank {rank}, expected 3 ([batch, seq, heads * head])", v)
+        k_bsd, v_bsd = key, value
     for what, v in (("key", k_bsd), ("value", v_bsd)):
         w = static_width(v)
         need(w in (None, kvh * d), f"new {what} width {w}, expected {kvh} heads x {d}", v)
     need(d % 8 == 0, f"head size {d} is not a multiple of 8 (PagedAttention)", query)
     if len(node.outputs) > 1:
         need(not any(o.uses() for o in node.outputs[1:]), "the op's present / qk outputs are used", node)
+    form = "past_key / past_value into the op" if own_past else "cache Concat + repeat_kv before the op"
     return AttentionLayer(
         layer=layer,
         num_heads=h,
@@ -134,7 +180,7 @@ def recognise_mha(graph: ir.Graph, layer: int) -> AttentionLayer:
         key=k_bsd,
         value=v_bsd,
         attn_out=node.outputs[0],
-        notes=[f"{OP_TYPE} (cache Concat + repeat_kv before the op; mask from attention_mask)"],
+        notes=[f"{OP_TYPE} ({form}; mask from attention_mask)"],
         layout="bsd",
         source=OP_TYPE,
     )

@@ -9,6 +9,10 @@ graph (``position_ids`` becomes the packed positions, so each token is rotated a
 gets already-rotated q / k (``do_rotary=0``). The mask machinery becomes dead: what it encoded, causal
 attention over the sequence's own past and new tokens, is what PagedAttention does. A mask that is not derived
 from the model's ``attention_mask`` input (a window, a bias) refuses the layer.
+
+The fp16 Phi (phi-2) build has no Concat: the op takes the layer's caches as its own ``past_key`` /
+``past_value`` (BNSH, one KV head per query head), appends its ``key`` / ``value`` inputs (the new
+``[B,S,H*D]`` tensors, which PagedAttention gets as they are) along the sequence and emits ``present.{i}.*``.
 """
 
 from __future__ import annotations

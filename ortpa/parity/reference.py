@@ -77,6 +77,16 @@ def declared_cache_dtype(session) -> str:
     return dtype_name(declared[session.aliases[0].input_name].type.tensor_type.elem_type)
 
 
+def _cannot_run_on_cpu(what: str, where: str, exc: Exception) -> ConversionError:
+    """The refusal when ONNX Runtime's CPU kernels cannot run ``what`` (the converted model or the original)."""
+    return ConversionError(
+        f"cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run {what} "
+        "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
+        "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
+        [(where, str(exc)[-300:])],
+    )
+
+
 def paged_session(model, blocks: int, options):
     from ortpa.runtime.session import PagedSession
 
@@ -85,12 +95,7 @@ def paged_session(model, blocks: int, options):
     except InvalidModel as exc:
         if "Could not find an implementation" not in str(exc):
             raise
-        raise ConversionError(
-            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run it "
-            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
-            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
-            [("session (CPU)", str(exc)[-300:])],
-        ) from None
+        raise _cannot_run_on_cpu("it", "session (CPU)", exc) from None
 
 
 @dataclass
@@ -148,12 +153,7 @@ def open_original(original: str | os.PathLike):
     except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
         if not type(exc).__module__.startswith("onnxruntime"):
             raise
-        raise ConversionError(
-            "cannot verify the converted model on this machine: ONNX Runtime's CPU kernels do not run the original "
-            "(bfloat16 arithmetic has no CPU kernel); nothing was written. Pass --no-verify (verify=False) to write "
-            "it unverified, then check it with `ortpa parity ORIGINAL CONVERTED --provider cuda` on a GPU",
-            [("original (CPU)", str(exc)[-300:])],
-        ) from None
+        raise _cannot_run_on_cpu("the original", "original (CPU)", exc) from None
     return session, dense_interface(proto)
 
 

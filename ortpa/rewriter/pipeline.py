@@ -23,7 +23,7 @@ from ortpa.errors import ConversionError
 from ortpa.model.kind import ModelKind, model_kind
 from ortpa.model.ref import resolve_any
 from ortpa.progress import LayerStarted, Progress, Stage, report
-from ortpa.rewriter import kv_quant, model_store, paged_io, per_sequence
+from ortpa.rewriter import dead_attention, kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter._fold import fold_shape_values
 from ortpa.rewriter._graph import Builder
 from ortpa.rewriter.attention import op_constant, rewrite_attention_layer, rope_in_op_problems
@@ -236,6 +236,8 @@ def rewrite(
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
         kv_plan.dense = model_store.inline_copy(irm)
     canonicalise_cache_io(irm.graph)  # caches found by what reads and writes them; digit-string dims as numbers
+    # an attention whose output reaches nothing still writes its layer's cache: kept through the optimizer
+    pinned = dead_attention.pin(irm.graph)
     report(progress, Stage.OPTIMISE, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
     fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
@@ -244,6 +246,7 @@ def rewrite(
     report(progress, Stage.MATCH, "matching attention layers")
     mla_results = match_mla_layers(graph)
     attention_results = _attention_family(graph, mla_results)
+    dead_attention.unpin(graph, pinned)  # matched: the op is rewritten like any other, its dense remains go later
     if attention_results is not None:  # MHA / GQA -> PagedAttention SEPARATE
         _convert_separate(irm, attention_results, o, kv_cache_dtype, kv_plan, progress, spill)
         return irm

@@ -145,10 +145,18 @@ def _tokenizer(vocab: int):
 
 
 def build_hf_dir(
-    cfg: dict, out: Path, *, seed: int = 0, dtype: str = "float32", attn_implementation: str | None = None
+    cfg: dict,
+    out: Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    legacy: bool = False,
 ) -> None:
     """Save a seeded random-weight causal LM (safetensors in ``dtype``) and a tokenizer to ``out``, with this
-    environment's transformers (the legacy config spelling where it is 4.x)."""
+    environment's transformers (the legacy config spelling where it is 4.x). ``legacy``: write ``config.json`` in
+    the legacy spelling whatever transformers saved it, as checkpoints on the Hub keep it (the genai builder reads
+    Phi-3's LongRoPE from ``rope_scaling["type"]``, which transformers 5's ``rope_parameters`` lacks)."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -165,6 +173,9 @@ def build_hf_dir(
     _randomise(model, seed)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     _tokenizer(cfg["vocab_size"]).save_pretrained(str(out))
+    if legacy:
+        saved = Path(out) / "config.json"
+        saved.write_text(json.dumps(legacy_config(json.loads(saved.read_text())), indent=2))
 
 
 # ---------------------------------------------------------------------------------------------- the tools
@@ -297,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     work = Path(args.work)
     config = json.loads(Path(args.config).read_text())
-    build_hf_dir(config, work / "hf", seed=args.seed, dtype=args.dtype, attn_implementation=args.attn)
+    # the genai builder reads the legacy spelling (Phi-3 LongRoPE: rope_scaling["type"])
+    legacy = args.tool == "genai"
+    build_hf_dir(config, work / "hf", seed=args.seed, dtype=args.dtype, attn_implementation=args.attn, legacy=legacy)
     done = export(args.tool, work / "hf", work, json.loads(args.opts))
     print(json.dumps({**done.to_dict(), "versions": versions(PACKAGES[args.tool])}))
     return 0

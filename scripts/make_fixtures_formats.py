@@ -183,8 +183,12 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "genai_qwen3_fp16": ("genai", QWEN3, {"precision": "fp16"}),
     "genai_qwen3_int4": ("genai", QWEN3, {"precision": "int4"}),
     "genai_phi3_longrope_fp32": ("genai", PHI3_LONGROPE, {"precision": "fp32"}),
-    # one layer: with the builder's Phi-3 defect (NOTES) a second layer's attention is dead code at fp16
+    # one layer: with the builder's LM-head pick (NOTES of genai_phi3_longrope_fp32) a second layer's attention is
+    # dead code at fp16; genai_phi3_deadlayer_fp16 keeps it
     "genai_phi3_longrope_fp16": ("genai", {**PHI3_LONGROPE, "num_hidden_layers": 1}, {"precision": "fp16"}),
+    # two layers at fp16: layer 1's MultiHeadAttention reaches no output, its cache Concat still does (the sweep's
+    # genai phi3 seed 0, refused before ortpa.rewriter.dead_attention)
+    "genai_phi3_deadlayer_fp16": ("genai", PHI3_LONGROPE, {"precision": "fp16"}),
     "genai_phi3_longrope_int4": ("genai", PHI3_LONGROPE, {"precision": "int4"}),
     "genai_gptoss_fp32": ("genai", GPT_OSS, {"precision": "fp32"}),
     # no genai_gptoss_int4: the 0.18 builder's gpt-oss int4 path reads the original checkpoint's MXFP4 expert blocks
@@ -237,11 +241,16 @@ NOTES: dict[str, str] = {
     "input_ids [num_tokens], past_key_values.{i}.key/.value [num_blocks, block_size, 2, 16], block_table, "
     "cumulative_sequence_lengths, past_sequence_lengths, attention_metadata; provider cuda. onnxruntime-genai "
     "cannot run it on CPU (no PagedAttention CPU kernel); ortpa runs it through the portable op",
-    "genai_phi3_longrope_fp32": "builder defect (0.18.0 with transformers 5.24, Phi-3 only): lm_head reads "
-    "/model/layers.0/post_attention_layernorm/output_0 instead of the final norm, so layer 0's MLP, layer 1 and the "
+    "genai_phi3_longrope_fp32": "builder defect (0.18.0): its has_lm_head takes any nn.Linear with vocab_size "
+    "outputs for the LM head, and Phi-3's fused gate_up_proj has 2 * intermediate_size = 256 = vocab_size, so the "
+    "/lm_head/MatMul node (the first one made; the real lm_head's weight replaces its initializer) reads "
+    "/model/layers.0/post_attention_layernorm/output_0 instead of the final norm: layer 0's MLP, layer 1 and the "
     "final norm are dead code (present.1.* are still computed) and the logits differ from Phi3ForCausalLM on the "
     "same weights (~3.3); layer 0 itself matches torch to 1e-6. LongRoPE: If(Greater(attention_mask width, 32), "
     "long caches, short caches) -> cos_cache/sin_cache of every GroupQueryAttention",
+    "genai_phi3_deadlayer_fp16": "the LM-head defect of genai_phi3_longrope_fp32 at fp16: layer 1's "
+    "MultiHeadAttention output reaches no graph output, while its cache Concat (present.1.*) does; the caches' head "
+    "size is the symbol kv_cache_dim",
     "genai_gemma2_fp32": "layer 0 is sliding: GroupQueryAttention local_window_size 8 with sliding_window_cache=1, "
     "its past/present a ring buffer of 8 rows (past_sliding_length / total_sliding_length) fed as zeros from the "
     "first step and returned at the same size; softcap 50 on both layers; final logit softcap as Div, Tanh, Mul; "

@@ -44,6 +44,7 @@ __all__ = [
     "export_in_venv",
     "legacy_config",
     "tool_python",
+    "write_legacy_config",
 ]
 
 BOS, EOS, PAD, UNK = 1, 2, 0, 3
@@ -174,8 +175,13 @@ def build_hf_dir(
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     _tokenizer(cfg["vocab_size"]).save_pretrained(str(out))
     if legacy:
-        saved = Path(out) / "config.json"
-        saved.write_text(json.dumps(legacy_config(json.loads(saved.read_text())), indent=2))
+        write_legacy_config(Path(out))
+
+
+def write_legacy_config(folder: Path) -> None:
+    """Rewrite ``folder/config.json`` in the legacy spelling (:func:`legacy_config`), as Hub checkpoints keep it."""
+    saved = Path(folder) / "config.json"
+    saved.write_text(json.dumps(legacy_config(json.loads(saved.read_text())), indent=2))
 
 
 # ---------------------------------------------------------------------------------------------- the tools

@@ -87,6 +87,26 @@ def test_configs_reach_transformers_4_in_its_own_spelling():
     assert legacy["rope_scaling"]["type"] == rope["full_attention"]["rope_type"] != "default"
 
 
+def test_genai_folders_are_written_in_the_legacy_spelling(tmp_path):
+    """The genai builder reads Phi-3's LongRoPE as ``rope_scaling["type"]`` (``KeyError: 'type'`` on transformers
+    5's ``rope_parameters``, the sweep's genai phi3 seed 1); the folder must still be the same model to
+    transformers 5."""
+    import json
+
+    from transformers import AutoConfig
+
+    from ortpa.testing.export_tools import write_legacy_config
+
+    cfg = dict(draw("phi3", 1).config)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path)  # as build_hf_dir saves it
+    write_legacy_config(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" not in saved and saved["rope_scaling"]["type"] == "longrope"
+    rope = AutoConfig.from_pretrained(tmp_path).rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["long_factor"] == cfg["rope_parameters"]["long_factor"]
+    assert rope["short_factor"] == cfg["rope_parameters"]["short_factor"]
+
+
 def test_prompts_pass_every_threshold():
     prompts = sweep_prompts(1000, [4, 32], seed=0)
     assert len({len(p) for p in prompts}) == len(prompts) and max(len(p) for p in prompts) > 32

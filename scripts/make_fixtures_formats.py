@@ -228,7 +228,8 @@ NOTES: dict[str, str] = {
     "(4 experts, k=2, swiglu)",
     "genai_phi3_longrope_int4": "as genai_phi3_longrope_fp32, with MatMulNBits projections",
     "genai_phi3_longrope_fp16": "one layer (the builder's LM-head pick of genai_phi3_longrope_fp32 leaves a second "
-    "layer's attention dead at fp16: genai_phi3_deadlayer_fp16); RotaryEmbedding + MultiHeadAttention, cos/sin from If(Greater(mask width, 32))",
+    "layer's attention dead at fp16: genai_phi3_deadlayer_fp16); RotaryEmbedding + MultiHeadAttention, cos/sin "
+    "from If(Greater(mask width, 32))",
     "genai_llama_fp16": "the builder declares the repeated K/V after the cache Concat with sequence_length where it "
     "holds total_sequence_length: ONNX Runtime 1.31/1.32 CPU (and onnxruntime-genai itself) fail the first decode "
     "step with 'Shape mismatch attempting to re-use buffer' unless memory reuse is off (ortpa.parity.greedy."

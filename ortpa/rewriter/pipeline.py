@@ -247,6 +247,15 @@ def rewrite(
     mla_results = match_mla_layers(graph)
     attention_results = _attention_family(graph, mla_results)
     dead_attention.unpin(graph, pinned)  # matched: the op is rewritten like any other, its dense remains go later
+    unread = [r.layer for r in attention_results or [] if isinstance(r, AttentionLayer) and r.attn_out in pinned]
+    if unread:  # said, not refused: the conversion computes what the export computes (dead_attention)
+        irm.metadata_props["ortpa.unread_attention_layers"] = ",".join(map(str, unread))
+        report(
+            progress,
+            Stage.MATCH,
+            f"layer(s) {unread}: the source's attention output reaches no graph output (its cache is still "
+            "written; the logits do not depend on it): converted as the export computes it",
+        )
     if attention_results is not None:  # MHA / GQA -> PagedAttention SEPARATE
         _convert_separate(irm, attention_results, o, kv_cache_dtype, kv_plan, progress, spill)
         return irm

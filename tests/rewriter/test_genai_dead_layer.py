@@ -55,6 +55,7 @@ def test_the_export_converts_verified_and_batched_equals_alone(tmp_path):
     assert verification is not None and verification.ok
     paged = onnx.load(str(out))
     assert sum(n.op_type == "PagedAttention" for n in paged.graph.node) == 2  # layer 1 still writes its cache
+    assert {p.key: p.value for p in paged.metadata_props}["ortpa.unread_attention_layers"] == "1"
     assert not {n.op_type for n in paged.graph.node} & {"MultiHeadAttention", "Softmax"}
     result = run_parity(paged, FIXTURE, steps=8)
     assert result.tokens_checked == 24 and result.max_context >= 18

@@ -18,7 +18,9 @@ imports only the standard library at the top, and the tool's packages inside the
 In a tool's venv, ``python -m ortpa.testing.export_tools TOOL CONFIG_JSON WORK [--precision P] ...`` builds the
 folder from a config (the tool's own transformers reads it: configs in transformers 5's spelling are written in
 the legacy one where that transformers is 4.x) and exports it, printing one JSON line (the model path, the
-command, the versions).
+command, the versions). A config the tool's transformers cannot build (:func:`host_built`) is built here, with
+ortpa's transformers 5, its ``config.json`` rewritten in the tool's spelling, and the tool only exports it
+(``--prebuilt``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "build_hf_dir",
     "export",
     "export_in_venv",
+    "host_built",
     "legacy_config",
     "tool_python",
 ]
@@ -110,11 +113,29 @@ def legacy_config(cfg: dict) -> dict:
     rope = dict(rope)
     if "rope_theta" in rope:
         cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:  # transformers 5 saves it inside rope_parameters, 4.x reads it at the top
+        cfg.setdefault("partial_rotary_factor", rope.pop("partial_rotary_factor"))
     kind = rope.pop("rope_type", "default")
     if kind != "default":  # 4.x's YaRN check wants rope_type; its Phi-3 LongRoPE exactly type and the two factors
         named = {"type": kind} if kind == "longrope" else {"rope_type": kind, "type": kind}
         cfg["rope_scaling"] = {**named, **rope}
     return cfg
+
+
+def host_built(tool: str, cfg: dict) -> str | None:
+    """Why ``tool``'s own transformers cannot build ``cfg`` from a config (then ortpa's transformers 5 saves the
+    folder, in the tool's config spelling), or None. transformers 4.57's StableLM ``_init_weights`` zeroes every
+    LayerNorm's bias, and the per-head q/k LayerNorms of ``qk_layernorm`` have none (``AttributeError``); loading
+    a saved folder, whose weights are all present, initializes nothing."""
+    if tool == "optimum" and cfg.get("model_type") == "stablelm" and cfg.get("qk_layernorm"):
+        return "transformers 4.57 cannot initialize StableLM's bias-less per-head q/k LayerNorms"
+    return None
+
+
+def _legacy_folder(hf: Path) -> None:
+    """Rewrite the saved ``config.json`` of ``hf`` in transformers 4.x's spelling (:func:`legacy_config`)."""
+    path = hf / "config.json"
+    path.write_text(json.dumps(legacy_config(json.loads(path.read_text())), indent=2))
 
 
 def _randomise(model, seed: int) -> None:
@@ -269,6 +290,10 @@ def export_in_venv(
     (work / "config.json").write_text(json.dumps(config))
     cmd = [tool_python(tool), "-m", "ortpa.testing.export_tools", tool, str(work / "config.json"), str(work)]
     cmd += ["--seed", str(seed), "--dtype", dtype, "--opts", json.dumps(opts or {})]
+    if host_built(tool, config):
+        build_hf_dir(config, work / "hf", seed=seed, dtype=dtype)
+        _legacy_folder(work / "hf")
+        cmd.append("--prebuilt")
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # this ortpa, not an installed one
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
@@ -294,10 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=_TORCH_DTYPES, help="the checkpoint's stored dtype")
     ap.add_argument("--attn", default=None, help="attn_implementation of the saved model")
     ap.add_argument("--opts", default="{}", help="the tool's options as JSON (genai: precision)")
+    ap.add_argument("--prebuilt", action="store_true", help="WORK/hf is already saved (host_built): export it only")
     args = ap.parse_args(argv)
     work = Path(args.work)
     config = json.loads(Path(args.config).read_text())
-    build_hf_dir(config, work / "hf", seed=args.seed, dtype=args.dtype, attn_implementation=args.attn)
+    if not args.prebuilt:
+        build_hf_dir(config, work / "hf", seed=args.seed, dtype=args.dtype, attn_implementation=args.attn)
     done = export(args.tool, work / "hf", work, json.loads(args.opts))
     print(json.dumps({**done.to_dict(), "versions": versions(PACKAGES[args.tool])}))
     return 0

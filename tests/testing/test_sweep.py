@@ -12,7 +12,7 @@ import pytest
 from support.parity import FIXTURES
 
 from ortpa.errors import ConversionError
-from ortpa.testing.export_tools import legacy_config
+from ortpa.testing.export_tools import host_built, legacy_config
 from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, run_draw, sweep_prompts
 from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, WRONG, convert_and_judge
 from ortpa.testing.sweep.space import GENAI_PRECISIONS, TOOL_FAMILIES
@@ -85,6 +85,36 @@ def test_configs_reach_transformers_4_in_its_own_spelling():
     assert legacy["rope_theta"] == rope["full_attention"]["rope_theta"]
     assert legacy["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"]
     assert legacy["rope_scaling"]["type"] == rope["full_attention"]["rope_type"] != "default"
+    # a config transformers 5 saved keeps the partial rotary factor inside rope_parameters; 4.x reads the top
+    saved = {
+        "model_type": "stablelm",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    }
+    assert legacy_config(saved) == {"model_type": "stablelm", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+
+
+def test_configs_the_tools_transformers_cannot_build_are_built_by_ortpas():
+    """transformers 4.57 cannot initialize StableLM's bias-less per-head q/k LayerNorms: such a draw's folder is
+    saved with transformers 5 (then written in 4.x's spelling); every other optimum draw by the tool's own."""
+    stablelm = [draw("stablelm", s, "optimum").config for s in SEEDS]
+    assert any(c["qk_layernorm"] for c in stablelm) and not all(c["qk_layernorm"] for c in stablelm)
+    for c in stablelm:
+        assert bool(host_built("optimum", c)) == c["qk_layernorm"]
+    assert not any(
+        host_built("optimum", draw(f, 0, "optimum").config) for f in TOOL_FAMILIES["optimum"] if f != "stablelm"
+    )
+
+
+def test_falcon_draws_each_attention_layout():
+    """multi-query (falcon-7b), classic MHA and ALiBi (falcon-rw), the new decoder architecture (falcon-40b) within
+    four seeds; parallel attention and bias both ways within a dozen."""
+    cfgs = [draw("falcon", s, "optimum").config for s in SEEDS]
+    kinds = {(c["multi_query"], c["new_decoder_architecture"], c["alibi"]) for c in cfgs[:4]}
+    assert kinds == {(True, False, False), (False, False, False), (False, False, True), (False, True, False)}
+    for c in cfgs:
+        heads, kv = c["num_attention_heads"], c["num_kv_heads"]
+        assert kv == (1 if c["multi_query"] else kv if c["new_decoder_architecture"] else heads) and heads % kv == 0
+    assert {c["parallel_attn"] for c in cfgs} == {c["bias"] for c in cfgs} == {True, False}
 
 
 def test_prompts_pass_every_threshold():

@@ -12,13 +12,14 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._fold import folded_scalar
 from ortpa.rewriter._graph import const_array, consumers, int_attr, producer_op, scalar, static_dim
 from ortpa.rewriter.recognisers._match import MatchFail, consumer_ops, need, softmax_of, strip_scales
 
-__all__ = ["AttentionCore", "attention_core", "past_row_zeroing", "sliding_window"]
+__all__ = ["AttentionCore", "attention_core", "past_row_zeroing", "positional_bias", "sliding_window"]
 
 _MAX_MASK_NODES = 400  # the mask subgraph of a tiny or a 70B model is the same few dozen nodes
 
@@ -245,3 +246,22 @@ def sliding_window(masks: list[ir.Value]) -> int:
         len(windows) <= 1, f"the attention mask encodes several windows {sorted(windows)}", masks[0] if masks else None
     )
     return windows.pop() if windows else -1
+
+
+def positional_bias(masks: list[ir.Value]) -> ir.Node | None:
+    """The node that scales positions by per-head slopes in what is added to the scores (ALiBi: falcon-rw, BLOOM,
+    MPT), or None.
+
+    A causal or sliding mask is 0 or a large negative everywhere: comparisons of positions, selected between
+    scalars. ALiBi adds ``slope_h * position`` instead, its slopes one constant with a value per head, multiplying
+    positions (from a ``CumSum`` of the attention mask or a ``Range``) on the values' path. PagedAttention takes no
+    additive bias on the scores, so such a layer cannot be converted; it is refused by name rather than converted
+    without the bias (a wrong model)."""
+    for node in _ancestors(masks):
+        if node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
+            continue
+        for operand in node.inputs:
+            arr = const_array(operand)
+            if arr is not None and arr.dtype.kind == "f" and arr.size > 1 and np.unique(arr).size > 1:
+                return node
+    return None

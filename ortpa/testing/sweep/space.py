@@ -293,7 +293,8 @@ def _falcon(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     kind = _FALCON_KINDS[seed % len(_FALCON_KINDS)]
     new_arch, multi_query = kind == "new decoder", kind == "multi-query"
     kv = rng.choice([k for k in (1, 2, 4) if heads % k == 0]) if new_arch else 1 if multi_query else heads
-    parallel, bias = rng.random() < 0.5, rng.random() < 0.5
+    # the new decoder architecture is parallel (falcon-40b/180b; 4.57 fails on it sequential: no ln_attn)
+    parallel, bias = rng.random() < 0.5 or new_arch, rng.random() < 0.5
     cfg = {
         "model_type": "falcon",
         "vocab_size": vocab,
@@ -367,7 +368,8 @@ def _phi(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     hidden, layers, vocab = _width(rng)
     heads, _ = _mha_heads(rng, hidden)
     kv = rng.choice([k for k in (1, 2, 4, heads) if heads % k == 0])
-    rotary = rng.choice((0.4, 0.5, 1.0))
+    # an even rotary width for every head dim (rotate_half): phi-2's 0.4 of 80 is 32, but 0.4 of 64 is 25.6 -> 25
+    rotary = rng.choice((0.375, 0.5, 1.0))
     cfg = {
         "model_type": "phi",
         "vocab_size": vocab,

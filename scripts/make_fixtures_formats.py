@@ -129,6 +129,10 @@ FALCON = {
     "alibi": False,
     "bias": False,
 }
+# falcon-rw's layout: classic MHA (QKV fused per head), sequential attention, bias, ALiBi instead of RoPE: refused
+# by name (PagedAttention takes no bias on the scores)
+FALCON_ALIBI = {**FALCON, "num_kv_heads": 4, "num_key_value_heads": 4, "multi_query": False, "parallel_attn": False}
+FALCON_ALIBI.update(alibi=True, bias=True, num_hidden_layers=1)
 STABLELM = {**_COMMON, "model_type": "stablelm", "partial_rotary_factor": 0.25}
 GPT_NEOX = {
     **_SMALL,
@@ -199,6 +203,7 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),
     "optimum_falcon": ("optimum", FALCON, {}),
+    "optimum_falcon_alibi": ("optimum", FALCON_ALIBI, {}),
     "optimum_stablelm": ("optimum", STABLELM, {}),
     "optimum_gptneox": ("optimum", GPT_NEOX, {}),
     "optimum_phi": ("optimum", PHI, {}),

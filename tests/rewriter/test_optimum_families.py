@@ -18,6 +18,7 @@ import pytest
 from support.parity import paged_nodes, run_parity
 
 from ortpa.conversion import convert_file
+from ortpa.errors import UnsupportedModel
 from ortpa.rewriter.pipeline import convert
 
 FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
@@ -106,3 +107,14 @@ def test_gemma2_converts_verified_with_parity_past_its_window(tmp_path):
     assert _windows(paged) == [window, -1]
     result = run_parity(paged, FORMATS / f"{name}.onnx", steps=8)
     assert result.max_context > window
+
+
+def test_falcon_alibi_is_refused_by_name(tmp_path):
+    """falcon-rw's ALiBi adds ``slope_h * position`` to the scores (positions from the mask's CumSum, slopes one
+    per head); PagedAttention takes no bias, so the layer is refused up front by name, not converted without it
+    (verification would refuse that as a mismatch) and not mistaken for a leak."""
+    out = tmp_path / "paged.onnx"
+    with pytest.raises(UnsupportedModel, match="ALiBi") as refused:
+        convert_file(FORMATS / "optimum_falcon_alibi.onnx", out)
+    assert not refused.value.mixes_sequences and "layer 0" in str(refused.value)
+    assert not out.exists()

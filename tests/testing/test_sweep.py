@@ -11,10 +11,10 @@ import onnx
 import pytest
 from support.parity import FIXTURES
 
-from ortpa.errors import ConversionError
+from ortpa.errors import ConversionError, UnsupportedModel
 from ortpa.testing.export_tools import host_built, legacy_config
 from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, run_draw, sweep_prompts
-from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, WRONG, convert_and_judge
+from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, UNSUPPORTED, WRONG, convert_and_judge
 from ortpa.testing.sweep.space import GENAI_PRECISIONS, TOOL_FAMILIES
 
 SEEDS = range(12)
@@ -138,6 +138,9 @@ def test_refusals_are_sorted_by_what_they_name():
     outcome, reason = classify_refusal(ValueError("boom\nmore"))
     assert outcome == ERROR and reason == "ValueError: boom"
     assert "ReduceMax" in classify_refusal(leak)[1]  # the reason names where
+    # refused up front: a named leak when the model mixes sequences (dynamic NTK), else unsupported (ALiBi)
+    assert classify_refusal(UnsupportedModel("m", "dynamic NTK", mixes_sequences=True))[0] == LEAK
+    assert classify_refusal(UnsupportedModel("layer 0", "ALiBi"))[0] == UNSUPPORTED
 
 
 def _paged(dense: str, out: str, scale_factor: float | None) -> None:

@@ -136,7 +136,7 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
         need(static_dim(v, 1) in (None, kvh), f"new {what} has {static_dim(v, 1)} heads, cache has {kvh}", v)
     need(d % 8 == 0, f"head size {d} is not a multiple of 8 (PagedAttention)", past_k)
     window = sliding_window(core.masks)
-    alibi = positional_bias(core.masks)
+    alibi = positional_bias(core.masks, h)
     if alibi is not None:
         raise UnsupportedModel(
             f"layer {i}",

@@ -248,20 +248,23 @@ def sliding_window(masks: list[ir.Value]) -> int:
     return windows.pop() if windows else -1
 
 
-def positional_bias(masks: list[ir.Value]) -> ir.Node | None:
+def positional_bias(masks: list[ir.Value], heads: int) -> ir.Node | None:
     """The node that scales positions by per-head slopes in what is added to the scores (ALiBi: falcon-rw, BLOOM,
     MPT), or None.
 
     A causal or sliding mask is 0 or a large negative everywhere: comparisons of positions, selected between
-    scalars. ALiBi adds ``slope_h * position`` instead, its slopes one constant with a value per head, multiplying
-    positions (from a ``CumSum`` of the attention mask or a ``Range``) on the values' path. PagedAttention takes no
+    scalars. ALiBi adds ``slope_h * position`` instead: on the values' path, a constant vector of ``heads`` slopes
+    (one axis, not all equal) multiplying positions computed at run time (a ``CumSum`` of the attention mask or a
+    ``Range``). A constant mask table has two axes; a scale on the scores is one scalar. PagedAttention takes no
     additive bias on the scores, so such a layer cannot be converted; it is refused by name rather than converted
     without the bias (a wrong model)."""
     for node in _ancestors(masks):
         if node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
             continue
-        for operand in node.inputs:
+        for operand, other in (node.inputs, reversed(node.inputs)):
             arr = const_array(operand)
-            if arr is not None and arr.dtype.kind == "f" and arr.size > 1 and np.unique(arr).size > 1:
+            if arr is None or const_array(other) is not None or arr.dtype.kind != "f" or arr.size != heads:
+                continue
+            if sum(n > 1 for n in arr.shape) == 1 and np.unique(arr).size > 1:
                 return node
     return None

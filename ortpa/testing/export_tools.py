@@ -42,6 +42,7 @@ __all__ = [
     "UNK",
     "Export",
     "build_hf_dir",
+    "build_host_folder",
     "export",
     "export_in_venv",
     "host_built",
@@ -132,9 +133,11 @@ def host_built(tool: str, cfg: dict) -> str | None:
     return None
 
 
-def _legacy_folder(hf: Path) -> None:
-    """Rewrite the saved ``config.json`` of ``hf`` in transformers 4.x's spelling (:func:`legacy_config`)."""
-    path = hf / "config.json"
+def build_host_folder(cfg: dict, out: Path, *, seed: int = 0, dtype: str = "float32") -> None:
+    """:func:`build_hf_dir` with this interpreter's transformers (5.x: a :func:`host_built` config), then its saved
+    ``config.json`` rewritten in transformers 4.x's spelling (:func:`legacy_config`) for the tool to read."""
+    build_hf_dir(cfg, out, seed=seed, dtype=dtype)
+    path = Path(out) / "config.json"
     path.write_text(json.dumps(legacy_config(json.loads(path.read_text())), indent=2))
 
 
@@ -291,8 +294,7 @@ def export_in_venv(
     cmd = [tool_python(tool), "-m", "ortpa.testing.export_tools", tool, str(work / "config.json"), str(work)]
     cmd += ["--seed", str(seed), "--dtype", dtype, "--opts", json.dumps(opts or {})]
     if host_built(tool, config):
-        build_hf_dir(config, work / "hf", seed=seed, dtype=dtype)
-        _legacy_folder(work / "hf")
+        build_host_folder(config, work / "hf", seed=seed, dtype=dtype)
         cmd.append("--prebuilt")
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # this ortpa, not an installed one
@@ -320,9 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", default=None, help="attn_implementation of the saved model")
     ap.add_argument("--opts", default="{}", help="the tool's options as JSON (genai: precision)")
     ap.add_argument("--prebuilt", action="store_true", help="WORK/hf is already saved (host_built): export it only")
+    ap.add_argument(
+        "--build-only", action="store_true", help="save WORK/hf with this transformers in 4.x's spelling, no export"
+    )
     args = ap.parse_args(argv)
     work = Path(args.work)
     config = json.loads(Path(args.config).read_text())
+    if args.build_only:
+        build_host_folder(config, work / "hf", seed=args.seed, dtype=args.dtype)
+        return 0
     if not args.prebuilt:
         build_hf_dir(config, work / "hf", seed=args.seed, dtype=args.dtype, attn_implementation=args.attn)
     done = export(args.tool, work / "hf", work, json.loads(args.opts))

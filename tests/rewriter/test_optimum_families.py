@@ -30,6 +30,7 @@ FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
 FAMILIES = {
     "optimum_falcon": (4, 1, 16),
     "optimum_stablelm": (4, 2, 16),
+    "optimum_stablelm_qknorm": (4, 2, 16),  # per-head q/k LayerNorm (StableLM-2 12B), left in the graph
     "optimum_gptneox": (4, 4, 16),
     "optimum_phi": (4, 4, 16),
     "optimum_gemma": (4, 2, 16),

@@ -14,7 +14,8 @@ from support.parity import FIXTURES
 from ortpa.errors import ConversionError, UnsupportedModel
 from ortpa.testing.export_tools import host_built, legacy_config
 from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, run_draw, sweep_prompts
-from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, UNSUPPORTED, WRONG, convert_and_judge
+from ortpa.testing.sweep.report import tool_tables
+from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, UNSUPPORTED, WRONG, Outcome, convert_and_judge
 from ortpa.testing.sweep.space import GENAI_PRECISIONS, TOOL_FAMILIES
 
 SEEDS = range(12)
@@ -141,6 +142,18 @@ def test_refusals_are_sorted_by_what_they_name():
     # refused up front: a named leak when the model mixes sequences (dynamic NTK), else unsupported (ALiBi)
     assert classify_refusal(UnsupportedModel("m", "dynamic NTK", mixes_sequences=True))[0] == LEAK
     assert classify_refusal(UnsupportedModel("layer 0", "ALiBi"))[0] == UNSUPPORTED
+
+
+def test_tables_count_refused_unsupported_only_where_drawn():
+    """The sixth outcome gets a column where a draw has it; tables without one keep the five columns."""
+
+    def outcome(seed: int, kind: str) -> Outcome:
+        return Outcome("falcon", seed, "L2", kind, "", 1.0, "done", tool="optimum")
+
+    plain = tool_tables([outcome(0, CORRECT)]).splitlines()
+    assert UNSUPPORTED not in plain[2] and plain[4] == "| optimum | falcon | 1 | 0 | 0 | 0 | 0 |"
+    drawn = tool_tables([outcome(0, CORRECT), outcome(2, UNSUPPORTED)]).splitlines()
+    assert drawn[2].endswith(f"| {UNSUPPORTED} |") and drawn[4] == "| optimum | falcon | 1 | 0 | 0 | 0 | 0 | 1 |"
 
 
 def _paged(dense: str, out: str, scale_factor: float | None) -> None:

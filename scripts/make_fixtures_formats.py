@@ -22,7 +22,8 @@ tool axis (``python -m ortpa.testing.sweep --tool T``). Pass the tool as the fir
   optimum-onnx (it pins transformers < 4.58), torch 2.13.0 CPU, onnx 1.23. One that reuses ortpa's torch and onnx:
   ``python -m venv V``, a ``.pth`` file in V's site-packages naming ortpa's site-packages (it comes after V's own,
   so V's transformers 4.57 wins), ``V/bin/pip install optimum-onnx "transformers<4.58"``, then run this script
-  with ``V/bin/python``. Llama, Qwen3, Falcon, StableLM, GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2,
+  with ``V/bin/python``. Llama, Qwen3, Falcon (multi-query; ALiBi), StableLM (and with q/k LayerNorm, whose folder
+  ``--host-python``, ortpa's interpreter, saves), GPT-NeoX, Phi, Gemma, Mistral (sliding window 8), Qwen2,
   Gemma-2 (alternating windows).
 * ``onnx_exporter``: transformers 5.x ``OnnxExporter.export_for_generation`` (the decode model), in ortpa's own
   environment (the ``export`` extra: torch 2.13.0 CPU, transformers 5.24, onnxscript 0.7). Llama, MiniCPM3 (dense
@@ -40,6 +41,7 @@ import argparse
 import collections
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,7 +131,14 @@ FALCON = {
     "alibi": False,
     "bias": False,
 }
+# falcon-rw's layout: classic MHA (QKV fused per head), sequential attention, bias, ALiBi instead of RoPE: refused
+# by name (PagedAttention takes no bias on the scores)
+FALCON_ALIBI = {**FALCON, "num_kv_heads": 4, "num_key_value_heads": 4, "multi_query": False, "parallel_attn": False}
+FALCON_ALIBI.update(alibi=True, bias=True, num_hidden_layers=1)
 STABLELM = {**_COMMON, "model_type": "stablelm", "partial_rotary_factor": 0.25}
+# StableLM-2 12B's per-head q/k LayerNorm: transformers 4.57 cannot build it from a config (its _init_weights zeroes
+# the absent bias), so ortpa's transformers 5 saves the folder (--host-python) and optimum exports it
+STABLELM_QK = {**STABLELM, "qk_layernorm": True}
 GPT_NEOX = {
     **_SMALL,
     "model_type": "gpt_neox",
@@ -203,7 +212,9 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     "optimum_llama": ("optimum", LLAMA, {}),
     "optimum_qwen3": ("optimum", QWEN3, {}),
     "optimum_falcon": ("optimum", FALCON, {}),
+    "optimum_falcon_alibi": ("optimum", FALCON_ALIBI, {}),
     "optimum_stablelm": ("optimum", STABLELM, {}),
+    "optimum_stablelm_qknorm": ("optimum", STABLELM_QK, {}),
     "optimum_gptneox": ("optimum", GPT_NEOX, {}),
     "optimum_phi": ("optimum", PHI, {}),
     "optimum_gemma": ("optimum", GEMMA, {}),
@@ -405,14 +416,26 @@ def _source_format(tool: str, opts: dict) -> str:
     return {"optimum": "optimum", "onnx_exporter": "onnx_exporter", "ortpa": "ortpa_dynamo"}[tool]
 
 
-def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
+def _build_on_host(cfg: dict, work: Path, host_python: str | None) -> None:
+    """Save ``work/hf`` with ``host_python``'s transformers 5 in 4.x's spelling (``export_tools.host_built``)."""
+    if not host_python:
+        raise RuntimeError(f"{export_tools.host_built('optimum', cfg)}: pass --host-python (ortpa's interpreter)")
+    (work / "config.json").write_text(json.dumps(cfg))
+    cmd = [host_python, "-m", "ortpa.testing.export_tools", "optimum", str(work / "config.json"), str(work)]
+    subprocess.run([*cmd, "--seed", str(SEED), "--build-only"], check=True, cwd=ROOT)
+
+
+def make(name: str, out_dir: Path, keep: Path | None = None, host_python: str | None = None) -> Path:
     import onnx
 
     tool, cfg, opts = FIXTURES[name]
     with tempfile.TemporaryDirectory(prefix=f"fx_{name}_") as tmp:
         work = Path(tmp)
         hf = work / "hf"
-        build_hf_dir(cfg, hf)
+        if export_tools.host_built(tool, cfg):
+            _build_on_host(cfg, work, host_python)
+        else:
+            build_hf_dir(cfg, hf)
         model_path, cmd, extras = _export(tool, hf, work, {**opts, "config": cfg})
         runtime = work / "genai_runtime.json"
         genai_runtime = json.loads(runtime.read_text()) if runtime.exists() else None
@@ -453,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
         help="output folder (default: tests/fixtures/formats, paged builds in tests/fixtures/genai_paged)",
     )
     ap.add_argument("--keep", default=None, help="also copy each tool's raw output and logs to this folder")
+    ap.add_argument(
+        "--host-python",
+        default=None,
+        help="ortpa's interpreter (transformers 5): saves the folders the tool's transformers cannot build "
+        "(optimum_stablelm_qknorm)",
+    )
     args = ap.parse_args(argv)
     keep = Path(args.keep) if args.keep else None
     names = [n for n, (tool, _, _) in FIXTURES.items() if tool == args.tool and (not args.only or n in args.only)]
@@ -463,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else FORMATS_DIR if not FIXTURES[name][2].get("paged") else PAGED_DIR
         out.mkdir(parents=True, exist_ok=True)
         try:
-            dst = make(name, out, keep)
+            dst = make(name, out, keep, args.host_python)
         except Exception as exc:  # report every fixture, keep going
             failed.append(name)
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}")

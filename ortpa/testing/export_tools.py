@@ -18,7 +18,9 @@ imports only the standard library at the top, and the tool's packages inside the
 In a tool's venv, ``python -m ortpa.testing.export_tools TOOL CONFIG_JSON WORK [--precision P] ...`` builds the
 folder from a config (the tool's own transformers reads it: configs in transformers 5's spelling are written in
 the legacy one where that transformers is 4.x) and exports it, printing one JSON line (the model path, the
-command, the versions).
+command, the versions). A config the tool's transformers cannot build (:func:`host_built`) is built here, with
+ortpa's transformers 5, its ``config.json`` rewritten in the tool's spelling, and the tool only exports it
+(``--prebuilt``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ __all__ = [
     "UNK",
     "Export",
     "build_hf_dir",
+    "build_host_folder",
     "export",
     "export_in_venv",
+    "host_built",
     "legacy_config",
     "tool_python",
     "write_legacy_config",
@@ -111,11 +115,29 @@ def legacy_config(cfg: dict) -> dict:
     rope = dict(rope)
     if "rope_theta" in rope:
         cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:  # transformers 5 saves it inside rope_parameters, 4.x reads it at the top
+        cfg.setdefault("partial_rotary_factor", rope.pop("partial_rotary_factor"))
     kind = rope.pop("rope_type", "default")
     if kind != "default":  # 4.x's YaRN check wants rope_type; its Phi-3 LongRoPE exactly type and the two factors
         named = {"type": kind} if kind == "longrope" else {"rope_type": kind, "type": kind}
         cfg["rope_scaling"] = {**named, **rope}
     return cfg
+
+
+def host_built(tool: str, cfg: dict) -> str | None:
+    """Why ``tool``'s own transformers cannot build ``cfg`` from a config (then ortpa's transformers 5 saves the
+    folder, in the tool's config spelling), or None. transformers 4.57's StableLM ``_init_weights`` zeroes every
+    LayerNorm's bias, and the per-head q/k LayerNorms of ``qk_layernorm`` have none (``AttributeError``); loading
+    a saved folder, whose weights are all present, initializes nothing."""
+    if tool == "optimum" and cfg.get("model_type") == "stablelm" and cfg.get("qk_layernorm"):
+        return "transformers 4.57 cannot initialize StableLM's bias-less per-head q/k LayerNorms"
+    return None
+
+
+def build_host_folder(cfg: dict, out: Path, *, seed: int = 0, dtype: str = "float32") -> None:
+    """:func:`build_hf_dir` with this interpreter's transformers (5.x: a :func:`host_built` config), then its saved
+    ``config.json`` rewritten in transformers 4.x's spelling (:func:`legacy_config`) for the tool to read."""
+    build_hf_dir(cfg, out, seed=seed, dtype=dtype, legacy=True)
 
 
 def _randomise(model, seed: int) -> None:
@@ -286,6 +308,9 @@ def export_in_venv(
     (work / "config.json").write_text(json.dumps(config))
     cmd = [tool_python(tool), "-m", "ortpa.testing.export_tools", tool, str(work / "config.json"), str(work)]
     cmd += ["--seed", str(seed), "--dtype", dtype, "--opts", json.dumps(opts or {})]
+    if host_built(tool, config):
+        build_host_folder(config, work / "hf", seed=seed, dtype=dtype)
+        cmd.append("--prebuilt")
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # this ortpa, not an installed one
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
@@ -311,12 +336,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=_TORCH_DTYPES, help="the checkpoint's stored dtype")
     ap.add_argument("--attn", default=None, help="attn_implementation of the saved model")
     ap.add_argument("--opts", default="{}", help="the tool's options as JSON (genai: precision)")
+    ap.add_argument("--prebuilt", action="store_true", help="WORK/hf is already saved (host_built): export it only")
+    ap.add_argument(
+        "--build-only", action="store_true", help="save WORK/hf with this transformers in 4.x's spelling, no export"
+    )
     args = ap.parse_args(argv)
     work = Path(args.work)
     config = json.loads(Path(args.config).read_text())
-    # the genai builder reads the legacy spelling (Phi-3 LongRoPE: rope_scaling["type"])
-    legacy = args.tool == "genai"
-    build_hf_dir(config, work / "hf", seed=args.seed, dtype=args.dtype, attn_implementation=args.attn, legacy=legacy)
+    if args.build_only:
+        build_host_folder(config, work / "hf", seed=args.seed, dtype=args.dtype)
+        return 0
+    if not args.prebuilt:
+        # the genai builder reads the legacy spelling (Phi-3 LongRoPE: rope_scaling["type"])
+        legacy = args.tool == "genai"
+        build_hf_dir(
+            config, work / "hf", seed=args.seed, dtype=args.dtype, attn_implementation=args.attn, legacy=legacy
+        )
     done = export(args.tool, work / "hf", work, json.loads(args.opts))
     print(json.dumps({**done.to_dict(), "versions": versions(PACKAGES[args.tool])}))
     return 0

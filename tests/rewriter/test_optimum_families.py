@@ -14,11 +14,14 @@ import json
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import pytest
 from support.parity import paged_nodes, run_parity
 
 from ortpa.conversion import convert_file
+from ortpa.errors import UnsupportedModel
 from ortpa.rewriter.pipeline import convert
+from ortpa.rewriter.recognisers.decomposed_core import positional_bias
 
 FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
 
@@ -27,6 +30,7 @@ FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
 FAMILIES = {
     "optimum_falcon": (4, 1, 16),
     "optimum_stablelm": (4, 2, 16),
+    "optimum_stablelm_qknorm": (4, 2, 16),  # per-head q/k LayerNorm (StableLM-2 12B), left in the graph
     "optimum_gptneox": (4, 4, 16),
     "optimum_phi": (4, 4, 16),
     "optimum_gemma": (4, 2, 16),
@@ -106,3 +110,41 @@ def test_gemma2_converts_verified_with_parity_past_its_window(tmp_path):
     assert _windows(paged) == [window, -1]
     result = run_parity(paged, FORMATS / f"{name}.onnx", steps=8)
     assert result.max_context > window
+
+
+def test_falcon_alibi_is_refused_by_name(tmp_path):
+    """falcon-rw's ALiBi adds ``slope_h * position`` to the scores (positions from the mask's CumSum, slopes one
+    per head); PagedAttention takes no bias, so the layer is refused up front by name, not converted without it
+    (verification would refuse that as a mismatch) and not mistaken for a leak."""
+    out = tmp_path / "paged.onnx"
+    with pytest.raises(UnsupportedModel, match="ALiBi") as refused:
+        convert_file(FORMATS / "optimum_falcon_alibi.onnx", out)
+    assert not refused.value.mixes_sequences and "layer 0" in str(refused.value)
+    assert not out.exists()
+
+
+def _mask_graph(slopes: list[float], positions: bool) -> list[ir.Value]:
+    """A one-layer mask: ``slopes * positions`` (ALiBi; positions from CumSum(attention_mask)) or ``slopes`` times a
+    comparison of positions (a causal mask scaled to its minimum): the value a layer adds to its scores."""
+    h = onnx.helper
+    mask = h.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, ["B", "T"])
+    nodes = [h.make_node("Constant", [], ["axis"], value=h.make_tensor("a", onnx.TensorProto.INT64, [], [1]))]
+    if positions:
+        nodes.append(h.make_node("CumSum", ["attention_mask", "axis"], ["pos"]))
+    else:
+        nodes.append(h.make_node("Greater", ["attention_mask", "axis"], ["pos"]))
+    nodes.append(h.make_node("Cast", ["pos"], ["posf"], to=onnx.TensorProto.FLOAT))
+    slope = h.make_tensor("slopes", onnx.TensorProto.FLOAT, [len(slopes), 1], slopes)
+    nodes.append(h.make_node("Mul", ["slopes", "posf"], ["bias"]))
+    out = h.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, None)
+    model = h.make_model(h.make_graph(nodes, "m", [mask], [out], [slope]))
+    return [ir.from_proto(model).graph.outputs[0]]
+
+
+def test_positional_bias_is_slopes_times_positions_only():
+    """Per-head slopes times positions is ALiBi, with one head too; the same constant times a comparison of
+    positions (a mask scaled to its minimum) is not, nor are slopes of another head count."""
+    assert positional_bias(_mask_graph([0.5, 0.25], positions=True), heads=2) is not None
+    assert positional_bias(_mask_graph([0.5], positions=True), heads=1) is not None
+    assert positional_bias(_mask_graph([-3.0e38], positions=False), heads=1) is None
+    assert positional_bias(_mask_graph([0.5, 0.25], positions=True), heads=4) is None

@@ -11,10 +11,11 @@ import onnx
 import pytest
 from support.parity import FIXTURES
 
-from ortpa.errors import ConversionError
-from ortpa.testing.export_tools import legacy_config
+from ortpa.errors import ConversionError, UnsupportedModel
+from ortpa.testing.export_tools import host_built, legacy_config
 from ortpa.testing.sweep import FAMILIES, OUTCOMES, classify_refusal, draw, run_draw, sweep_prompts
-from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, WRONG, convert_and_judge
+from ortpa.testing.sweep.report import tool_tables
+from ortpa.testing.sweep.run import CORRECT, ERROR, LEAK, OTHER, UNSUPPORTED, WRONG, Outcome, convert_and_judge
 from ortpa.testing.sweep.space import GENAI_PRECISIONS, TOOL_FAMILIES
 
 SEEDS = range(12)
@@ -85,6 +86,36 @@ def test_configs_reach_transformers_4_in_its_own_spelling():
     assert legacy["rope_theta"] == rope["full_attention"]["rope_theta"]
     assert legacy["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"]
     assert legacy["rope_scaling"]["type"] == rope["full_attention"]["rope_type"] != "default"
+    # a config transformers 5 saved keeps the partial rotary factor inside rope_parameters; 4.x reads the top
+    saved = {
+        "model_type": "stablelm",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    }
+    assert legacy_config(saved) == {"model_type": "stablelm", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+
+
+def test_configs_the_tools_transformers_cannot_build_are_built_by_ortpas():
+    """transformers 4.57 cannot initialize StableLM's bias-less per-head q/k LayerNorms: such a draw's folder is
+    saved with transformers 5 (then written in 4.x's spelling); every other optimum draw by the tool's own."""
+    stablelm = [draw("stablelm", s, "optimum").config for s in SEEDS]
+    assert any(c["qk_layernorm"] for c in stablelm) and not all(c["qk_layernorm"] for c in stablelm)
+    for c in stablelm:
+        assert bool(host_built("optimum", c)) == c["qk_layernorm"]
+    assert not any(
+        host_built("optimum", draw(f, 0, "optimum").config) for f in TOOL_FAMILIES["optimum"] if f != "stablelm"
+    )
+
+
+def test_falcon_draws_each_attention_layout():
+    """multi-query (falcon-7b), classic MHA and ALiBi (falcon-rw), the new decoder architecture (falcon-40b) within
+    four seeds; parallel attention and bias both ways within a dozen."""
+    cfgs = [draw("falcon", s, "optimum").config for s in SEEDS]
+    kinds = {(c["multi_query"], c["new_decoder_architecture"], c["alibi"]) for c in cfgs[:4]}
+    assert kinds == {(True, False, False), (False, False, False), (False, False, True), (False, True, False)}
+    for c in cfgs:
+        heads, kv = c["num_attention_heads"], c["num_kv_heads"]
+        assert kv == (1 if c["multi_query"] else kv if c["new_decoder_architecture"] else heads) and heads % kv == 0
+    assert {c["parallel_attn"] for c in cfgs} == {c["bias"] for c in cfgs} == {True, False}
 
 
 def test_genai_folders_are_written_in_the_legacy_spelling(tmp_path):
@@ -128,6 +159,21 @@ def test_refusals_are_sorted_by_what_they_name():
     outcome, reason = classify_refusal(ValueError("boom\nmore"))
     assert outcome == ERROR and reason == "ValueError: boom"
     assert "ReduceMax" in classify_refusal(leak)[1]  # the reason names where
+    # refused up front: a named leak when the model mixes sequences (dynamic NTK), else unsupported (ALiBi)
+    assert classify_refusal(UnsupportedModel("m", "dynamic NTK", mixes_sequences=True))[0] == LEAK
+    assert classify_refusal(UnsupportedModel("layer 0", "ALiBi"))[0] == UNSUPPORTED
+
+
+def test_tables_count_refused_unsupported_only_where_drawn():
+    """The sixth outcome gets a column where a draw has it; tables without one keep the five columns."""
+
+    def outcome(seed: int, kind: str) -> Outcome:
+        return Outcome("falcon", seed, "L2", kind, "", 1.0, "done", tool="optimum")
+
+    plain = tool_tables([outcome(0, CORRECT)]).splitlines()
+    assert UNSUPPORTED not in plain[2] and plain[4] == "| optimum | falcon | 1 | 0 | 0 | 0 | 0 |"
+    drawn = tool_tables([outcome(0, CORRECT), outcome(2, UNSUPPORTED)]).splitlines()
+    assert drawn[2].endswith(f"| {UNSUPPORTED} |") and drawn[4] == "| optimum | falcon | 1 | 0 | 0 | 0 | 0 | 1 |"
 
 
 def _paged(dense: str, out: str, scale_factor: float | None) -> None:

@@ -17,6 +17,7 @@ from collections import deque
 
 import onnx_ir as ir
 
+from ortpa.errors import UnsupportedModel
 from ortpa.rewriter._fold import fold_partial, fold_static
 from ortpa.rewriter._graph import static_dim, static_width
 from ortpa.rewriter.layer import AttentionLayer, LayerFailure
@@ -28,7 +29,7 @@ from ortpa.rewriter.recognisers._match import (
     need,
     reaches,
 )
-from ortpa.rewriter.recognisers.decomposed_core import attention_core, sliding_window
+from ortpa.rewriter.recognisers.decomposed_core import attention_core, positional_bias, sliding_window
 from ortpa.rewriter.recognisers.decomposed_qk import before_transpose_norm, rope_input
 
 __all__ = [
@@ -135,6 +136,13 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
         need(static_dim(v, 1) in (None, kvh), f"new {what} has {static_dim(v, 1)} heads, cache has {kvh}", v)
     need(d % 8 == 0, f"head size {d} is not a multiple of 8 (PagedAttention)", past_k)
     window = sliding_window(core.masks)
+    alibi = positional_bias(core.masks, h)
+    if alibi is not None:
+        raise UnsupportedModel(
+            f"layer {i}",
+            f"its scores get a per-head positional bias (ALiBi: node {alibi.name!r} scales positions by per-head "
+            "slopes); PagedAttention takes no bias on the scores, so ALiBi models are not converted",
+        )
 
     scale = core.scale if core.scale is not None else 1.0 / math.sqrt(d)
     m = AttentionLayer(

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ortpa.testing.sweep.report import markdown, tool_tables
-from ortpa.testing.sweep.run import Outcome, run_draw
+from ortpa.testing.sweep.run import CORRECT, LEAK, UNSUPPORTED, Outcome, run_draw
 from ortpa.testing.sweep.space import FAMILIES, TOOL_FAMILIES, TOOLS, draw
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     # dynamo draws: the whole page; other tools': their tables alone, which docs/sweep.md keeps in its own section
     page = markdown(dynamo, when=time.strftime("%Y-%m-%d")) if len(dynamo) == len(outcomes) else tool_tables(outcomes)
     Path(args.out).write_text(page, encoding="utf-8")
-    bad = [o for o in outcomes if o.outcome not in ("converted-and-correct", "refused-with-a-named-leak")]
+    bad = [o for o in outcomes if o.outcome not in (CORRECT, LEAK, UNSUPPORTED)]
     print(f"{len(outcomes)} configs, {len(bad)} not correct; wrote {args.out}")
     return 1 if bad else 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ortpa.testing.sweep.run import OUTCOMES, Outcome
+from ortpa.testing.sweep.run import OUTCOMES, UNSUPPORTED, Outcome
 from ortpa.testing.sweep.space import FAMILIES
 
 __all__ = ["command", "markdown", "tool_tables"]
@@ -21,9 +21,15 @@ Generated on {when} by
 as `ortpa convert HF_DIR` exports it, converted with the default options (verification on), and its greedy
 tokens, batched and alone, compared with the export's under the tie rule (`ortpa/testing/sweep/judge.py`).
 Outcomes: `converted-and-correct`; `refused-with-a-named-leak` (the per-sequence flow shows a value that mixes
-sequences); `refused-other` (any other refusal: a bug); `wrong` (written, tokens differ: a bug); `error` (the
+sequences); `refused-unsupported` (refused up front, naming a computation PagedAttention cannot express, such
+as ALiBi); `refused-other` (any other refusal: a bug); `wrong` (written, tokens differ: a bug); `error` (the
 sweep could not reach a verdict: a bug).
 """
+
+
+def _columns(outcomes: Sequence[Outcome]) -> tuple[str, ...]:
+    """The outcomes the counts show: every one, ``refused-unsupported`` only where a draw has it."""
+    return tuple(k for k in OUTCOMES if k != UNSUPPORTED or any(o.outcome == k for o in outcomes))
 
 
 def _cell(text: str) -> str:
@@ -42,12 +48,13 @@ def command(outcomes: Sequence[Outcome]) -> str:
 def markdown(outcomes: Sequence[Outcome], *, when: str = "") -> str:
     """The report: a header, counts per family and outcome, and every config with its outcome and reason."""
     lines = [_HEADER.format(args=command(outcomes), when=when), "## Counts per family", ""]
-    lines.append("| family | " + " | ".join(OUTCOMES) + " |")
-    lines.append("|---|" + "---:|" * len(OUTCOMES))
+    columns = _columns(outcomes)
+    lines.append("| family | " + " | ".join(columns) + " |")
+    lines.append("|---|" + "---:|" * len(columns))
     families = sorted({o.family for o in outcomes})
     for family in [*families, "all"]:
         mine = [o for o in outcomes if family in ("all", o.family)]
-        counts = " | ".join(str(sum(o.outcome == k for o in mine)) for k in OUTCOMES)
+        counts = " | ".join(str(sum(o.outcome == k for o in mine)) for k in columns)
         lines.append(f"| {'**all**' if family == 'all' else family} | {counts} |")
     lines += ["", "## Every config", ""]
     lines.append("| family | seed | config | outcome | max \\|dlogit\\| | seconds | reason |")
@@ -64,13 +71,14 @@ def markdown(outcomes: Sequence[Outcome], *, when: str = "") -> str:
 def tool_tables(outcomes: Sequence[Outcome]) -> str:
     """Counts per tool and family, then every config with its tool (the tool axis' section of docs/sweep.md)."""
     lines = ["### Counts per tool and family", ""]
-    lines.append("| tool | family | " + " | ".join(OUTCOMES) + " |")
-    lines.append("|---|---|" + "---:|" * len(OUTCOMES))
+    columns = _columns(outcomes)
+    lines.append("| tool | family | " + " | ".join(columns) + " |")
+    lines.append("|---|---|" + "---:|" * len(columns))
     keys = sorted({(o.tool, o.family) for o in outcomes})
     for tool in sorted({t for t, _ in keys}):
         for family in [*(f for t, f in keys if t == tool), "all"]:
             mine = [o for o in outcomes if o.tool == tool and family in ("all", o.family)]
-            counts = " | ".join(str(sum(o.outcome == k for o in mine)) for k in OUTCOMES)
+            counts = " | ".join(str(sum(o.outcome == k for o in mine)) for k in columns)
             lines.append(f"| {tool} | {'**all**' if family == 'all' else family} | {counts} |")
     lines += ["", "### Every config", ""]
     lines.append("| tool | family | seed | config | outcome | max \\|dlogit\\| | seconds | reason |")

@@ -13,6 +13,8 @@ written model judged against the export run by ONNX Runtime (:mod:`ortpa.testing
 * ``refused-with-a-named-leak``: refused by the per-sequence flow, every reason a definite leak (a value shown
   to mix sequences), or refused up front for a computation that mixes them by definition
   (:class:`~ortpa.errors.UnsupportedModel` ``mixes_sequences``: dynamic NTK RoPE);
+* ``refused-unsupported``: refused up front, naming a computation the op cannot express
+  (:class:`~ortpa.errors.UnsupportedModel` without ``mixes_sequences``: ALiBi's bias on the scores);
 * ``refused-other``: any other refusal (verification, a layer no recogniser takes, a gap in the flow): a bug;
 * ``wrong``: written, with tokens outside the tie rule: a bug;
 * ``error``: the sweep could not get as far as a verdict (the build or export failed, a run crashed): a bug.
@@ -32,7 +34,7 @@ from pathlib import Path
 from ortpa.testing.sweep.judge import judge_conversion, sweep_prompts
 from ortpa.testing.sweep.space import Draw
 
-__all__ = ["OUTCOMES", "Outcome", "classify_refusal", "convert_and_judge", "run_draw"]
+__all__ = ["OUTCOMES", "UNSUPPORTED", "Outcome", "classify_refusal", "convert_and_judge", "run_draw"]
 
 CORRECT, LEAK, OTHER, WRONG, ERROR = (
     "converted-and-correct",
@@ -41,7 +43,9 @@ CORRECT, LEAK, OTHER, WRONG, ERROR = (
     "wrong",
     "error",
 )
-OUTCOMES = (CORRECT, LEAK, OTHER, WRONG, ERROR)
+UNSUPPORTED = "refused-unsupported"
+# UNSUPPORTED last: reports show its column only where a draw has it (tables written before it keep their columns)
+OUTCOMES = (CORRECT, LEAK, OTHER, WRONG, ERROR, UNSUPPORTED)
 
 # the per-sequence pass's refusal (ortpa.rewriter.per_sequence.reductions)
 _FLOW_REFUSAL = "values computed over the whole packed step"
@@ -76,8 +80,12 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
 
 def classify_refusal(exc: BaseException) -> tuple[str, str]:
     """``(outcome, reason)`` for an exception ``ortpa.convert_file`` raised: a named leak only when the per-sequence
-    pass refused and every failure it lists is definite (no "cannot follow", no op without a rule)."""
-    from ortpa.errors import ConversionError
+    pass refused and every failure it lists is definite (no "cannot follow", no op without a rule); an up-front
+    :class:`~ortpa.errors.UnsupportedModel` is a named leak where the model mixes sequences, else unsupported."""
+    from ortpa.errors import ConversionError, UnsupportedModel
+
+    if isinstance(exc, UnsupportedModel):
+        return (LEAK if exc.mixes_sequences else UNSUPPORTED), _first_line(exc)
 
     failures = list(getattr(exc, "failures", None) or [])
     listed = "; ".join(f"{where}: {why}" for where, why in failures)
@@ -198,8 +206,9 @@ def run_draw(draw: Draw, workdir: str | Path | None = None, *, steps: int = 6) -
     except Exception as exc:  # the sweep goes on: the class and first line are the record
         from ortpa.errors import UnsupportedModel
 
-        named = isinstance(exc, UnsupportedModel) and exc.mixes_sequences
-        return done(LEAK if named else ERROR, _first_line(exc))
+        if isinstance(exc, UnsupportedModel):
+            return done(*classify_refusal(exc))
+        return done(ERROR, _first_line(exc))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

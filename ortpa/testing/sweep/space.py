@@ -281,12 +281,20 @@ def _rope_theta(rng: random.Random) -> dict:
     return {"rope_type": "default", "rope_theta": rng.choice((10000.0, 500000.0))}
 
 
+# Falcon's attention layouts, one per seed in turn: falcon-7b (one KV head), falcon-rw's classic MHA (QKV fused
+# per head, interleaved) with and without ALiBi, falcon-40b's new decoder architecture (grouped KV heads)
+_FALCON_KINDS = ("multi-query", "classic MHA", "alibi", "new decoder")
+
+
 def _falcon(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
-    """Falcon's fused QKV: multi-query (Falcon-7B) or grouped with the new decoder architecture (Falcon-40B)."""
+    """Falcon's fused QKV in each of its layouts (:data:`_FALCON_KINDS`), parallel attention and bias on or off."""
     hidden, layers, vocab = _width(rng)
     heads, _ = _mha_heads(rng, hidden)
-    new_arch = rng.random() < 0.5
-    kv = rng.choice([k for k in (1, 2, 4) if heads % k == 0]) if new_arch else 1
+    kind = _FALCON_KINDS[seed % len(_FALCON_KINDS)]
+    new_arch, multi_query = kind == "new decoder", kind == "multi-query"
+    kv = rng.choice([k for k in (1, 2, 4) if heads % k == 0]) if new_arch else 1 if multi_query else heads
+    # the new decoder architecture is parallel (falcon-40b/180b; 4.57 fails on it sequential: no ln_attn)
+    parallel, bias = rng.random() < 0.5 or new_arch, rng.random() < 0.5
     cfg = {
         "model_type": "falcon",
         "vocab_size": vocab,
@@ -295,16 +303,17 @@ def _falcon(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
         "num_attention_heads": heads,
         "num_kv_heads": kv,
         "num_key_value_heads": kv,  # for the table; Falcon reads num_kv_heads (and multi_query)
-        "multi_query": not new_arch,
+        "multi_query": multi_query,
         "new_decoder_architecture": new_arch,
-        "parallel_attn": True,
-        "alibi": False,
-        "bias": rng.random() < 0.3,
+        "parallel_attn": parallel,
+        "alibi": kind == "alibi",
+        "bias": bias,
         "max_position_embeddings": _MAX_POSITIONS,
         "rope_parameters": _rope_theta(rng),
         "tie_word_embeddings": rng.random() < 0.5,
     }
-    return cfg, ("new decoder" if new_arch else "multi-query",), "sdpa"
+    notes = (kind, "parallel attn" if parallel else "sequential") + (("bias",) if bias else ())
+    return cfg, notes, "sdpa"
 
 
 def _stablelm(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
@@ -359,7 +368,8 @@ def _phi(rng: random.Random, seed: int) -> tuple[dict, tuple[str, ...], str]:
     hidden, layers, vocab = _width(rng)
     heads, _ = _mha_heads(rng, hidden)
     kv = rng.choice([k for k in (1, 2, 4, heads) if heads % k == 0])
-    rotary = rng.choice((0.4, 0.5, 1.0))
+    # an even rotary width for every head dim (rotate_half): phi-2's 0.4 of 80 is 32, but 0.4 of 64 is 25.6 -> 25
+    rotary = rng.choice((0.375, 0.5, 1.0))
     cfg = {
         "model_type": "phi",
         "vocab_size": vocab,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import (
@@ -39,6 +41,23 @@ from ortpa.rewriter.recognisers._match import (
 from ortpa.rewriter.recognisers.decomposed_core import past_row_zeroing
 
 __all__ = ["match_mla_layer", "match_mla_layers"]
+
+
+@dataclass(frozen=True)
+class _Cached:
+    """What a layer's caches are made of, traced to kv_b_proj: the new normalised latent rows, the roped k_pe
+    (one head), kv_b_proj's k_nope and the v the attention's probabilities multiply, and the widths."""
+
+    latent: ir.Value
+    k_pe: ir.Value
+    k_nope: ir.Value
+    v: ir.Value
+    w_kv_b: np.ndarray
+    P: int
+    V: int
+    R: int
+    form: str
+    present_key: ir.Value | None = None  # the expanded form: the attention's key is this cache, past rows and new
 
 
 def _what(value: ir.Value) -> str:
@@ -219,15 +238,28 @@ def match_mla_layer(graph: ir.Graph, layer: int) -> MlaLayer | LayerFailure:
     return match_or_failure(_match, graph, layer)
 
 
-def _match(graph: ir.Graph, i: int) -> MlaLayer:
-    past_k, past_v = cache_inputs(graph, i)
-    need(static_dim(past_k, 1) == 1, f"key cache has {past_k.shape} heads, expected one latent head (MLA)", past_k)
+def _kv_b_proj(kvb: ir.Node | None, L: int | None, where: ir.Value) -> np.ndarray:
+    """kv_b_proj's ``[L, H*(P+V)]`` weight (dequantized from MatMulNBits)."""
+    need(kvb is not None, f"the latent is not expanded by a MatMul (kv_b_proj) but {_what(where)}", where)
+    assert kvb is not None
+    w_kv_b = dequantized_weight(kvb) if is_matmul_nbits(kvb) else const_array(kvb.inputs[1])
+    need(
+        w_kv_b is not None and w_kv_b.ndim == 2 and w_kv_b.shape[0] == (L or w_kv_b.shape[0]),
+        "kv_b_proj weight not a constant [L, N]",
+        kvb,
+    )
+    assert w_kv_b is not None
+    return w_kv_b
+
+
+def _latent_cache(past_k: ir.Value, past_v: ir.Value) -> _Cached:
+    """transformers 5: the caches hold the normalised latent and the roped k_pe; kv_b_proj expands the whole
+    present latent (past rows too) into per-head k_nope / v."""
     L, R = static_dim(past_k, 3), static_dim(past_v, 3)
     need(L is not None and R is not None, "latent / rope widths of the caches are not static", past_k)
     assert L is not None and R is not None
     latent_all, latent = cache_concat(past_k)
     _, k_pe = cache_concat(past_v)
-
     kvb = next(
         (
             n
@@ -242,11 +274,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
         latent_all,
     )
     assert kvb is not None
-    w_kv_b = dequantized_weight(kvb) if is_matmul_nbits(kvb) else const_array(kvb.inputs[1])
-    need(
-        w_kv_b is not None and w_kv_b.ndim == 2 and w_kv_b.shape[0] == L, "kv_b_proj weight not a constant [L, N]", kvb
-    )
-    assert w_kv_b is not None
+    w_kv_b = _kv_b_proj(kvb, L, latent_all)
     reshape = next(iter(consumers(kvb.outputs[0], "Reshape")), None)
     transpose = next(iter(consumers(reshape.outputs[0], "Transpose")), None) if reshape else None
     need(
@@ -262,14 +290,86 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
         transpose.outputs[0],
     )
     assert split is not None
+    P, V = _split_pv(split)
+    return _Cached(latent, k_pe, split.outputs[0], split.outputs[1], w_kv_b, P, V, R, "latent cache")
+
+
+def _expanded_cache(past_k: ir.Value, past_v: ir.Value) -> _Cached:
+    """transformers 4.x (optimum, dynamo exports of it): the caches hold the expanded per-head keys
+    ``Concat(k_nope, Expand(k_pe))`` and values ``v``, both from kv_b_proj of the new latent rows. Traced back to
+    that latent and the one roped k_pe head, the layer is the same MLA: the paged cache holds ``[latent | k_pe]``
+    instead (the dense caches are replaced by paged ones anyway), H * (P + R + V) / (L + R) times smaller."""
+    present_v, v = cache_concat(past_v)
+    present_k, new_k = cache_concat(past_k)
+    split = producer_op(v, "Split")
+    need(
+        split is not None and len(split.outputs) == 2 and split.outputs[1] is v,
+        f"the new value is not the v of a Split (k_nope, v) of kv_b_proj's expansion but {_what(v)}",
+        v,
+    )
+    assert split is not None
+    P, V = _split_pv(split)
+    k_nope = split.outputs[0]
+    transpose = producer_op(split.inputs[0], "Transpose")
+    reshape = producer_op(transpose.inputs[0], "Reshape") if transpose else None
+    need(
+        transpose is not None and ints_attr(transpose, "perm") == [0, 2, 1, 3] and reshape is not None,
+        "expanded K/V is not kv_b_proj's output through Reshape->Transpose(0,2,1,3)",
+        split.inputs[0],
+    )
+    assert reshape is not None
+    kvb = producer_op(reshape.inputs[0], "MatMul", OP_NBITS)
+    kvb = kvb if kvb is not None and (kvb.op_type == "MatMul" or is_matmul_nbits(kvb)) else None
+    w_kv_b = _kv_b_proj(kvb, None, reshape.inputs[0])
+    assert kvb is not None
+    latent = kvb.inputs[0]
+    assert latent is not None
+    concat = producer_op(new_k, "Concat")
+    need(
+        concat is not None
+        and len(concat.inputs) == 2
+        and concat.inputs[0] is k_nope
+        and int_attr(concat, "axis") in (-1, 3),
+        f"the new key is not Concat(k_nope, k_pe, axis=-1) of kv_b_proj's k_nope but {_what(new_k)}",
+        new_k,
+    )
+    assert concat is not None and concat.inputs[1] is not None
+    k_pe = concat.inputs[1]
+    expand = producer_op(k_pe, "Expand")  # the one roped head broadcast to every head
+    k_pe = expand.inputs[0] if expand is not None and expand.inputs[0] is not None else k_pe
+    width = static_dim(past_k, 3)
+    need(width is not None and width > P, f"key cache width {width} is not static and wider than qk_nope {P}", past_k)
+    assert width is not None
+    R = width - P
+    need(static_dim(past_v, 3) in (None, V), f"value cache width {static_dim(past_v, 3)}, expected v {V}", past_v)
+    # k_pe must be ONE head: computed from the R-wide sibling of the latent in kv_a_proj's Split (a per-head
+    # rope key would make the absorbed single-head cache wrong)
+    raw = _k_pe_raw(latent, k_pe, R)
+    need(
+        raw is not None and static_dim(raw, -1) == R,
+        f"the key's rope part ({k_pe.name}) is not one R={R} head split off kv_a_proj with the latent",
+        k_pe,
+    )
+    return _Cached(latent, k_pe, k_nope, present_v, w_kv_b, P, V, R, "expanded cache (transformers 4.x)", present_k)
+
+
+def _split_pv(split: ir.Node) -> tuple[int, int]:
     sizes = split_sizes(split)
     need(sizes is not None and len(sizes) == 2, "Split sizes of (k_nope, v) are not constant", split)
     assert sizes is not None
-    P, V = sizes
-    N = w_kv_b.shape[1]
-    need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", kvb)
+    return sizes[0], sizes[1]
+
+
+def _match(graph: ir.Graph, i: int) -> MlaLayer:
+    past_k, past_v = cache_inputs(graph, i)
+    heads = static_dim(past_k, 1)
+    need(heads is not None, f"key cache has {past_k.shape} heads, expected a static count (MLA)", past_k)
+    c = _latent_cache(past_k, past_v) if heads == 1 else _expanded_cache(past_k, past_v)
+    latent, k_pe, k_nope, v, w_kv_b, P, V, R = c.latent, c.k_pe, c.k_nope, c.v, c.w_kv_b, c.P, c.V, c.R
+    L, N = w_kv_b.shape
+    need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", latent)
     H = N // (P + V)
-    k_nope, v = split.outputs
+    need(heads in (1, H), f"key cache has {heads} heads; kv_b_proj expands the latent to {H}", past_k)
 
     query, key, attn_out, scale, kind = _attention_core(v, P + R)
     concat = producer_op(query, "Concat")
@@ -281,6 +381,11 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
     assert concat is not None
     q_nope, q_pe = concat.inputs
     assert q_nope is not None and q_pe is not None
+    need(
+        c.present_key is None or key is c.present_key,
+        f"attention key is {_what(key)}, not the key cache {c.present_key and c.present_key.name}",
+        key,
+    )
     need(_reaches(key, {id(k_nope)}), "attention key does not come from kv_b_proj's k_nope", key)
     need(_reaches(key, {id(k_pe)}), f"attention key does not contain the cached k_pe ({k_pe.name})", key)
     for value, dim, what in ((q_nope, P, "q_nope"), (q_pe, R, "q_pe")):
@@ -311,7 +416,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
         rope_interleaved=rope,
         q_proj=q_proj,
         o_proj=o_proj,
-        notes=[kind],
+        notes=[kind, c.form],
     )
 
 

@@ -171,8 +171,9 @@ DEEPSEEK_V3 = {
     "routed_scaling_factor": 2.5,
     "rope_interleave": True,
 }
-# No optimum MoE fixture: optimum-onnx 0.1.0 exports no MoE decoder ("Trying to export a mixtral model, that is a
-# custom or unsupported architecture", 2026-12-01); its MoE form is whatever a custom onnx config traces.
+# optimum-onnx 0.1.0 exports no Mixtral ("Trying to export a mixtral model, that is a custom or unsupported
+# architecture", 2026-12-01), but it does export DeepSeek-V3 (transformers 4.57): its caches hold the expanded
+# per-head keys and values, and its MoE is the eager per-expert loop (one_hot, NonZero, index_add) traced.
 
 # name -> (tool, config, tool options)
 FIXTURES: dict[str, tuple[str, dict, dict]] = {
@@ -208,6 +209,8 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     # Gemma-2's alternating windows (layer 0 sliding, layer 1 full) through optimum: the full layer's mask takes its
     # width from Shape(key), whose ancestors reach layer 0's window comparison (docs/sweep.md)
     "optimum_gemma2": ("optimum", GEMMA2, {}),
+    # DeepSeek-V3 through optimum (transformers 4.57): expanded-cache MLA, MoE in layers 1 and 2 (docs/sweep.md)
+    "optimum_deepseek_v3": ("optimum", DEEPSEEK_V3, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "onnxexporter_minicpm3": ("onnx_exporter", MINICPM3, {}),
     # sliding window 8: each layer's cache round-trips a scalar input.cache.layers.N._sliding_window_tensor that
@@ -364,7 +367,7 @@ def describe(path: Path) -> dict:
     }
 
 
-def _numbers(cfg: dict) -> dict:
+def _numbers(cfg: dict, tool: str) -> dict:
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head = cfg.get("head_dim") or cfg["hidden_size"] // heads
     thresholds = {}
@@ -373,7 +376,10 @@ def _numbers(cfg: dict) -> dict:
     if cfg.get("sliding_window"):
         thresholds["sliding_window"] = cfg["sliding_window"]
     cache = {"num_kv_heads": kv, "head_size": head}
-    if "kv_lora_rank" in cfg:  # dense MLA: one latent head in the key cache, the roped key part in the value cache
+    if "kv_lora_rank" in cfg and tool == "optimum":  # transformers 4.x MLA: expanded per-head keys and values
+        key = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        cache = {"num_kv_heads": heads, "head_size": key, "value_head_size": cfg["v_head_dim"]}
+    elif "kv_lora_rank" in cfg:  # dense MLA: one latent head in the key cache, the roped key part in the value cache
         cache = {"num_kv_heads": 1, "head_size": cfg["kv_lora_rank"], "value_head_size": cfg["qk_rope_head_dim"]}
     return {
         "model_type": cfg["model_type"],
@@ -422,7 +428,7 @@ def make(name: str, out_dir: Path, keep: Path | None = None) -> Path:
         "seed": SEED,
         "versions": export_tools.versions(export_tools.PACKAGES[tool]),
         "config": cfg,
-        **_numbers(cfg),
+        **_numbers(cfg, tool),
         "dtype": "float16" if opts.get("precision") == "fp16" else "float32",
         "weights": {"fp16": "float16", "int4": "int4 (MatMulNBits)"}.get(opts.get("precision", ""), "float32"),
         "notes": NOTES.get(name, ""),

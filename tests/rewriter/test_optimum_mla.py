@@ -7,7 +7,8 @@ tokens.
 The caches are traced back to kv_b_proj's input (the normalised latent) and the one roped k_pe head, and absorbed
 into PagedAttention LATENT like transformers 5's latent cache: the paged cache holds ``[latent | k_pe]`` (48 wide
 here, not 4 heads x 32 keys + 16 values); main refused every layer ("expected one latent head (MLA)"). The
-per-sequence flow proves the NonZero dispatch: each selected row is read from, and added back onto, its own token.
+per-sequence flow proves the NonZero dispatch: each selected row is read from, and added back onto, its own token
+(its leaks: tests/rewriter/test_per_sequence_selection.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
-import pytest
 from support.parity import paged_nodes, run_parity
 
 from ortpa.conversion import convert_file
-from ortpa.errors import ConversionError
-from ortpa.rewriter.pipeline import convert
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "formats" / "optimum_deepseek_v3.onnx"
 
@@ -40,22 +38,3 @@ def test_expanded_cache_mla_converts_to_latent_verified_batched_equals_alone(tmp
     assert "ScatterElements" in {n.op_type for n in paged.graph.node}  # the index_add is kept, proven per token
     result = run_parity(paged, FIXTURE, steps=6)  # continuous batching against each sequence run alone
     assert result.tokens_checked > 0
-
-
-def _gather_other_token(model: onnx.ModelProto) -> str:
-    """Make layer 1's first expert read the row of the NEXT token (``x[token + 1]``): a leak across sequences."""
-    graph = model.graph
-    hidden = next(n for n in graph.node if n.name == "/model/layers.1/mlp/Reshape").output[0]  # x as [T, hidden]
-    at, gather = next((i, n) for i, n in enumerate(graph.node) if n.op_type == "Gather" and n.input[0] == hidden)
-    graph.initializer.append(onnx.helper.make_tensor("leak.one", onnx.TensorProto.INT64, [], [1]))
-    graph.node.insert(at, onnx.helper.make_node("Add", [gather.input[1], "leak.one"], ["leak.index"], name="leak"))
-    gather.input[1] = "leak.index"
-    return gather.name
-
-
-def test_selected_rows_read_from_another_token_are_refused_by_name():
-    model = onnx.load(str(FIXTURE))
-    name = _gather_other_token(model)
-    with pytest.raises(ConversionError, match="rows of other tokens") as info:
-        convert(model, providers=())
-    assert name in str(info.value)

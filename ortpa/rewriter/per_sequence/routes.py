@@ -99,9 +99,8 @@ def transfer(node: ir.Node, ins: list[Kind], flow: Flow, token_rule: TokenRule) 
     where = _where(origin)
     op = node.op_type
     special = _SPECIAL.get(op)
-    if any(k.role == selections.COORDS for k in routes):  # NonZero's selection (selections), not a sort
-        special = {"Gather": selections.gather, "ScatterElements": selections.scatter}.get(op)
-        special = selections.scatter if op == "ScatterND" else special
+    if any(k.role == selections.COORDS for k in routes):  # NonZero's selection, not a sort
+        special = selections.SPECIAL.get(op)
     if special is not None and node.domain in ("", "ai.onnx"):
         out = special(node, ins, flow)
         if out is not None:

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
 from ortpa.rewriter.per_sequence.kinds import Flow, Kind, lost, norm, step
 
-__all__ = ["COORDS", "gather", "nonzero", "scatter"]
+__all__ = ["COORDS", "SPECIAL", "gather", "nonzero", "scatter"]
 
 COORDS = "coords"
 _SAMPLE_TOKENS = 16
@@ -181,3 +181,7 @@ def _apply(node: ir.Node, value: ir.Value, args: list[np.ndarray | None]) -> np.
 
 
 _BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}
+
+
+# the rules routes.transfer applies where an input holds a selection's coordinates
+SPECIAL = {"Gather": gather, "ScatterElements": scatter, "ScatterND": scatter}

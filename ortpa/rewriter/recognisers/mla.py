@@ -1,4 +1,10 @@
-"""Structural matcher for dense MLA attention in transformers-5.x ONNX exports (see :mod:`ortpa.rewriter.mla`).
+"""Structural matcher for dense MLA attention in ONNX exports (see :mod:`ortpa.rewriter.mla`).
+
+Two cache forms: transformers 5 caches the normalised latent and the roped k_pe (one head each) and expands the
+whole present latent through kv_b_proj; transformers 4.x (optimum) caches the expanded per-head keys
+``Concat(k_nope, Expand(k_pe))`` and values, computed by kv_b_proj from the new latent rows only. Both are traced
+to the same parts (the new latent rows, the roped k_pe, kv_b_proj) and absorbed alike: the paged cache holds the
+latent whatever the export cached.
 
 Anchored on the cache I/O names ``past_key_values.{i}.key`` / ``.value``; walks to the kv_b_proj expansion, the
 attention core (MatMul/Softmax in SDPA and eager exports, ONNX ``Attention`` at opset 23), the query
@@ -10,9 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 
-import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import (
@@ -25,11 +29,8 @@ from ortpa.rewriter._graph import (
     static_dim,
 )
 from ortpa.rewriter.layer import LayerFailure, MlaLayer
-from ortpa.rewriter.quantized import OP_TYPE as OP_NBITS
-from ortpa.rewriter.quantized import dequantized_weight, is_matmul_nbits
 from ortpa.rewriter.recognisers._match import (
     MatchFail,
-    cache_concat,
     cache_inputs,
     cache_layers,
     consumer_ops,
@@ -39,30 +40,9 @@ from ortpa.rewriter.recognisers._match import (
     strip_scales,
 )
 from ortpa.rewriter.recognisers.decomposed_core import past_row_zeroing
+from ortpa.rewriter.recognisers.mla_caches import describe_value, expanded_cache, find_k_pe_raw, latent_cache
 
 __all__ = ["match_mla_layer", "match_mla_layers"]
-
-
-@dataclass(frozen=True)
-class _Cached:
-    """What a layer's caches are made of, traced to kv_b_proj: the new normalised latent rows, the roped k_pe
-    (one head), kv_b_proj's k_nope and the v the attention's probabilities multiply, and the widths."""
-
-    latent: ir.Value
-    k_pe: ir.Value
-    k_nope: ir.Value
-    v: ir.Value
-    w_kv_b: np.ndarray
-    P: int
-    V: int
-    R: int
-    form: str
-    present_key: ir.Value | None = None  # the expanded form: the attention's key is this cache, past rows and new
-
-
-def _what(value: ir.Value) -> str:
-    node = value.producer()
-    return "a graph input or constant" if node is None else f"{node.op_type} ({node.name})"
 
 
 def _reaches(start: ir.Value, targets: set[int], max_nodes: int = 400) -> bool:
@@ -168,30 +148,6 @@ def _rope_interleaved(q_pe_raw: ir.Value) -> int | None:
     return None
 
 
-def _k_pe_raw(latent: ir.Value, k_pe: ir.Value, rope: int) -> ir.Value | None:
-    """k_pe before RoPE: the other output of the Split of kv_a_proj_with_mqa that also yields the latent."""
-    latent_nodes: set[int] = set()
-    queue, seen = deque([latent]), 0
-    while queue and seen < 60:
-        node = queue.popleft().producer()
-        seen += 1
-        if node is None:
-            continue
-        latent_nodes.add(id(node))
-        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
-    queue, seen = deque([k_pe]), 0
-    while queue and seen < 60:
-        value = queue.popleft()
-        node = value.producer()
-        seen += 1
-        if node is None:
-            continue
-        if node.op_type == "Split" and id(node) in latent_nodes and len(node.outputs) == 2:
-            return value
-        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
-    return None
-
-
 def _o_proj(attn_out: ir.Value, width: int) -> ir.Node | None:
     """MatMul(Reshape(Transpose(attn_out, [0,2,1,3]), [B,S,H*V]), Wo) with constant Wo, or None.
 
@@ -238,133 +194,11 @@ def match_mla_layer(graph: ir.Graph, layer: int) -> MlaLayer | LayerFailure:
     return match_or_failure(_match, graph, layer)
 
 
-def _kv_b_proj(kvb: ir.Node | None, L: int | None, where: ir.Value) -> np.ndarray:
-    """kv_b_proj's ``[L, H*(P+V)]`` weight (dequantized from MatMulNBits)."""
-    need(kvb is not None, f"the latent is not expanded by a MatMul (kv_b_proj) but {_what(where)}", where)
-    assert kvb is not None
-    w_kv_b = dequantized_weight(kvb) if is_matmul_nbits(kvb) else const_array(kvb.inputs[1])
-    need(
-        w_kv_b is not None and w_kv_b.ndim == 2 and w_kv_b.shape[0] == (L or w_kv_b.shape[0]),
-        "kv_b_proj weight not a constant [L, N]",
-        kvb,
-    )
-    assert w_kv_b is not None
-    return w_kv_b
-
-
-def _latent_cache(past_k: ir.Value, past_v: ir.Value) -> _Cached:
-    """transformers 5: the caches hold the normalised latent and the roped k_pe; kv_b_proj expands the whole
-    present latent (past rows too) into per-head k_nope / v."""
-    L, R = static_dim(past_k, 3), static_dim(past_v, 3)
-    need(L is not None and R is not None, "latent / rope widths of the caches are not static", past_k)
-    assert L is not None and R is not None
-    latent_all, latent = cache_concat(past_k)
-    _, k_pe = cache_concat(past_v)
-    kvb = next(
-        (
-            n
-            for n in consumers(latent_all, "MatMul", OP_NBITS)
-            if n.inputs[0] is latent_all and (n.op_type == "MatMul" or is_matmul_nbits(n))
-        ),
-        None,
-    )
-    need(
-        kvb is not None,
-        f"present latent is not expanded by a MatMul (kv_b_proj); consumers {consumer_ops(latent_all)}",
-        latent_all,
-    )
-    assert kvb is not None
-    w_kv_b = _kv_b_proj(kvb, L, latent_all)
-    reshape = next(iter(consumers(kvb.outputs[0], "Reshape")), None)
-    transpose = next(iter(consumers(reshape.outputs[0], "Transpose")), None) if reshape else None
-    need(
-        transpose is not None and ints_attr(transpose, "perm") == [0, 2, 1, 3],
-        "kv_b_proj output not Reshape->Transpose(0,2,1,3)",
-        kvb,
-    )
-    assert transpose is not None
-    split = next(iter(consumers(transpose.outputs[0], "Split")), None)
-    need(
-        split is not None and len(split.outputs) == 2,
-        "expanded K/V is not Split into (k_nope, v)",
-        transpose.outputs[0],
-    )
-    assert split is not None
-    P, V = _split_pv(split)
-    return _Cached(latent, k_pe, split.outputs[0], split.outputs[1], w_kv_b, P, V, R, "latent cache")
-
-
-def _expanded_cache(past_k: ir.Value, past_v: ir.Value) -> _Cached:
-    """transformers 4.x (optimum, dynamo exports of it): the caches hold the expanded per-head keys
-    ``Concat(k_nope, Expand(k_pe))`` and values ``v``, both from kv_b_proj of the new latent rows. Traced back to
-    that latent and the one roped k_pe head, the layer is the same MLA: the paged cache holds ``[latent | k_pe]``
-    instead (the dense caches are replaced by paged ones anyway), H * (P + R + V) / (L + R) times smaller."""
-    present_v, v = cache_concat(past_v)
-    present_k, new_k = cache_concat(past_k)
-    split = producer_op(v, "Split")
-    need(
-        split is not None and len(split.outputs) == 2 and split.outputs[1] is v,
-        f"the new value is not the v of a Split (k_nope, v) of kv_b_proj's expansion but {_what(v)}",
-        v,
-    )
-    assert split is not None
-    P, V = _split_pv(split)
-    k_nope = split.outputs[0]
-    transpose = producer_op(split.inputs[0], "Transpose")
-    reshape = producer_op(transpose.inputs[0], "Reshape") if transpose else None
-    need(
-        transpose is not None and ints_attr(transpose, "perm") == [0, 2, 1, 3] and reshape is not None,
-        "expanded K/V is not kv_b_proj's output through Reshape->Transpose(0,2,1,3)",
-        split.inputs[0],
-    )
-    assert reshape is not None
-    kvb = producer_op(reshape.inputs[0], "MatMul", OP_NBITS)
-    kvb = kvb if kvb is not None and (kvb.op_type == "MatMul" or is_matmul_nbits(kvb)) else None
-    w_kv_b = _kv_b_proj(kvb, None, reshape.inputs[0])
-    assert kvb is not None
-    latent = kvb.inputs[0]
-    assert latent is not None
-    concat = producer_op(new_k, "Concat")
-    need(
-        concat is not None
-        and len(concat.inputs) == 2
-        and concat.inputs[0] is k_nope
-        and int_attr(concat, "axis") in (-1, 3),
-        f"the new key is not Concat(k_nope, k_pe, axis=-1) of kv_b_proj's k_nope but {_what(new_k)}",
-        new_k,
-    )
-    assert concat is not None and concat.inputs[1] is not None
-    k_pe = concat.inputs[1]
-    expand = producer_op(k_pe, "Expand")  # the one roped head broadcast to every head
-    k_pe = expand.inputs[0] if expand is not None and expand.inputs[0] is not None else k_pe
-    width = static_dim(past_k, 3)
-    need(width is not None and width > P, f"key cache width {width} is not static and wider than qk_nope {P}", past_k)
-    assert width is not None
-    R = width - P
-    need(static_dim(past_v, 3) in (None, V), f"value cache width {static_dim(past_v, 3)}, expected v {V}", past_v)
-    # k_pe must be ONE head: computed from the R-wide sibling of the latent in kv_a_proj's Split (a per-head
-    # rope key would make the absorbed single-head cache wrong)
-    raw = _k_pe_raw(latent, k_pe, R)
-    need(
-        raw is not None and static_dim(raw, -1) == R,
-        f"the key's rope part ({k_pe.name}) is not one R={R} head split off kv_a_proj with the latent",
-        k_pe,
-    )
-    return _Cached(latent, k_pe, k_nope, present_v, w_kv_b, P, V, R, "expanded cache (transformers 4.x)", present_k)
-
-
-def _split_pv(split: ir.Node) -> tuple[int, int]:
-    sizes = split_sizes(split)
-    need(sizes is not None and len(sizes) == 2, "Split sizes of (k_nope, v) are not constant", split)
-    assert sizes is not None
-    return sizes[0], sizes[1]
-
-
 def _match(graph: ir.Graph, i: int) -> MlaLayer:
     past_k, past_v = cache_inputs(graph, i)
     heads = static_dim(past_k, 1)
     need(heads is not None, f"key cache has {past_k.shape} heads, expected a static count (MLA)", past_k)
-    c = _latent_cache(past_k, past_v) if heads == 1 else _expanded_cache(past_k, past_v)
+    c = latent_cache(past_k, past_v) if heads == 1 else expanded_cache(past_k, past_v)
     latent, k_pe, k_nope, v, w_kv_b, P, V, R = c.latent, c.k_pe, c.k_nope, c.v, c.w_kv_b, c.P, c.V, c.R
     L, N = w_kv_b.shape
     need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", latent)
@@ -375,7 +209,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
     concat = producer_op(query, "Concat")
     need(
         concat is not None and len(concat.inputs) == 2 and int_attr(concat, "axis") in (-1, 3),
-        f"attention query is not Concat(q_nope, q_pe, axis=-1) but {_what(query)}",
+        f"attention query is not Concat(q_nope, q_pe, axis=-1) but {describe_value(query)}",
         query,
     )
     assert concat is not None
@@ -383,7 +217,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
     assert q_nope is not None and q_pe is not None
     need(
         c.present_key is None or key is c.present_key,
-        f"attention key is {_what(key)}, not the key cache {c.present_key and c.present_key.name}",
+        f"attention key is {describe_value(key)}, not the key cache {c.present_key and c.present_key.name}",
         key,
     )
     need(_reaches(key, {id(k_nope)}), "attention key does not come from kv_b_proj's k_nope", key)
@@ -393,7 +227,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
         need(got in (None, dim), f"{what} last dim {got}, expected {dim}", value)
     q_pe_raw = _other_split_output(q_nope, R, "q_nope")
     rope = _rope_interleaved(q_pe_raw)
-    k_pe_raw = _k_pe_raw(latent, k_pe, R)
+    k_pe_raw = find_k_pe_raw(latent, k_pe, R)
     q_proj = _q_proj(q_nope, H, P + R)
     o_proj = _o_proj(attn_out, H * V)
     need((L + R) % 8 == 0, f"latent row width kv_lora_rank + qk_rope = {L + R} is not a multiple of 8", past_k)

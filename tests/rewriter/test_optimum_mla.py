@@ -16,9 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+import pytest
 from support.parity import paged_nodes, run_parity
 
 from ortpa.conversion import convert_file
+from ortpa.errors import ConversionError
+from ortpa.rewriter.pipeline import convert
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "formats" / "optimum_deepseek_v3.onnx"
 
@@ -38,3 +41,20 @@ def test_expanded_cache_mla_converts_to_latent_verified_batched_equals_alone(tmp
     assert "ScatterElements" in {n.op_type for n in paged.graph.node}  # the index_add is kept, proven per token
     result = run_parity(paged, FIXTURE, steps=6)  # continuous batching against each sequence run alone
     assert result.tokens_checked > 0
+
+
+def test_a_cached_value_not_kv_b_projs_v_is_refused_by_layer():
+    """The latent cache can only stand for values kv_b_proj computes from it: layer 1's cached value scaled by 2
+    (a cache the absorbed form cannot express) is refused, naming the layer and why."""
+    model = onnx.load(str(FIXTURE))
+    graph = model.graph
+    at, concat = next(
+        (i, n) for i, n in enumerate(graph.node) if n.op_type == "Concat" and n.input[0] == "past_key_values.1.value"
+    )
+    graph.initializer.append(onnx.helper.make_tensor("near_miss.two", onnx.TensorProto.FLOAT, [], [2.0]))
+    graph.node.insert(at, onnx.helper.make_node("Mul", [concat.input[1], "near_miss.two"], ["near_miss.v"]))
+    concat.input[1] = "near_miss.v"
+    with pytest.raises(ConversionError) as info:
+        convert(model, providers=())
+    (where, why), *rest = info.value.failures
+    assert not rest and where.startswith("layer 1") and "is not the v of a Split" in why, info.value.failures

@@ -222,6 +222,10 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
 
 # What a test or a reader must know about a fixture beyond its config (measured when the fixture was made).
 NOTES: dict[str, str] = {
+    "optimum_deepseek_v3": "expanded-cache MLA: present.{i}.key = Concat(past, Concat(k_nope, "
+    "Expand(rope(k_pe)))) [B,4,S,32], .value [B,4,S,16]; MoE in layers 1 and 2 as transformers 4.57's eager loop "
+    "traced (OneHot, per expert NonZero, Gather, ScatterElements into zeros). The trace drops an expert no token of "
+    "optimum's dummy input reached (if token_indices.numel() > 0): all 4 experts of both MoE layers are present here",
     "genai_gptoss_fp32": "attention sinks: GroupQueryAttention input 11 (head_sink) = model.layers.{i}.attn.sinks "
     "[num_heads]; layer 0 local_window_size=8 (sliding_window_cache=1), layer 1 full; MLP = one com.microsoft::MoE "
     "(4 experts, k=2, swiglu)",

@@ -40,7 +40,13 @@ from ortpa.rewriter.recognisers._match import (
     strip_scales,
 )
 from ortpa.rewriter.recognisers.decomposed_core import past_row_zeroing
-from ortpa.rewriter.recognisers.mla_caches import describe_value, expanded_cache, find_k_pe_raw, latent_cache
+from ortpa.rewriter.recognisers.mla_caches import (
+    CachedParts,
+    describe_value,
+    expanded_cache,
+    find_k_pe_raw,
+    latent_cache,
+)
 
 __all__ = ["match_mla_layer", "match_mla_layers"]
 
@@ -194,11 +200,25 @@ def match_mla_layer(graph: ir.Graph, layer: int) -> MlaLayer | LayerFailure:
     return match_or_failure(_match, graph, layer)
 
 
+def _cached_parts(past_k: ir.Value, past_v: ir.Value, heads: int | None) -> CachedParts:
+    """One key head: the latent cache, else (a one-head model's expanded cache) the expanded form; more: expanded.
+    A refusal gives the reason of the form the cache's head count points to."""
+    if heads != 1:
+        return expanded_cache(past_k, past_v)
+    try:
+        return latent_cache(past_k, past_v)
+    except MatchFail as latent_fail:
+        try:
+            return expanded_cache(past_k, past_v)
+        except MatchFail:
+            raise latent_fail from None
+
+
 def _match(graph: ir.Graph, i: int) -> MlaLayer:
     past_k, past_v = cache_inputs(graph, i)
     heads = static_dim(past_k, 1)
     need(heads is not None, f"key cache has {past_k.shape} heads, expected a static count (MLA)", past_k)
-    c = latent_cache(past_k, past_v) if heads == 1 else expanded_cache(past_k, past_v)
+    c = _cached_parts(past_k, past_v, heads)
     latent, k_pe, k_nope, v, w_kv_b, P, V, R = c.latent, c.k_pe, c.k_nope, c.v, c.w_kv_b, c.P, c.V, c.R
     L, N = w_kv_b.shape
     need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", latent)

@@ -168,6 +168,11 @@ def expanded_cache(past_k: ir.Value, past_v: ir.Value) -> CachedParts:
     k_pe = concat.inputs[1]
     expand = producer_op(k_pe, "Expand")  # the one roped head broadcast to every head
     k_pe = expand.inputs[0] if expand is not None and expand.inputs[0] is not None else k_pe
+    need(
+        expand is not None or static_dim(k_pe, 1) == 1,
+        f"the key's rope part ({k_pe.name}) is neither one head broadcast by an Expand nor one head",
+        k_pe,
+    )
     width = static_dim(past_k, 3)
     need(width is not None and width > P, f"key cache width {width} is not static and wider than qk_nope {P}", past_k)
     assert width is not None

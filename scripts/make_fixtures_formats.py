@@ -180,8 +180,9 @@ DEEPSEEK_V3 = {
     "routed_scaling_factor": 2.5,
     "rope_interleave": True,
 }
-# No optimum MoE fixture: optimum-onnx 0.1.0 exports no MoE decoder ("Trying to export a mixtral model, that is a
-# custom or unsupported architecture", 2026-12-01); its MoE form is whatever a custom onnx config traces.
+# optimum-onnx 0.1.0 exports no Mixtral ("Trying to export a mixtral model, that is a custom or unsupported
+# architecture", 2026-12-01), but it does export DeepSeek-V3 (transformers 4.57): its caches hold the expanded
+# per-head keys and values, and its MoE is the eager per-expert loop (one_hot, NonZero, index_add) traced.
 
 # name -> (tool, config, tool options)
 FIXTURES: dict[str, tuple[str, dict, dict]] = {
@@ -223,6 +224,8 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
     # Gemma-2's alternating windows (layer 0 sliding, layer 1 full) through optimum: the full layer's mask takes its
     # width from Shape(key), whose ancestors reach layer 0's window comparison (docs/sweep.md)
     "optimum_gemma2": ("optimum", GEMMA2, {}),
+    # DeepSeek-V3 through optimum (transformers 4.57): expanded-cache MLA, MoE in layers 1 and 2 (docs/sweep.md)
+    "optimum_deepseek_v3": ("optimum", DEEPSEEK_V3, {}),
     "onnxexporter_llama": ("onnx_exporter", LLAMA, {}),
     "onnxexporter_minicpm3": ("onnx_exporter", MINICPM3, {}),
     # sliding window 8: each layer's cache round-trips a scalar input.cache.layers.N._sliding_window_tensor that
@@ -234,6 +237,10 @@ FIXTURES: dict[str, tuple[str, dict, dict]] = {
 
 # What a test or a reader must know about a fixture beyond its config (measured when the fixture was made).
 NOTES: dict[str, str] = {
+    "optimum_deepseek_v3": "expanded-cache MLA: present.{i}.key = Concat(past, Concat(k_nope, "
+    "Expand(rope(k_pe)))) [B,4,S,32], .value [B,4,S,16]; MoE in layers 1 and 2 as transformers 4.57's eager loop "
+    "traced (OneHot, per expert NonZero, Gather, ScatterElements into zeros). The trace drops an expert no token of "
+    "optimum's dummy input reached (if token_indices.numel() > 0): all 4 experts of both MoE layers are present here",
     "genai_gptoss_fp32": "attention sinks: GroupQueryAttention input 11 (head_sink) = model.layers.{i}.attn.sinks "
     "[num_heads]; layer 0 local_window_size=8 (sliding_window_cache=1), layer 1 full; MLP = one com.microsoft::MoE "
     "(4 experts, k=2, swiglu)",
@@ -385,7 +392,7 @@ def describe(path: Path) -> dict:
     }
 
 
-def _numbers(cfg: dict) -> dict:
+def _numbers(cfg: dict, tool: str) -> dict:
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head = cfg.get("head_dim") or cfg["hidden_size"] // heads
     thresholds = {}
@@ -394,7 +401,10 @@ def _numbers(cfg: dict) -> dict:
     if cfg.get("sliding_window"):
         thresholds["sliding_window"] = cfg["sliding_window"]
     cache = {"num_kv_heads": kv, "head_size": head}
-    if "kv_lora_rank" in cfg:  # dense MLA: one latent head in the key cache, the roped key part in the value cache
+    if "kv_lora_rank" in cfg and tool == "optimum":  # transformers 4.x MLA: expanded per-head keys and values
+        key = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        cache = {"num_kv_heads": heads, "head_size": key, "value_head_size": cfg["v_head_dim"]}
+    elif "kv_lora_rank" in cfg:  # dense MLA: one latent head in the key cache, the roped key part in the value cache
         cache = {"num_kv_heads": 1, "head_size": cfg["kv_lora_rank"], "value_head_size": cfg["qk_rope_head_dim"]}
     return {
         "model_type": cfg["model_type"],
@@ -455,7 +465,7 @@ def make(name: str, out_dir: Path, keep: Path | None = None, host_python: str | 
         "seed": SEED,
         "versions": export_tools.versions(export_tools.PACKAGES[tool]),
         "config": cfg,
-        **_numbers(cfg),
+        **_numbers(cfg, tool),
         "dtype": "float16" if opts.get("precision") == "fp16" else "float32",
         "weights": {"fp16": "float16", "int4": "int4 (MatMulNBits)"}.get(opts.get("precision", ""), "float32"),
         "notes": NOTES.get(name, ""),

@@ -17,7 +17,14 @@ from ortpa.rewriter._graph import attr_value, const_array
 
 _MAX_FOLDED_ELEMENTS = 64  # shapes and scalars; never a weight-sized tensor
 
-__all__ = ["fold_partial", "fold_shape_values", "fold_static", "folded_scalar", "runtime_scalar"]
+__all__ = [
+    "fold_partial",
+    "fold_shape_values",
+    "fold_static",
+    "folded_scalar",
+    "register_loose_constants",
+    "runtime_scalar",
+]
 
 _UNARY = {
     "Sqrt": np.sqrt,
@@ -145,6 +152,30 @@ def runtime_scalar(value: ir.Value | None) -> bool:
     if value.shape is None or not all(isinstance(d, int) and d == 1 for d in value.shape):
         return False
     return fold_static(value) is None
+
+
+def register_loose_constants(graph: ir.Graph) -> int:
+    """Register as initializers the constants nodes read that are neither initializers nor node outputs; how many.
+
+    onnxscript 0.7's optimizer rewrites a second ``Flatten`` of one value (optimum's DeepSeek-V3 router) into a
+    ``Reshape`` whose shape is such a loose constant: it is not serialized, so shape inference and ONNX Runtime
+    would see a graph input missing."""
+    count = 0
+    for node in graph:
+        for value in node.inputs:
+            if value is None or value.const_value is None or value.producer() is not None or value.is_initializer():
+                continue
+            if value.is_graph_input():
+                continue
+            base = value.name or "constant"
+            name, k = base, 0
+            while name in graph.initializers:
+                k += 1
+                name = f"{base}.{k}"
+            value.name = name
+            graph.register_initializer(value)
+            count += 1
+    return count
 
 
 def fold_shape_values(model: ir.Model) -> int:

@@ -99,7 +99,7 @@ class MlaLayer:
     q_nope: ir.Value  # [B,H,S,P]
     q_pe: ir.Value  # roped [B,H,S,R]
     q_pe_raw: ir.Value  # before RoPE [B,H,S,R]
-    latent: ir.Value  # [B,1,S,L], normalised
+    latent: ir.Value  # [B,1,S,L] (or [B,S,L] where the cache held expanded heads), normalised
     k_pe: ir.Value  # roped [B,1,S,R]
     k_pe_raw: ir.Value | None  # before RoPE (last dim R)
     attn_out: ir.Value  # [B,H,S,V]

@@ -134,8 +134,10 @@ def rewrite_mla_layer(
         latent = b.op("Reshape", [m.latent, b.ints([-1, L])])
         key = b.op("Concat", [latent, k_pe], {"axis": -1}, hint="key")
     else:
-        key = b.op("Concat", [m.latent, m.k_pe], {"axis": -1})
-        key = b.op("Reshape", [key, b.ints([-1, L + R])], hint="key")
+        # rows first: the latent is [B,1,S,L] where cached, [B,S,L] where the cache held expanded heads
+        latent = b.op("Reshape", [m.latent, b.ints([-1, L])])
+        k_pe = b.op("Reshape", [m.k_pe, b.ints([-1, R])])
+        key = b.op("Concat", [latent, k_pe], {"axis": -1}, hint="key")
     if model_dtype != op_dtype:
         query = b.op("Cast", [query], {"to": op_dtype})
         key = b.op("Cast", [key], {"to": op_dtype})

@@ -24,7 +24,7 @@ from ortpa.model.kind import ModelKind, model_kind
 from ortpa.model.ref import resolve_any
 from ortpa.progress import LayerStarted, Progress, Stage, report
 from ortpa.rewriter import dead_attention, kv_quant, model_store, paged_io, per_sequence
-from ortpa.rewriter._fold import fold_shape_values
+from ortpa.rewriter._fold import fold_shape_values, register_loose_constants
 from ortpa.rewriter._graph import Builder
 from ortpa.rewriter.attention import op_constant, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.dtype import convert_float_type
@@ -240,6 +240,7 @@ def rewrite(
     pinned = dead_attention.pin(irm.graph)
     report(progress, Stage.OPTIMISE, "pre-optimising (onnxscript optimizer)")
     onnxscript.optimizer.optimize(irm)
+    register_loose_constants(irm.graph)  # what the optimizer leaves unserializable
     fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
     recover_shapes(irm)  # shapes the optimizer could not infer (past contrib ops): the per-sequence flow reads them
     graph = irm.graph

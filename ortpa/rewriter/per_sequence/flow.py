@@ -36,7 +36,7 @@ from dataclasses import replace
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
-from ortpa.rewriter.per_sequence import routes
+from ortpa.rewriter.per_sequence import routes, selections
 from ortpa.rewriter.per_sequence.kinds import CONST, COUNT, Flow, Kind, unknown_op
 from ortpa.rewriter.per_sequence.kinds import lost as _lost
 from ortpa.rewriter.per_sequence.kinds import norm as _norm
@@ -111,6 +111,8 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
     ins = [flow.of(x) for x in node.inputs]
     n_out = len(node.outputs)
     op = node.op_type
+    if op == "Shape" and _fixed_shape(node.inputs[0], flow):  # dims only, the same in every step
+        return [CONST]
     steps = sorted((k for k in ins if k.tag == "step"), key=lambda k: not k.definite)
     if steps:  # the first definite cause is what a refusal names
         return [steps[0]] * n_out
@@ -128,6 +130,12 @@ def _transfer(node: ir.Node, flow: Flow) -> list[Kind]:
     if "route" in data_tags:
         return routes.transfer(node, ins, flow, lambda n, k: _token_transfer(n, k, flow))
     return _token_transfer(node, ins, flow)
+
+
+def _fixed_shape(value: ir.Value, flow: Flow) -> bool:
+    """Every dim static (transformers 4.x's ``index_add`` reads the shape of ``out[0:1]``, a slice of the tokens)."""
+    dims = flow.dims(value)
+    return dims is not None and all(isinstance(d, int) for d in dims)
 
 
 def _token_transfer(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
@@ -384,6 +392,15 @@ def _scatter_elements(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
     return [replace(k, tag="token", sources=frozenset())]
 
 
+def _one_hot(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:
+    """``OneHot(indices, depth, values)``: each index's own one-hot row, on a new axis at ``axis``."""
+    k = ins[0]
+    if k.tag != "token" or k.rank is None or any(x.tag != "const" for x in ins[1:]):
+        return [_lost(node, "its indices are not per token along a known axis, or depth / values vary")]
+    axis = _norm(int_attr(node, "axis", -1), k.rank + 1)
+    return [replace(k, rank=k.rank + 1, axis=k.axis + (axis <= k.axis))]
+
+
 _HANDLERS = {
     "ScatterElements": _scatter_elements,
     "GatherElements": _scatter_elements,
@@ -407,4 +424,6 @@ _HANDLERS = {
     "RotaryEmbedding": _per_token_op,
     "MoE": _per_token_op,
     "QMoE": _per_token_op,
+    "OneHot": _one_hot,
+    "NonZero": selections.nonzero,
 }

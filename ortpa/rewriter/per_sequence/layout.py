@@ -194,7 +194,24 @@ def shape_elements(value: ir.Value, flow: Flow, depth: int = 0) -> list | None:
         if base is None or any(b is None for b in bounds):
             return None
         return base[int(bounds[0].reshape(-1)[0]) : int(bounds[1].reshape(-1)[0])]
+    if op in _ARITHMETIC and node.domain in ("", "ai.onnx"):
+        # static dims computed on (optimum's interleaved RoPE reshapes to [..., Shape(x)[-1] / 2, 2]); the token
+        # count and unknown dims stay unknown through arithmetic
+        a, b = (shape_elements(x, flow, depth + 1) for x in node.inputs[:2])
+        if a is None or b is None or len(b) != 1 or any(not isinstance(e, int) for e in (*a, *b)):
+            return None
+        if op == "Div" and b[0] == 0:
+            return None
+        return [_ARITHMETIC[op](e, b[0]) for e in a]
     return None
+
+
+_ARITHMETIC = {
+    "Add": lambda a, b: a + b,
+    "Sub": lambda a, b: a - b,
+    "Mul": lambda a, b: a * b,
+    "Div": lambda a, b: int(a / b),  # ONNX integer Div truncates
+}
 
 
 def gather_nd(node: ir.Node, ins: list[Kind], flow: Flow) -> list[Kind]:

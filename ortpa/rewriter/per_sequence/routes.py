@@ -36,6 +36,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr
+from ortpa.rewriter.per_sequence import selections
 from ortpa.rewriter.per_sequence.kinds import CONST, COUNT, Flow, Kind, norm, step
 
 __all__ = ["is_own_length", "sort_kinds", "transfer"]
@@ -98,6 +99,8 @@ def transfer(node: ir.Node, ins: list[Kind], flow: Flow, token_rule: TokenRule) 
     where = _where(origin)
     op = node.op_type
     special = _SPECIAL.get(op)
+    if any(k.role == selections.COORDS for k in routes):  # NonZero's selection, not a sort
+        special = selections.SPECIAL.get(op)
     if special is not None and node.domain in ("", "ai.onnx"):
         out = special(node, ins, flow)
         if out is not None:

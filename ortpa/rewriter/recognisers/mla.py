@@ -1,4 +1,10 @@
-"""Structural matcher for dense MLA attention in transformers-5.x ONNX exports (see :mod:`ortpa.rewriter.mla`).
+"""Structural matcher for dense MLA attention in ONNX exports (see :mod:`ortpa.rewriter.mla`).
+
+Two cache forms: transformers 5 caches the normalised latent and the roped k_pe (one head each) and expands the
+whole present latent through kv_b_proj; transformers 4.x (optimum) caches the expanded per-head keys
+``Concat(k_nope, Expand(k_pe))`` and values, computed by kv_b_proj from the new latent rows only. Both are traced
+to the same parts (the new latent rows, the roped k_pe, kv_b_proj) and absorbed alike: the paged cache holds the
+latent whatever the export cached.
 
 Anchored on the cache I/O names ``past_key_values.{i}.key`` / ``.value``; walks to the kv_b_proj expansion, the
 attention core (MatMul/Softmax in SDPA and eager exports, ONNX ``Attention`` at opset 23), the query
@@ -23,11 +29,8 @@ from ortpa.rewriter._graph import (
     static_dim,
 )
 from ortpa.rewriter.layer import LayerFailure, MlaLayer
-from ortpa.rewriter.quantized import OP_TYPE as OP_NBITS
-from ortpa.rewriter.quantized import dequantized_weight, is_matmul_nbits
 from ortpa.rewriter.recognisers._match import (
     MatchFail,
-    cache_concat,
     cache_inputs,
     cache_layers,
     consumer_ops,
@@ -37,13 +40,15 @@ from ortpa.rewriter.recognisers._match import (
     strip_scales,
 )
 from ortpa.rewriter.recognisers.decomposed_core import past_row_zeroing
+from ortpa.rewriter.recognisers.mla_caches import (
+    CachedParts,
+    describe_value,
+    expanded_cache,
+    find_k_pe_raw,
+    latent_cache,
+)
 
 __all__ = ["match_mla_layer", "match_mla_layers"]
-
-
-def _what(value: ir.Value) -> str:
-    node = value.producer()
-    return "a graph input or constant" if node is None else f"{node.op_type} ({node.name})"
 
 
 def _reaches(start: ir.Value, targets: set[int], max_nodes: int = 400) -> bool:
@@ -149,30 +154,6 @@ def _rope_interleaved(q_pe_raw: ir.Value) -> int | None:
     return None
 
 
-def _k_pe_raw(latent: ir.Value, k_pe: ir.Value, rope: int) -> ir.Value | None:
-    """k_pe before RoPE: the other output of the Split of kv_a_proj_with_mqa that also yields the latent."""
-    latent_nodes: set[int] = set()
-    queue, seen = deque([latent]), 0
-    while queue and seen < 60:
-        node = queue.popleft().producer()
-        seen += 1
-        if node is None:
-            continue
-        latent_nodes.add(id(node))
-        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
-    queue, seen = deque([k_pe]), 0
-    while queue and seen < 60:
-        value = queue.popleft()
-        node = value.producer()
-        seen += 1
-        if node is None:
-            continue
-        if node.op_type == "Split" and id(node) in latent_nodes and len(node.outputs) == 2:
-            return value
-        queue.extend(v for v in node.inputs if v is not None and v.const_value is None)
-    return None
-
-
 def _o_proj(attn_out: ir.Value, width: int) -> ir.Node | None:
     """MatMul(Reshape(Transpose(attn_out, [0,2,1,3]), [B,S,H*V]), Wo) with constant Wo, or None.
 
@@ -219,68 +200,46 @@ def match_mla_layer(graph: ir.Graph, layer: int) -> MlaLayer | LayerFailure:
     return match_or_failure(_match, graph, layer)
 
 
+def _cached_parts(past_k: ir.Value, past_v: ir.Value, heads: int | None) -> CachedParts:
+    """One key head: the latent cache, else (a one-head model's expanded cache) the expanded form; more: expanded.
+    A refusal gives the reason of the form the cache's head count points to."""
+    if heads != 1:
+        return expanded_cache(past_k, past_v)
+    try:
+        return latent_cache(past_k, past_v)
+    except MatchFail as latent_fail:
+        try:
+            return expanded_cache(past_k, past_v)
+        except MatchFail:
+            raise latent_fail from None
+
+
 def _match(graph: ir.Graph, i: int) -> MlaLayer:
     past_k, past_v = cache_inputs(graph, i)
-    need(static_dim(past_k, 1) == 1, f"key cache has {past_k.shape} heads, expected one latent head (MLA)", past_k)
-    L, R = static_dim(past_k, 3), static_dim(past_v, 3)
-    need(L is not None and R is not None, "latent / rope widths of the caches are not static", past_k)
-    assert L is not None and R is not None
-    latent_all, latent = cache_concat(past_k)
-    _, k_pe = cache_concat(past_v)
-
-    kvb = next(
-        (
-            n
-            for n in consumers(latent_all, "MatMul", OP_NBITS)
-            if n.inputs[0] is latent_all and (n.op_type == "MatMul" or is_matmul_nbits(n))
-        ),
-        None,
-    )
-    need(
-        kvb is not None,
-        f"present latent is not expanded by a MatMul (kv_b_proj); consumers {consumer_ops(latent_all)}",
-        latent_all,
-    )
-    assert kvb is not None
-    w_kv_b = dequantized_weight(kvb) if is_matmul_nbits(kvb) else const_array(kvb.inputs[1])
-    need(
-        w_kv_b is not None and w_kv_b.ndim == 2 and w_kv_b.shape[0] == L, "kv_b_proj weight not a constant [L, N]", kvb
-    )
-    assert w_kv_b is not None
-    reshape = next(iter(consumers(kvb.outputs[0], "Reshape")), None)
-    transpose = next(iter(consumers(reshape.outputs[0], "Transpose")), None) if reshape else None
-    need(
-        transpose is not None and ints_attr(transpose, "perm") == [0, 2, 1, 3],
-        "kv_b_proj output not Reshape->Transpose(0,2,1,3)",
-        kvb,
-    )
-    assert transpose is not None
-    split = next(iter(consumers(transpose.outputs[0], "Split")), None)
-    need(
-        split is not None and len(split.outputs) == 2,
-        "expanded K/V is not Split into (k_nope, v)",
-        transpose.outputs[0],
-    )
-    assert split is not None
-    sizes = split_sizes(split)
-    need(sizes is not None and len(sizes) == 2, "Split sizes of (k_nope, v) are not constant", split)
-    assert sizes is not None
-    P, V = sizes
-    N = w_kv_b.shape[1]
-    need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", kvb)
+    heads = static_dim(past_k, 1)
+    need(heads is not None, f"key cache has {past_k.shape} heads, expected a static count (MLA)", past_k)
+    c = _cached_parts(past_k, past_v, heads)
+    latent, k_pe, k_nope, v, w_kv_b, P, V, R = c.latent, c.k_pe, c.k_nope, c.v, c.w_kv_b, c.P, c.V, c.R
+    L, N = w_kv_b.shape
+    need(N % (P + V) == 0, f"kv_b_proj width {N} is not a multiple of qk_nope + v_head = {P + V}", latent)
     H = N // (P + V)
-    k_nope, v = split.outputs
+    need(heads in (1, H), f"key cache has {heads} heads; kv_b_proj expands the latent to {H}", past_k)
 
     query, key, attn_out, scale, kind = _attention_core(v, P + R)
     concat = producer_op(query, "Concat")
     need(
         concat is not None and len(concat.inputs) == 2 and int_attr(concat, "axis") in (-1, 3),
-        f"attention query is not Concat(q_nope, q_pe, axis=-1) but {_what(query)}",
+        f"attention query is not Concat(q_nope, q_pe, axis=-1) but {describe_value(query)}",
         query,
     )
     assert concat is not None
     q_nope, q_pe = concat.inputs
     assert q_nope is not None and q_pe is not None
+    need(
+        c.present_key is None or key is c.present_key,
+        f"attention key is {describe_value(key)}, not the key cache {c.present_key and c.present_key.name}",
+        key,
+    )
     need(_reaches(key, {id(k_nope)}), "attention key does not come from kv_b_proj's k_nope", key)
     need(_reaches(key, {id(k_pe)}), f"attention key does not contain the cached k_pe ({k_pe.name})", key)
     for value, dim, what in ((q_nope, P, "q_nope"), (q_pe, R, "q_pe")):
@@ -288,7 +247,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
         need(got in (None, dim), f"{what} last dim {got}, expected {dim}", value)
     q_pe_raw = _other_split_output(q_nope, R, "q_nope")
     rope = _rope_interleaved(q_pe_raw)
-    k_pe_raw = _k_pe_raw(latent, k_pe, R)
+    k_pe_raw = find_k_pe_raw(latent, k_pe, R)
     q_proj = _q_proj(q_nope, H, P + R)
     o_proj = _o_proj(attn_out, H * V)
     need((L + R) % 8 == 0, f"latent row width kv_lora_rank + qk_rope = {L + R} is not a multiple of 8", past_k)
@@ -311,7 +270,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
         rope_interleaved=rope,
         q_proj=q_proj,
         o_proj=o_proj,
-        notes=[kind],
+        notes=[kind, c.form],
     )
 
 

@@ -33,7 +33,8 @@ from ortpa.rewriter.derived import derived_weight, loads
 
 __all__ = ["factor_types", "rebuild_products"]
 
-_REBUILT = ("q", "o", "const")  # products, and constants kept exact elsewhere; "uk", "uv" are permutations
+# products, and constants kept exact elsewhere; "uk", "uv" (permutations) and "copy" are the factor rounded to T
+_REBUILT = ("q", "o", "const")
 
 
 def _half_recipes(converted: onnx.ModelProto) -> dict[str, tuple[dict, int]]:

@@ -18,14 +18,15 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["DERIVED_KEY", "KINDS", "constant_recipe", "derived_weight", "dumps", "loads", "recipe"]
+__all__ = ["DERIVED_KEY", "KINDS", "constant_recipe", "copy_recipe", "derived_weight", "dumps", "loads", "recipe"]
 
 DERIVED_KEY = "ortpa.derived_weights"
 # q: Wq [D, H*(P+R)] and kv_b [L, H*(P+V)] -> [D, H*L]; o: kv_b and Wo [H*V, D] -> [H*L, D];
 # uk: kv_b -> W_UK [H, P, L]; uv: kv_b -> W_UV [H, L, V] (uk, uv: a permutation, no arithmetic); const: a value
 # the rewrite took from the original's graph and keeps exact elsewhere (the expanded prefill's softmax scale, the
-# absorbed node's float ``scale`` attribute)
-KINDS = ("q", "o", "uk", "uv", "const")
+# absorbed node's float ``scale`` attribute); copy: an initializer of the original under a new name (kv_b_proj's
+# weight for the expanded prefill)
+KINDS = ("q", "o", "uk", "uv", "const", "copy")
 
 
 def recipe(kind: str, factors: Sequence[str], heads: int, nope: int, rope: int, rank: int, v_head: int) -> dict:
@@ -38,6 +39,11 @@ def recipe(kind: str, factors: Sequence[str], heads: int, nope: int, rope: int, 
 def constant_recipe(value: float) -> dict:
     """The metadata entry of a constant the rewrite made from ``value`` (no factors)."""
     return {"kind": "const", "factors": [], "value": float(value)}
+
+
+def copy_recipe(name: str) -> dict:
+    """The metadata entry of a copy of the original's initializer ``name``."""
+    return {"kind": "copy", "factors": [name]}
 
 
 def dumps(entries: dict[str, dict]) -> str:
@@ -58,6 +64,8 @@ def derived_weight(entry: dict, factors: Sequence[np.ndarray]) -> np.ndarray:
     ``entry["factors"]``'s order), in float64."""
     if entry["kind"] == "const":
         return np.array(entry["value"], np.float64)
+    if entry["kind"] == "copy":
+        return np.asarray(factors[0], np.float64)
     H, P, R, L, V = (entry[k] for k in ("H", "P", "R", "L", "V"))
     kv_b = np.asarray(factors[1] if entry["kind"] == "q" else factors[0], np.float64).reshape(L, H, P + V)
     w_uk = kv_b[:, :, :P].transpose(1, 2, 0)  # [H, P, L]

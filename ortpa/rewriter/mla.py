@@ -250,6 +250,7 @@ def _merge_expanded(
         v_head=V,
         scale=m.scale,
         derived=m.derived,
+        kv_b_weight=m.kv_b_weight,
     )  # float32 [S * M, H * V]
     if model_dtype != ir.DataType.FLOAT:
         grid = b.op("Cast", [grid], {"to": model_dtype})

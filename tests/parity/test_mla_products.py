@@ -36,7 +36,8 @@ def test_the_conversion_records_each_computed_weight_and_its_factors(half_dsv3):
     stored = {i.name: i.data_type for i in converted.graph.initializer}
     originals = {i.name for i in folded_original(DSV3)[1].graph.initializer}
     kinds = sorted(e["kind"] for e in recipes.values())
-    assert kinds == ["const"] * 2 + ["o"] * 2 + ["q"] * 2, recipes  # two layers: both products, the prefill scale
+    # two layers: both products, and the expanded prefill's scale and kv_b_proj copy
+    assert kinds == ["const"] * 2 + ["copy"] * 2 + ["o"] * 2 + ["q"] * 2, recipes
     assert all(stored.get(n) == onnx.TensorProto.FLOAT16 for n in recipes), recipes
     assert all(f in originals for e in recipes.values() for f in e["factors"]), recipes
 

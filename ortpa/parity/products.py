@@ -9,9 +9,10 @@ each weight's factors (the original's initializer names) in its metadata; here, 
 
 - the original's twin reads each factor rounded to T (:func:`factor_types`, for
   :func:`~ortpa.parity.rounded.rounded_original`), as the conversion's factors were;
-- the conversion's twin replaces each product by the float32 product of those rounded factors
-  (:func:`rebuild_products`). A permutation (``W_UK``, ``W_UV``) rounded to T is the rounded factor permuted: kept
-  as stored.
+- the conversion's twin replaces each product by the float32 product of those rounded factors, and each recorded
+  constant (the expanded prefill's softmax scale, exact in the absorbed node's ``scale`` attribute) by its float32
+  value (:func:`rebuild_products`). A permutation (``W_UK``, ``W_UV``) or copy (the expanded prefill's
+  ``kv_b_proj``) rounded to T is the rounded factor: kept as stored.
 
 The two twins then compute the same function from the same rounded weights, up to reordered float32 sums, and
 are compared at the float32 bound; the product's own rounding is the deployed model's, which precision measures.

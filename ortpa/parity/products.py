@@ -66,16 +66,17 @@ def rebuild_products(twin: onnx.ModelProto, original: LoadedModel) -> set[str]:
         sources = [inits.get(f) for f in entry["factors"]]
         if any(s is None or s.data_type not in (onnx.TensorProto.FLOAT, *HALF_TYPES) for s in sources):
             continue  # a factor the original's twin does not hold as a float initializer: the bound counts it
-        accounted.add(name)
         if entry["kind"] not in _REBUILT:
+            accounted.add(name)
             continue
         half = numpy_dtype(kind)
         factors = [read_array(s, original.base_dir).astype(half).astype(np.float64) for s in sources]
-        dims = next(tuple(i.dims) for i in twin.graph.initializer if i.name == name)
-        value = derived_weight(entry, factors).astype(np.float32).reshape(dims)
-        product = numpy_helper.from_array(value, name)
-        for init in twin.graph.initializer:
-            if init.name == name:
-                init.CopyFrom(product)
-        del factors, product
+        target = next(i for i in twin.graph.initializer if i.name == name)
+        try:
+            value = derived_weight(entry, factors).astype(np.float32).reshape(tuple(target.dims))
+        except ValueError:  # factors of other shapes than the recipe's: not these weights; the bound counts it
+            continue
+        target.CopyFrom(numpy_helper.from_array(value, name))
+        accounted.add(name)
+        del factors, value
     return accounted

@@ -20,8 +20,9 @@ sink, a shifted cache position) moves the logits by 1e-2 to 1 of their scale, or
 smallest defects, a norm epsilon x100 (5e-5 of a unit-RMS activation) or a scale off by 0.1 %, are caught on
 small models and fall under float32's own noise on deep ones (tests/test_defects.py, docs/verification.md
 measure the margin). An original that computes in float16 itself is compared through float32 twins of both
-sides, at float32's ``u``; weights its conversion computed and stored rounded to T (MLA's absorbed projections)
-add one rounding each: ``STRUCTURE_HEADROOM * sqrt(L * (u**2 * n + u_T**2 * k))`` for ``k`` of them per layer.
+sides, at float32's ``u``; weights its conversion computed and stored rounded to T without a recipe the twins can
+rebuild them from (:mod:`ortpa.parity.products`: MLA's absorbed projections have one) add one rounding each:
+``STRUCTURE_HEADROOM * sqrt(L * (u**2 * n + u_T**2 * k))`` for ``k`` of them per layer.
 Where the original quantizes activations (int8 of MatMulNBits ``accuracy_level=4``) or the converted model
 computes in T and its original does not (``dtype=``), that arithmetic's ``u`` replaces float32's; the structure
 bound then says little and precision decides.
@@ -177,7 +178,8 @@ def structure_tolerance(
     """The structure bound relative to a row's scale: ``STRUCTURE_HEADROOM * u * sqrt(accumulation * layers)``
     for the coarsest shared ``arithmetic``, the model's longest dot product ``accumulation`` and its number of
     attention ``layers``. ``computed``: weights per layer the conversion computed from the original's (MLA's
-    absorbed projections, ``W_q @ W_uk``) and stored rounded to ``stored``, which no float32 twin can unround:
+    absorbed projections, ``W_q @ W_uk``, where no recipe rebuilds them: :mod:`ortpa.parity.products`) and stored
+    rounded to ``stored``, which no float32 twin can unround:
     each moves the activation it makes by about ``u_stored`` of its scale (one rounding per weight element,
     not a sum's), so the bound is ``STRUCTURE_HEADROOM * sqrt(layers * (u**2 * accumulation + u_stored**2 *
     computed))``."""

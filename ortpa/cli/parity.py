@@ -22,12 +22,12 @@ __all__ = ["register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
+    from ortpa.formats.detect import length_thresholds
+    from ortpa.model.file import read_model
     from ortpa.model.ref import is_repo_id, resolve_any
     from ortpa.parity.check import default_prompts
-    from ortpa.parity.greedy import dense_greedy, open_dense
-    from ortpa.parity.verify import run_rule
+    from ortpa.parity.verify import Deployment, diverging_layer, prove, verification_blocks
     from ortpa.providers import providers_for
-    from ortpa.runtime.session import PagedSession
 
     if args.revision is not None and not (is_repo_id(args.original) or is_repo_id(args.converted)):
         print("ortpa parity: error: --revision needs a Hugging Face repo id as a model", file=sys.stderr)
@@ -37,25 +37,26 @@ def run(args: argparse.Namespace) -> int:
         resolve_any(m, args.revision if is_repo_id(m) else None) for m in (args.original, args.converted)
     )
     _check_kinds(original, converted)
-    # the original runs alone, in its own format (genai, optimum, OnnxExporter, dynamo: ortpa.formats.detect)
-    dense = open_dense(original)
     if not args.prompt_ids:
-        args.prompt_ids = default_prompts(dense.thresholds)
-    ref = dense_greedy(dense.session, args.prompt_ids, args.max_new_tokens, interface=dense.interface)
-    del dense  # one model in memory at a time
-    deployed = PagedSession(
-        converted,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        providers=providers_for(args.provider) if args.provider else None,
-    )
-    # the one rule of convert's verification: structure on the float32 twin (CPU), precision of the deployed
-    # model on the chosen provider; both read the original's tokens (teacher forcing), so a tie does not cascade
-    verdict, _ = run_rule(original, converted, args.prompt_ids, ref, args.num_blocks, deployed_session=deployed)
+        args.prompt_ids = default_prompts(length_thresholds(read_model(original, load_external_data=False).proto))
+    # on CPU, the sessions and options of convert's own verification; --provider cuda runs the deployed model there
+    on_cpu = args.provider in (None, "cpu")
+    deployment = Deployment(args.num_blocks, args.block_size, None if on_cpu else tuple(providers_for(args.provider)))
+    # the one rule of convert's verification (ortpa.parity.verify.prove), the same reference: a float32 original
+    # run alone in its own format, a half original's float32 twin (never the half original itself); structure on
+    # the float32 twin (CPU), precision of the deployed model, both teacher-forced on the reference's tokens. The
+    # twins get the blocks the prompts need, as in convert; the deployed model the blocks asked for
+    blocks = verification_blocks(args.prompt_ids, args.max_new_tokens)
+    verdict, twins, want = prove(original, converted, args.prompt_ids, args.max_new_tokens, blocks, deployment)
+    where = None
+    if not verdict.structure.ok:
+        where = diverging_layer(original, converted, twins, args.prompt_ids, want, verdict.structure)
     if args.json:
-        print(json.dumps(verdict.to_dict(), indent=2))
-    else:  # --quiet: the verdict line only
-        print(verdict.format().splitlines()[-1] if args.quiet else verdict.format())
+        print(json.dumps({**verdict.to_dict(), "first_diverging_layer": where}, indent=2))
+    elif args.quiet:  # the verdict line only
+        print(verdict.format().splitlines()[-1])
+    else:
+        print((f"first diverging layer: {where}\n" if where is not None else "") + verdict.format())
     return EXIT_OK if verdict.ok else EXIT_INVALID
 
 

@@ -25,6 +25,7 @@ from ortpa.providers import CPU
 
 __all__ = [
     "BLOCK_SIZE",
+    "Deployment",
     "Reference",
     "declared_cache_dtype",
     "dense_twin_run",
@@ -87,15 +88,39 @@ def _cannot_run_on_cpu(what: str, where: str, exc: Exception) -> ConversionError
     )
 
 
-def paged_session(model, blocks: int, options):
+def paged_session(model, blocks: int, options, block_size: int = BLOCK_SIZE):
     from ortpa.runtime.session import PagedSession
 
     try:
-        return PagedSession(model, num_blocks=blocks, block_size=BLOCK_SIZE, providers=[CPU], sess_options=options)
+        return PagedSession(model, num_blocks=blocks, block_size=block_size, providers=[CPU], sess_options=options)
     except InvalidModel as exc:
         if "Could not find an implementation" not in str(exc):
             raise
         raise _cannot_run_on_cpu("it", "session (CPU)", exc) from None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where the rule runs the deployed model: ``providers`` (None: ONNX Runtime's CPU with the verification's
+    own session options, as ``convert`` runs it; else these, with ONNX Runtime's default options), a cache of
+    ``blocks`` blocks of ``block_size`` tokens. ``ortpa parity --provider cuda`` runs it on the GPU; the float32
+    twins always run on CPU."""
+
+    blocks: int
+    block_size: int = BLOCK_SIZE
+    providers: tuple[str, ...] | None = None
+
+    def open(self, model, options):
+        """The deployed model's :class:`~ortpa.runtime.session.PagedSession` (``options``: the CPU session's)."""
+        from ortpa.runtime.session import PagedSession
+
+        if self.providers is None:
+            return paged_session(model, self.blocks, options, self.block_size)
+        return PagedSession(model, num_blocks=self.blocks, block_size=self.block_size, providers=list(self.providers))
+
+    @property
+    def provider_list(self) -> list[str]:
+        return list(self.providers) if self.providers is not None else [CPU]
 
 
 @dataclass
@@ -110,7 +135,9 @@ class Reference:
     cache_dtype: str = ""
 
 
-def twin_reference(original, converted, prompts, steps: int, blocks: int) -> tuple[GreedyRun, Reference]:
+def twin_reference(
+    original, converted, prompts, steps: int, blocks: int, deployment: Deployment | None = None
+) -> tuple[GreedyRun, Reference]:
     """The reference of an original that computes in a half type: its float32 twin's greedy run, not its own.
 
     The half original on ONNX Runtime's CPU runs every weight through a float32 cast anyway, and the twin is that
@@ -118,9 +145,11 @@ def twin_reference(original, converted, prompts, steps: int, blocks: int) -> tup
     model is judged against (docs/verification.md). The deployed model runs first, greedy on its own tokens; they
     draft the twin's run (:func:`dense_twin_run`: one forward per prompt where they are the twin's own tokens).
     Where they are, the deployed run was fed the reference's tokens: it is the teacher-forced run the rule judges,
-    and :func:`~ortpa.parity.verify.run_rule` does not run it again."""
+    and :func:`~ortpa.parity.verify.run_rule` does not run it again. ``deployment``: where the deployed model
+    runs (default: CPU, ``blocks`` blocks)."""
+    deployment = deployment or Deployment(blocks)
     try:
-        paged = paged_session(converted, blocks, half_options())
+        paged = deployment.open(converted, half_options())
         cache_dtype = declared_cache_dtype(paged)
         free = paged_greedy(paged, prompts, steps)
         del paged

@@ -17,6 +17,9 @@ import onnx
 
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
+from ortpa.parity.products import factor_types
+from ortpa.parity.tensors import reader as _reader
+from ortpa.parity.tensors import size as _size
 from ortpa.parity.twin import folded_original
 from ortpa.parity.upcast import HALF_TYPES as _HALF
 from ortpa.parity.upcast import round_through
@@ -47,6 +50,11 @@ def rounded_original(original: str | os.PathLike, converted: LoadedModel) -> tup
     stored = {n: k for n, (k, d) in theirs.items() if mine.get(n, (0, ()))[1] == d}
     copies = _copies(proto, loaded, converted, {n: kd for n, kd in theirs.items() if n not in mine})
     stored.update({name: theirs[copy][0] for copy, name in copies.items()})
+    # the factors of the weights the conversion computed (MLA's absorbed projections), rounded as the conversion's
+    # were: its twin rebuilds each product from them (ortpa.parity.products)
+    for name, kind in factor_types(converted.proto).items():
+        if mine.get(name, (0, ()))[0] == onnx.TensorProto.FLOAT:
+            stored.setdefault(name, kind)
     names = round_through(proto, stored)
     kinds = sorted({dtype_name(stored[n]) for n in names}) or ["T"]
     label = f"{loaded.label} (float32 twin, weights rounded to {'/'.join(kinds)})"
@@ -98,38 +106,6 @@ def _same(original, copy, size: int, kind: int) -> bool:
     return True
 
 
-def _reader(tensor: onnx.TensorProto, base_dir):
-    """``(start, count) -> the flat elements [start, start + count)`` of ``tensor``, read from its file (external
-    data) or its bytes as needed."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    from ortpa.dtypes import numpy_dtype
-
-    dtype = np.dtype(numpy_dtype(tensor.data_type))
-    size = _size(tensor)
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        entries = {e.key: e.value for e in tensor.external_data}
-        path = os.path.join(os.fspath(base_dir or ""), entries["location"])
-        offset = int(entries.get("offset", 0))
-
-        def external(start: int, count: int):
-            count = max(0, min(count, size - start))
-            return np.fromfile(path, dtype, count, offset=offset + start * dtype.itemsize)
-
-        return external
-    if tensor.raw_data:
-        raw = tensor.raw_data
-
-        def inline(start: int, count: int):
-            count = max(0, min(count, size - start))
-            return np.frombuffer(raw, dtype, count, offset=start * dtype.itemsize)
-
-        return inline
-    flat = numpy_helper.to_array(tensor).reshape(-1)  # typed fields: small tensors
-    return lambda start, count: flat[start : start + count]
-
-
 def _float_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Name -> (element type, dims) of each float initializer and ``Constant`` tensor of the main graph."""
     out = {i.name: (i.data_type, tuple(i.dims)) for i in proto.graph.initializer}
@@ -139,10 +115,3 @@ def _float_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...
                 if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     out[node.output[0]] = (a.t.data_type, tuple(a.t.dims))
     return out
-
-
-def _size(init: onnx.TensorProto) -> int:
-    n = 1
-    for d in init.dims:
-        n *= d
-    return n

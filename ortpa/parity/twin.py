@@ -38,6 +38,7 @@ import onnx
 from ortpa.dtypes import dtype_name
 from ortpa.model.file import LoadedModel
 from ortpa.parity.activations import INT8_ACTIVATION_OPS, int8_activation_matmuls
+from ortpa.parity.products import rebuild_products
 from ortpa.parity.upcast import read_names, upcast_to_float32
 
 __all__ = [
@@ -193,6 +194,8 @@ def float32_twin(
         graph.initializer.extend(kept_inits)
     reason = ""
     if upcast:
+        if original is not None:  # MLA's products: rebuilt from the original's factors, exact (ortpa.parity.products)
+            accounted = {*accounted, *rebuild_products(proto, original)}
         reason = _count_computed(proto, original, accounted, len(nodes), sizes)
         upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")
@@ -241,6 +244,8 @@ def _portable_twin(
             what = f"{dtype_name(kind)} cache '{port.input_name}'"
             reason = f"the lowered attention quantizes its {what} inside its function"
             return Twin(None, dtype_name(kind), reason, **sizes)
+    if upcast and original is not None:
+        accounted = {*accounted, *rebuild_products(proto, original)}
     reason = _count_computed(proto, original, accounted, len(calls), sizes) if upcast else ""
     upcast_to_float32(proto)
     twin = dataclasses.replace(loaded, proto=proto, label=f"{loaded.label} (float32 twin)")

@@ -44,6 +44,7 @@ from ortpa.parity.locate import lean_options as _lean_options
 from ortpa.parity.locate import twin_options as _twin_options
 from ortpa.parity.reference import BLOCK_SIZE as _BLOCK_SIZE
 from ortpa.parity.reference import (
+    Deployment,
     Reference,
     declared_cache_dtype,
     dense_twin_run,
@@ -57,16 +58,20 @@ from ortpa.parity.rounded import rounded_original
 from ortpa.parity.routing import routing_ties
 from ortpa.parity.rule import Verdict, judge, judge_precision
 from ortpa.parity.twin import float32_original, float32_twin, is_lowered_call, source_arithmetic
-from ortpa.providers import CPU
 from ortpa.tolerances import UNIT_ROUNDOFF
 
 __all__ = [
     "DEFAULT_STEPS",
+    "Deployment",
     "Reference",
     "Twins",
     "Verification",
+    "diverging_layer",
     "first_diverging_layer",
+    "prove",
+    "reference_run",
     "run_rule",
+    "verification_blocks",
     "verification_prompts",
     "verify_conversion",
 ]
@@ -142,21 +147,43 @@ def verify_conversion(
     prompts = verification_prompts(length_thresholds(proto))
     if progress is not None:
         progress(f"verifying against the original ({len(prompts)} prompts, {steps} greedy steps)")
-    blocks = sum(-(-(len(p) + steps) // _BLOCK_SIZE) for p in prompts) + 1
-    reference = None
-    if _computes_in_half(proto):
-        want, reference = twin_reference(original, converted, prompts, steps, blocks)
-    else:
-        session, interface = open_original(original)
-        want = dense_greedy(session, prompts, steps, interface=interface)
-        del session
-        gc.collect()
     del proto
-    verdict, twins = run_rule(original, converted, prompts, want, blocks, reference=reference)
+    verdict, twins, want = prove(original, converted, prompts, steps, verification_blocks(prompts, steps))
     verification = Verification(verdict, time.perf_counter() - start, steps, [len(p) for p in prompts])
     if not verdict.ok:
         raise _refusal(original, converted, twins, prompts, want, verdict)
     return verification
+
+
+def verification_blocks(prompts, steps: int, block_size: int = _BLOCK_SIZE) -> int:
+    """Cache blocks enough for ``prompts`` and ``steps`` new tokens each, one sequence per block table, plus one."""
+    return sum(-(-(len(p) + steps) // block_size) for p in prompts) + 1
+
+
+def prove(original, converted, prompts, steps: int, blocks: int, deployment: Deployment | None = None):
+    """The one rule on ``converted`` against ``original`` (paths) over ``prompts``, ``steps`` greedy steps: what
+    ``convert``'s verification and ``ortpa parity`` both run. The reference (:func:`reference_run`), then
+    :func:`run_rule`. ``deployment``: where the deployed model runs (default: CPU, ``blocks`` blocks). Returns
+    the :class:`~ortpa.parity.rule.Verdict`, the :class:`Twins` judged and the reference's run."""
+    want, reference = reference_run(original, converted, prompts, steps, blocks, deployment)
+    verdict, twins = run_rule(original, converted, prompts, want, blocks, deployment=deployment, reference=reference)
+    return verdict, twins, want
+
+
+def reference_run(original, converted, prompts, steps: int, blocks: int, deployment: Deployment | None = None):
+    """The run every other run is fed and judged against, and its :class:`Reference` (None: the original's own
+    run). A float32 original runs itself, alone in its own format; an original that computes in a half type is
+    not run: its float32 twin's greedy run is the reference (:func:`~ortpa.parity.reference.twin_reference`,
+    drafted by the deployed model's tokens)."""
+    from ortpa.model.file import read_model
+
+    if _computes_in_half(read_model(original, load_external_data=False).proto):
+        return twin_reference(original, converted, prompts, steps, blocks, deployment)
+    session, interface = open_original(original)
+    want = dense_greedy(session, prompts, steps, interface=interface)
+    del session
+    gc.collect()
+    return want, None
 
 
 @dataclass
@@ -177,15 +204,16 @@ def _coarsest(*arithmetic: str) -> str:
     return max(arithmetic, key=lambda a: UNIT_ROUNDOFF[a])
 
 
-def run_rule(original, converted, prompts, want, blocks: int, *, deployed_session=None, reference=None):
-    """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (or
-    ``deployed_session``, a :class:`~ortpa.runtime.session.PagedSession` of it) and then its float32 twin, each
-    teacher-forced on ``want``'s tokens. ``reference``: a :class:`Reference`, where ``want`` is the run of a half
-    original's float32 twin (:func:`twin_reference`) rather than of the original. Returns the
-    :class:`~ortpa.parity.rule.Verdict` and the :class:`Twins` that were judged."""
+def run_rule(original, converted, prompts, want, blocks: int, *, deployment: Deployment | None = None, reference=None):
+    """The rule on ``converted`` against the original's run ``want`` (over ``prompts``): the deployed model (where
+    ``deployment`` says, default CPU) and then its float32 twin, each teacher-forced on ``want``'s tokens.
+    ``reference``: a :class:`Reference`, where ``want`` is the run of a half original's float32 twin
+    (:func:`twin_reference`) rather than of the original. Returns the :class:`~ortpa.parity.rule.Verdict` and
+    the :class:`Twins` that were judged."""
     from ortpa.model.file import read_model
 
     twins = Twins()
+    deployment = deployment or Deployment(blocks)
     steps = max(len(t) for t in want.tokens)
     source = source_arithmetic(read_model(original, load_external_data=False).proto)
     header = read_model(converted, load_external_data=False)
@@ -199,9 +227,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     if reference is not None and reference.deployed is not None:
         got, cache_dtype = reference.deployed, reference.cache_dtype  # already fed want's tokens
     else:
-        paged = deployed_session
-        if paged is None:
-            paged = paged_session(converted, blocks, half_options() if upcast else _lean_options())
+        paged = deployment.open(converted, half_options() if upcast else _lean_options())
         cache_dtype = declared_cache_dtype(paged)
         got = paged_greedy(paged, prompts, steps, follow=want.tokens)
         del paged
@@ -263,7 +289,7 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
         # more runs)
         try:
             routed = reference.model if reference is not None else original  # the run ``want`` came from
-            ties = _routing_ties(routed, converted, prompts, want, blocks, precision, half, deployed_session)
+            ties = _routing_ties(routed, converted, prompts, want, precision, half, deployment)
         except Exception:  # the probes are an excuse looked for, never a new way to fail: the verdict stands
             ties = set()
         if ties:
@@ -273,9 +299,8 @@ def run_rule(original, converted, prompts, want, blocks: int, *, deployed_sessio
     return verdict, twins
 
 
-def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, deployed_session) -> set:
+def _routing_ties(original, converted, prompts, want, dtype, upcast, deployment: Deployment) -> set:
     """:func:`ortpa.parity.routing.routing_ties` with the session options and providers of the rule's own runs."""
-    providers = deployed_session.session.get_providers() if deployed_session is not None else [CPU]
     steps = max(len(t) for t in want.tokens)
     ties, _ = routing_ties(
         original,
@@ -286,9 +311,9 @@ def _routing_ties(original, converted, prompts, want, blocks, dtype, upcast, dep
         dtype,
         original_options=original_options(upcast),
         paged_options=half_options() if upcast else _lean_options(),
-        blocks=blocks,
-        block_size=_BLOCK_SIZE if deployed_session is None else deployed_session.block_size,
-        providers=providers,
+        blocks=deployment.blocks,
+        block_size=deployment.block_size,
+        providers=deployment.provider_list,
     )
     return ties
 
@@ -299,6 +324,26 @@ def _has_attention(converted: onnx.ModelProto) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the first layer
+def diverging_layer(original, converted, twins: Twins, prompts, want, structure) -> str:
+    """Where a structural refusal (``structure``, failed) starts: the first layer whose output diverges
+    (:func:`~ortpa.parity.locate.first_diverging_layer`), on one prefill of the failing prompt and the
+    reference's tokens up to the failing step; the twins that were judged where there were. Never raises: the
+    diagnosis must not hide the verdict."""
+    prompt, step = structure.first_failure or (0, 0)
+    # the prompt and the reference's tokens up to the step: one prefill reaches what the decode steps did
+    tokens = list(prompts[prompt]) + list(want.tokens[prompt][:step])
+    try:
+        # where the original computes in a half type, the twin is compared with the original's own twin
+        return first_diverging_layer(
+            twins.original if twins.original is not None else original,
+            twins.converted if twins.converted is not None else converted,
+            tokens,
+            structure.tolerance,
+        )
+    except Exception as exc:
+        return f"not located ({type(exc).__name__}: {str(exc)[:200]})"
+
+
 def _refusal(original, converted, twins: Twins, prompts, want, verdict: Verdict) -> ConversionError:
     """The error for a refused verification: the figures, and the first diverging layer where the structure
     differs."""
@@ -307,19 +352,7 @@ def _refusal(original, converted, twins: Twins, prompts, want, verdict: Verdict)
     if not st.ok:
         prompt, step = st.first_failure or (0, 0)
         details.insert(0, ("first differing step", f"{step} (prompt {prompt}, {len(prompts[prompt])} tokens)"))
-        # the prompt and the original's tokens up to the step: one prefill reaches what the decode steps did
-        tokens = list(prompts[prompt]) + list(want.tokens[prompt][:step])
-        try:
-            # where the original computes in a half type, the twin is compared with the original's own twin
-            where = first_diverging_layer(
-                twins.original if twins.original is not None else original,
-                twins.converted if twins.converted is not None else converted,
-                tokens,
-                st.tolerance,
-            )
-        except Exception as exc:  # the diagnosis must never hide the verdict
-            where = f"not located ({type(exc).__name__}: {str(exc)[:200]})"
-        details.insert(0, ("first diverging layer", where))
+        details.insert(0, ("first diverging layer", diverging_layer(original, converted, twins, prompts, want, st)))
         what = "the converted model does not match the original (structure)"
     else:
         what = (

@@ -107,6 +107,9 @@ class MlaLayer:
     q_proj: ir.Node | None = None  # MatMul(x, Wq) producing all heads' q (fold target)
     o_proj: ir.Node | None = None  # MatMul(Reshape(Transpose(attn_out)), Wo) (fold target)
     notes: list[str] = field(default_factory=list)
+    kv_b_weight: ir.Value | None = None  # kv_b_proj's weight where it is a float initializer (w_kv_b's source)
+    # the weights the rewrite computed from the original's, by name: ortpa.rewriter.derived's recipes
+    derived: dict[str, dict] = field(default_factory=dict)
 
     @property
     def head_size(self) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import Builder, const_array
+from ortpa.rewriter.derived import derived_weight, recipe
 from ortpa.rewriter.layer import MlaLayer, PagedAttentionInputs
 from ortpa.rewriter.mla_expanded import Composite, PrefillSplit, TrackingBuilder, expanded_attention
 
@@ -103,7 +104,7 @@ def rewrite_mla_layer(
     def kept(value: ir.Value, axis: int) -> ir.Value:  # the absorbed node's rows only
         return value if split is None else b.op("Gather", [value, split.abs_rows], {"axis": axis})
 
-    H, P, R, L = m.num_heads, m.qk_nope, m.qk_rope, m.kv_lora_rank
+    H, R, L = m.num_heads, m.qk_rope, m.kv_lora_rank
     w_uk, w_uv = absorbed_weights(m)
     model_dtype = m.q_nope.dtype or ir.DataType.FLOAT
     np_dtype = model_dtype.numpy()
@@ -111,16 +112,15 @@ def rewrite_mla_layer(
     # q_lat = q_nope @ W_UK per head, [1,H,T,L]
     if _fold_q(m, absorb):
         assert m.q_proj is not None
-        wq = const_array(m.q_proj.inputs[1])
-        wq_nope = wq.reshape(wq.shape[0], H, P + R)[:, :, :P]
-        w_fold = np.einsum("ihp,hpl->ihl", wq_nope.astype(np.float64), w_uk.astype(np.float64))
-        w_fold = w_fold.reshape(wq.shape[0], H * L).astype(np_dtype)
-        q_lat = b.op("MatMul", [kept(m.q_proj.inputs[0], 1), b.initializer(w_fold, "q_absorbed_weight")])
+        entry = _recipe(m, "q", m.q_proj.inputs[1], m.kv_b_weight)
+        w_fold = derived_weight(entry, [const_array(m.q_proj.inputs[1]), m.w_kv_b]).astype(np_dtype)
+        q_lat = b.op("MatMul", [kept(m.q_proj.inputs[0], 1), _derived(b, m, w_fold, "q_absorbed_weight", entry)])
         q_lat = b.op("Reshape", [q_lat, b.ints([0, 0, H, L])])
         q_lat = b.op("Transpose", [q_lat], {"perm": [0, 2, 1, 3]})
         m.notes.append("W_UK folded into q projection")
     else:
-        q_lat = b.op("MatMul", [kept(m.q_nope, 2), b.initializer(w_uk.astype(np_dtype), "W_UK")])
+        uk = _derived(b, m, w_uk.astype(np_dtype), "W_UK", _recipe(m, "uk", m.kv_b_weight))
+        q_lat = b.op("MatMul", [kept(m.q_nope, 2), uk])
         m.notes.append("W_UK as per-head MatMul")
     q_pe = m.q_pe_raw if rope_in_op else m.q_pe
     query = b.op("Concat", [q_lat, kept(q_pe, 2)], {"axis": -1})
@@ -183,27 +183,43 @@ def rewrite_mla_layer(
         return _merge_expanded(b, m, split, out, cache_out, all_keys, absorb=absorb, nodes=nodes)
     if _fold_o(m, absorb):
         assert m.o_proj is not None
-        proj = b.op("MatMul", [out, b.initializer(_w_uv_o(m, w_uv), "o_absorbed_weight")])
+        proj = b.op("MatMul", [out, _w_uv_o(b, m)])
         proj = b.op("Unsqueeze", [proj, b.ints([0])], hint="o_proj")
         m.o_proj.outputs[0].replace_all_uses_with(proj)
         m.notes.append("W_UV folded into o_proj")
     else:
         o = b.op("Reshape", [out, b.ints([-1, H, L])])
         o = b.op("Transpose", [o], {"perm": [1, 0, 2]})
-        o = b.op("MatMul", [o, b.initializer(w_uv.astype(np_dtype), "W_UV")])  # [H,T,V]
+        uv = _derived(b, m, w_uv.astype(np_dtype), "W_UV", _recipe(m, "uv", m.kv_b_weight))
+        o = b.op("MatMul", [o, uv])  # [H,T,V]
         o = b.op("Unsqueeze", [o, b.ints([0])], hint="attn_out")
         m.attn_out.replace_all_uses_with(o)
         m.notes.append("W_UV as per-head MatMul")
     return cache_out
 
 
-def _w_uv_o(m: MlaLayer, w_uv: np.ndarray) -> np.ndarray:
-    """W_UV folded into o_proj: ``[H * L, D]`` in the model's dtype."""
+def _w_uv_o(b: Builder, m: MlaLayer) -> ir.Value:
+    """W_UV folded into o_proj: ``[H * L, D]`` in the model's dtype, as an initializer."""
     assert m.o_proj is not None
-    H, V = m.num_heads, m.v_head
     wo = const_array(m.o_proj.inputs[1])  # [H*V, D]
-    w_fold = np.einsum("hlv,hvd->hld", w_uv.astype(np.float64), wo.reshape(H, V, -1).astype(np.float64))
-    return w_fold.reshape(H * m.kv_lora_rank, -1).astype(wo.dtype)
+    entry = _recipe(m, "o", m.kv_b_weight, m.o_proj.inputs[1])
+    return _derived(b, m, derived_weight(entry, [m.w_kv_b, wo]).astype(wo.dtype), "o_absorbed_weight", entry)
+
+
+def _recipe(m: MlaLayer, kind: str, *factors: ir.Value | None) -> dict:
+    """The recipe of a weight computed from ``factors`` (:func:`ortpa.rewriter.derived.recipe`); its factor names
+    are None where one is not an initializer of the original (a dequantized int4 ``kv_b_proj``)."""
+    names = [f.name if f is not None and f.is_initializer() else None for f in factors]
+    return recipe(kind, names, m.num_heads, m.qk_nope, m.qk_rope, m.kv_lora_rank, m.v_head)
+
+
+def _derived(b: Builder, m: MlaLayer, array: np.ndarray, hint: str, entry: dict) -> ir.Value:
+    """``array`` as an initializer, its recipe recorded (where every factor is named) for the verification's twin
+    (:mod:`ortpa.rewriter.derived`)."""
+    value = b.initializer(array, hint)
+    if all(entry["factors"]):
+        m.derived[value.name] = entry
+    return value
 
 
 def _merge_expanded(
@@ -235,13 +251,15 @@ def _merge_expanded(
         qk_nope=m.qk_nope,
         v_head=V,
         scale=m.scale,
+        derived=m.derived,
+        kv_b_weight=m.kv_b_weight,
     )  # float32 [S * M, H * V]
     if model_dtype != ir.DataType.FLOAT:
         grid = b.op("Cast", [grid], {"to": model_dtype})
     fold = _fold_o(m, absorb)
     if fold:
         assert m.o_proj is not None
-        absorbed = b.op("MatMul", [out, b.initializer(_w_uv_o(m, w_uv), "o_absorbed_weight")])
+        absorbed = b.op("MatMul", [out, _w_uv_o(b, m)])
         grid = b.op("MatMul", [grid, m.o_proj.inputs[1]])
         m.notes.append("W_UV folded into o_proj")
     else:
@@ -249,7 +267,8 @@ def _merge_expanded(
         # a Reshape between them: ONNX Runtime fuses Transpose + MatMul into FusedMatMul, which divides by zero
         # (SIGFPE) when the absorbed rows are empty (a step of fresh prompts only)
         o = b.op("Reshape", [o, b.ints([H, -1, L])])
-        o = b.op("MatMul", [o, b.initializer(w_uv.astype(np_dtype), "W_UV")])  # [H, T_a, V]
+        uv = _derived(b, m, w_uv.astype(np_dtype), "W_UV", _recipe(m, "uv", m.kv_b_weight))
+        o = b.op("MatMul", [o, uv])  # [H, T_a, V]
         absorbed = b.op("Reshape", [b.op("Transpose", [o], {"perm": [1, 0, 2]}), b.ints([-1, H * V])])
         m.notes.append("W_UV as per-head MatMul")
     merged = b.op("Gather", [b.op("Concat", [absorbed, grid], {"axis": 0}), split.merge], hint="merged")

@@ -29,6 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import Builder
+from ortpa.rewriter.derived import constant_recipe, copy_recipe
 
 __all__ = [
     "QUERY_BLOCKS",
@@ -126,8 +127,13 @@ def expanded_attention(
     qk_nope: int,
     v_head: int,
     scale: float,
+    derived: dict[str, dict] | None = None,
+    kv_b_weight: ir.Value | None = None,
 ) -> ir.Value:
     """Causal attention of the fresh sequences over their own new tokens, float32 ``[S * M, H * V]``.
+    ``derived``: where the recipes of the scale constant (:func:`ortpa.rewriter.derived.constant_recipe`: a
+    whole-model dtype change rounds it, where the absorbed node's ``scale`` attribute stays exact) and of the copy
+    of ``kv_b_weight`` (the original's initializer ``w_kv_b`` comes from) go.
 
     ``q_nope`` ``[1, H, T, P]``, ``q_pe`` ``[1, H, T, R]`` (after RoPE), ``latent`` ``[1, 1, T, L]``, ``k_pe``
     ``[1, 1, T, R]`` (after RoPE): the model's own values over all packed tokens. Row ``s * M + i`` of the result
@@ -141,11 +147,16 @@ def expanded_attention(
     q = b.op("Cast", [b.op("Concat", [q_nope, q_pe], {"axis": -1})], {"to": f32})
     q = b.op("Squeeze", [q, b.ints([0])])  # [H, T, P + R]
     q = b.op("Transpose", [b.op("Gather", [q, tok], {"axis": 1})], {"perm": [1, 0, 2, 3]})
-    q = b.op("Mul", [q, b.initializer(np.array(scale, np.float32), "scale")])
+    scale_value = b.initializer(np.array(scale, np.float32), "scale")
+    if derived is not None:
+        derived[scale_value.name] = constant_recipe(scale)
+    q = b.op("Mul", [q, scale_value])
     # k_nope / v from the new latent rows: [S, M, L] @ [L, H * (P + V)] -> [S, H, M, P + V]; the weight in the
     # model's own type (it replaces the dense kv_b_proj, which is no longer read: the file does not grow)
     lat = b.op("Reshape", [latent, b.ints([-1, L])])
     w = b.initializer(w_kv_b.astype((latent.dtype or q_nope.dtype or f32).numpy()), "w_kv_b")
+    if derived is not None and kv_b_weight is not None and kv_b_weight.is_initializer():
+        derived[w.name] = copy_recipe(kv_b_weight.name)
     kv = b.op("Cast", [b.op("MatMul", [b.op("Gather", [lat, tok]), w])], {"to": f32})
     kv = b.op("Transpose", [b.op("Reshape", [kv, b.ints([0, 0, H, P + V])])], {"perm": [0, 2, 1, 3]})
     k_nope, v = b.op("Split", [kv, b.ints([P, V])], {"axis": -1}, num_outputs=2)

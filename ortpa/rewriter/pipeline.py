@@ -27,6 +27,8 @@ from ortpa.rewriter import dead_attention, kv_quant, model_store, paged_io, per_
 from ortpa.rewriter._fold import fold_shape_values, register_loose_constants
 from ortpa.rewriter._graph import Builder
 from ortpa.rewriter.attention import op_constant, rewrite_attention_layer, rope_in_op_problems
+from ortpa.rewriter.derived import DERIVED_KEY
+from ortpa.rewriter.derived import dumps as derived_dumps
 from ortpa.rewriter.dtype import convert_float_type
 from ortpa.rewriter.layer import AttentionLayer, LayerFailure, MlaLayer
 from ortpa.rewriter.mla import rewrite_mla_layer
@@ -306,6 +308,9 @@ def rewrite(
             spill(irm)
     if split is not None:
         register_composites(io, split)
+    derived = {name: entry for m in layers for name, entry in m.derived.items()}
+    if derived:  # what the verification's twin rebuilds from the original's weights (ortpa.rewriter.derived)
+        irm.metadata_props[DERIVED_KEY] = derived_dumps(derived)
     irm.metadata_props["ortpa.mla_prefill"] = (
         "expanded"
         if split is not None

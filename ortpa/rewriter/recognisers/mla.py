@@ -260,7 +260,7 @@ def _match(graph: ir.Graph, i: int) -> MlaLayer:
         kv_lora_rank=L,
         scale=scale,
         w_kv_b=w_kv_b,
-        kv_b_weight=None if is_matmul_nbits(kvb) else kvb.inputs[1],
+        kv_b_weight=c.kv_b_weight,
         q_nope=q_nope,
         q_pe=q_pe,
         q_pe_raw=q_pe_raw,

@@ -38,6 +38,7 @@ class CachedParts:
     R: int
     form: str
     present_key: ir.Value | None = None  # the expanded form: the attention's key is this cache, past rows and new
+    kv_b_weight: ir.Value | None = None  # kv_b_proj's float weight (not MatMulNBits): derived weights' source
 
 
 def describe_value(value: ir.Value) -> str:
@@ -83,6 +84,10 @@ def _kv_b_proj(kvb: ir.Node | None, L: int | None, where: ir.Value) -> np.ndarra
     return w_kv_b
 
 
+def _float_weight(kvb: ir.Node | None) -> ir.Value | None:
+    return None if kvb is None or is_matmul_nbits(kvb) else kvb.inputs[1]
+
+
 def latent_cache(past_k: ir.Value, past_v: ir.Value) -> CachedParts:
     """transformers 5: the caches hold the normalised latent and the roped k_pe; kv_b_proj expands the whole
     present latent (past rows too) into per-head k_nope / v."""
@@ -122,7 +127,9 @@ def latent_cache(past_k: ir.Value, past_v: ir.Value) -> CachedParts:
     )
     assert split is not None
     P, V = _split_pv(split)
-    return CachedParts(latent, k_pe, split.outputs[0], split.outputs[1], w_kv_b, P, V, R, "latent cache")
+    return CachedParts(
+        latent, k_pe, split.outputs[0], split.outputs[1], w_kv_b, P, V, R, "latent cache", None, _float_weight(kvb)
+    )
 
 
 def expanded_cache(past_k: ir.Value, past_v: ir.Value) -> CachedParts:
@@ -186,7 +193,8 @@ def expanded_cache(past_k: ir.Value, past_v: ir.Value) -> CachedParts:
         f"the key's rope part ({k_pe.name}) is not one R={R} head split off kv_a_proj with the latent",
         k_pe,
     )
-    return CachedParts(latent, k_pe, k_nope, present_v, w_kv_b, P, V, R, "expanded cache (transformers 4.x)", present_k)
+    form = "expanded cache (transformers 4.x)"
+    return CachedParts(latent, k_pe, k_nope, present_v, w_kv_b, P, V, R, form, present_k, _float_weight(kvb))
 
 
 def _split_pv(split: ir.Node) -> tuple[int, int]:

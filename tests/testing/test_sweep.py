@@ -56,6 +56,20 @@ def test_the_draws_cover_the_space():
         assert embed <= 1 << 21, d  # small enough to export in seconds
 
 
+def test_the_moe_draws_cover_what_deepseek_checkpoints_ship():
+    """Within a dozen seeds the MoE families draw what the DeepSeek checkpoints ship: three or more MoE layers
+    (every layer past the first) from float32, float16, bfloat16 and FP8 folders, group-limited routing over three
+    or more MoE layers, shared experts, a routed scaling factor, and V2's both top-k methods."""
+    draws = [draw(f, s) for f in MOE for s in SEEDS]
+    deep = [d for d in draws if d.config["num_hidden_layers"] - d.config["first_k_dense_replace"] >= 3]
+    assert {d.source_dtype for d in deep} == {"float32", "float16", "bfloat16", "fp8"}, [d.summary() for d in deep]
+    assert any((d.config.get("n_group") or 1) > 1 and d.config.get("topk_group", 1) < d.config["n_group"] for d in deep)
+    assert {d.source_dtype for d in draws} == {"float32", "float16", "bfloat16", "fp8"}
+    assert all(d.config["n_shared_experts"] >= 1 for d in draws)
+    assert {d.config["routed_scaling_factor"] for d in draws} >= {1.0, 2.5}
+    assert {d.config["topk_method"] for d in draws if d.family == "deepseek_v2"} == {"greedy", "group_limited_greedy"}
+
+
 def test_the_tool_axis_draws_the_same_model_and_every_genai_precision():
     """A seed is the same model under every tool; genai draws each builder precision within three seeds of a
     family; FP8 checkpoints stay with ortpa's own export (the other tools read bfloat16 instead)."""

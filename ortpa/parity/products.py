@@ -61,6 +61,7 @@ def rebuild_products(twin: onnx.ModelProto, original: LoadedModel) -> set[str]:
     factors ``original`` (the original's twin) holds becomes the float32 product of those factors rounded to T;
     a permutation stays as stored. Returns the names so accounted for (no longer widening the bound)."""
     inits = {i.name: i for i in original.proto.graph.initializer}
+    targets = {i.name: i for i in twin.graph.initializer}
     accounted: set[str] = set()
     for name, (entry, kind) in _half_recipes(twin).items():
         sources = [inits.get(f) for f in entry["factors"]]
@@ -71,7 +72,7 @@ def rebuild_products(twin: onnx.ModelProto, original: LoadedModel) -> set[str]:
             continue
         half = numpy_dtype(kind)
         factors = [read_array(s, original.base_dir).astype(half).astype(np.float64) for s in sources]
-        target = next(i for i in twin.graph.initializer if i.name == name)
+        target = targets[name]
         try:
             value = derived_weight(entry, factors).astype(np.float32).reshape(tuple(target.dims))
         except ValueError:  # factors of other shapes than the recipe's: not these weights; the bound counts it

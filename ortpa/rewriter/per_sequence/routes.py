@@ -37,6 +37,7 @@ import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr
 from ortpa.rewriter.per_sequence import selections
+from ortpa.rewriter.per_sequence.arith import elementwise
 from ortpa.rewriter.per_sequence.kinds import CONST, COUNT, Flow, Kind, norm, step
 
 __all__ = ["is_own_length", "sort_kinds", "transfer"]
@@ -333,22 +334,6 @@ def _index_map(index: ir.Value, idx: Kind, v: np.ndarray) -> np.ndarray | None:
     return f.astype(np.int64)
 
 
-_BINARY = {
-    "Add": np.add,
-    "Sub": np.subtract,
-    "Mul": np.multiply,
-    "Less": np.less,
-    "LessOrEqual": np.less_equal,
-    "Greater": np.greater,
-    "GreaterOrEqual": np.greater_equal,
-    "Equal": np.equal,
-    "And": np.logical_and,
-    "Or": np.logical_or,
-    "Max": np.maximum,
-    "Min": np.minimum,
-}
-
-
 def _evaluate(value: ir.Value, perm: ir.Value, v: np.ndarray, depth: int = 0) -> np.ndarray | None:
     """``value`` as a function of the sort's indices ``perm`` (given as ``v``), element by element, where it is
     computed from them and scalar constants only; None otherwise."""
@@ -364,37 +349,4 @@ def _evaluate(value: ir.Value, perm: ir.Value, v: np.ndarray, depth: int = 0) ->
     if op in ("Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten"):
         return _evaluate(node.inputs[0], perm, v, depth + 1)
     args = [_evaluate(x, perm, v, depth + 1) if x is not None else None for x in node.inputs[:3]]
-    if any(a is None for a in args[: 3 if op == "Where" else (1 if op in ("Cast", "Not", "Neg", "Abs") else 2)]):
-        return None
-    a = args[0]
-    with np.errstate(all="ignore"):
-        if op == "Cast":
-            return _cast(a, int_attr(node, "to", 0))
-        if op == "Not":
-            return np.logical_not(a)
-        if op == "Neg":
-            return np.negative(a)
-        if op == "Abs":
-            return np.abs(a)
-        if op == "Where":
-            return np.where(a, args[1], args[2])
-        b = args[1]
-        if op == "Div":
-            if np.issubdtype(np.result_type(a, b), np.integer):
-                if np.any(b == 0):
-                    return None
-                return (np.abs(a) // np.abs(b)) * np.sign(a) * np.sign(b)  # ONNX integer Div truncates
-            return np.divide(a, b)
-        if op == "Mod":
-            return np.fmod(a, b) if int_attr(node, "fmod", 0) else np.mod(a, b)
-        if op in _BINARY:
-            return _BINARY[op](a, b)
-    return None
-
-
-def _cast(a: np.ndarray, to: int) -> np.ndarray | None:
-    try:
-        dtype = ir.DataType(to).numpy()
-    except (ValueError, TypeError):
-        return None
-    return np.asarray(a).astype(dtype)
+    return elementwise(node, args)

@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpa.rewriter._graph import const_array, int_attr, ints_attr
+from ortpa.rewriter.per_sequence.arith import elementwise
 from ortpa.rewriter.per_sequence.kinds import Flow, Kind, lost, norm, step
 
 __all__ = ["COORDS", "SPECIAL", "gather", "nonzero", "scatter"]
@@ -147,8 +148,6 @@ def _apply(node: ir.Node, value: ir.Value, args: list[np.ndarray | None]) -> np.
     second = args[1] if len(args) > 1 else None
     if op in ("Identity", "Expand"):
         return x
-    if op == "Cast":
-        return x.astype(ir.DataType(int_attr(node, "to", 0)).numpy())
     if op == "Transpose":
         perm = ints_attr(node, "perm")
         return np.transpose(x, perm) if perm else x.T
@@ -166,21 +165,12 @@ def _apply(node: ir.Node, value: ir.Value, args: list[np.ndarray | None]) -> np.
         sizes = [int(s) for s in second.reshape(-1)] if second is not None else [x.shape[axis] // len(node.outputs)]
         sizes = sizes * len(node.outputs) if len(sizes) == 1 else sizes
         return np.split(x, np.cumsum(sizes)[:-1], axis=axis)[value.index()]
-    if second is None:
-        return None
-    if op == "Reshape":
+    if op == "Reshape" and second is not None:
         target = [int(t) for t in second.reshape(-1)]
         return x.reshape([x.shape[i] if t == 0 else t for i, t in enumerate(target)])
-    if op == "Gather":
+    if op == "Gather" and second is not None:
         return np.take(x, second.astype(np.int64), axis=norm(int_attr(node, "axis", 0), x.ndim))
-    if op in _BINARY:
-        return _BINARY[op](x, second)
-    if op == "Div" and np.issubdtype(np.result_type(x, second), np.integer) and not np.any(second == 0):
-        return (np.abs(x) // np.abs(second)) * np.sign(x) * np.sign(second)  # ONNX integer Div truncates
-    return None
-
-
-_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}
+    return elementwise(node, args)
 
 
 # the rules routes.transfer applies where an input holds a selection's coordinates

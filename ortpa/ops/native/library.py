@@ -25,7 +25,6 @@ __all__ = [
     "ENV_MODE",
     "MODES",
     "NATIVE_BACKEND",
-    "NATIVE_DOMAIN",
     "NativeLibrary",
     "absent_reason",
     "find_library",
@@ -43,8 +42,6 @@ ENV_MODE = "ORTPA_PAGED_ATTENTION"
 MODES = ("auto", "native", "portable")
 # the name of the library's backend in ortpa.ops.backends.BACKENDS, and what sessions report for its nodes
 NATIVE_BACKEND = "native-cpu"
-# the domain the library registers PagedAttention in: the session moves native nodes there in memory
-NATIVE_DOMAIN = "ortpa"
 _STEM = "_ortpa_native"
 
 _log = logging.getLogger("ortpa.native")

@@ -6,6 +6,8 @@
 
 #include "abi_echo_op.h"
 #include "custom_op.h"
+#include "kernel/paged_attention.h"
+#include "paged_attention_op.h"
 #include "registry.h"
 
 #if defined(_WIN32)
@@ -68,6 +70,7 @@ ORTPA_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtA
       ortpa::native::VersionSlot() = base->GetVersionString();
       auto* made = new Domains();  // never freed: sessions of any later time may hold its pointers
       ortpa::native::AddDomain(api, *made, "ortpa.test", {&ortpa::native::AbiEchoOp()});
+      ortpa::native::AddDomain(api, *made, ortpa::native::kPagedAttentionDomain, ortpa::native::PagedAttentionOps());
       domains = made;
     }
     for (OrtCustomOpDomain* domain : domains->domains) {

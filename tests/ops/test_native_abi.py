@@ -157,4 +157,3 @@ def test_the_op_domain_registered_is_the_converted_models():
     # without the library, ONNX Runtime's own CPU provider cannot run the op (it has no float16 kernel of it)
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidGraph, match="PagedAttention"):
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-

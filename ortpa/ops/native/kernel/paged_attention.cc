@@ -441,10 +441,15 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
     for (int64_t hj = 0; hj < g; ++hj) {
       const int64_t head = m.kv_head * g + hj;
       float M = s.sink ? s.sink[head] : -INFINITY;
-      for (int64_t k = 0; k < m.nparts; ++k) M = std::max(M, w.tiles[m.first_part + k].part[hj * (2 + VH)]);
+      bool nan = false;
+      for (int64_t k = 0; k < m.nparts; ++k) {
+        const float pm = w.tiles[m.first_part + k].part[hj * (2 + VH)];
+        M = std::max(M, pm);
+        nan = nan || std::isnan(pm);
+      }
       float L = s.sink ? std::exp(s.sink[head] - M) : 0.0f;
-      std::fill(accm.begin(), accm.end(), 0.0f);
-      if (M != -INFINITY) {
+      std::fill(accm.begin(), accm.end(), nan ? NAN : 0.0f);
+      if (!nan && M != -INFINITY) {
         for (int64_t k = 0; k < m.nparts; ++k) {
           const float* pr = w.tiles[m.first_part + k].part + hj * (2 + VH);
           if (pr[1] == 0.0f) continue;

@@ -158,7 +158,9 @@ class KernelLibrary:
             a = np.asarray(a)
             if name in ("key_cache", "value_cache"):
                 if not (a.flags.c_contiguous and a.flags.writeable):
-                    raise ValueError(f"native kernel: '{name}' is updated in place: expected a writable C-contiguous array")
+                    raise ValueError(
+                        f"native kernel: '{name}' is updated in place: expected a writable C-contiguous array"
+                    )
             else:
                 a = np.ascontiguousarray(a)
             keep.append(a)

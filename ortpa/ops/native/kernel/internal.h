@@ -190,6 +190,9 @@ int64_t attend_scratch_floats(const AttendShape& s, int64_t q_tile);
 // Query tokens per tile of a prefill (a decode is one token).
 constexpr int64_t kQueryTile = 16;
 
+// Keys per part of a decode row's split key range (rounded to whole pages).
+constexpr int64_t kDecodePart = 512;
+
 }  // namespace ortpa_native
 
 #endif  // ORTPA_OPS_NATIVE_KERNEL_INTERNAL_H_

@@ -388,12 +388,11 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
     if (!c.valid[b] || t1 == t0 || c.kvlen[b] == 0) continue;  // zero rows
     w.jobs.push_back(AttendJob{c.q.data(), a.output.data, p.act_type, c.pages.data() + b * maxb, t0, t1, c.past[b], c.kvlen[b]});
   }
-  // tiles: sequence x KV head x query tile; a decode's key range is split when there are too few tiles to
-  // keep the threads busy (each part keeps its own running max/sum/accumulator, merged below)
-  const int64_t threads = a.parallel_for ? std::max(a.num_threads, 2) : c.par.threads;
-  int64_t base_tiles = 0;
-  for (const AttendJob& j : w.jobs) base_tiles += kvh * ((j.t1 - j.t0 + kQueryTile - 1) / kQueryTile);
-  const int64_t min_part = std::max<int64_t>(256, bs);
+  // tiles: sequence x KV head x query tile. A decode row's key range is cut into fixed parts of kDecodePart
+  // keys (each keeps its own running max / sum / accumulator, merged below), so that a few long sequences
+  // still keep every thread busy. The cut depends on the sequence's own length only: its result never
+  // depends on the other sequences of the batch nor on the thread count.
+  const int64_t part_keys = std::max<int64_t>(kDecodePart, bs) / bs * bs;
   std::vector<float> parts;
   struct Merge { int64_t job, kv_head, token, first_part, nparts; };
   std::vector<Merge> merges;
@@ -401,22 +400,17 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
   for (size_t ji = 0; ji < w.jobs.size(); ++ji) {
     const AttendJob& j = w.jobs[ji];
     const int64_t ql = j.t1 - j.t0;
-    int64_t nsplit = 1;
-    if (ql == 1 && base_tiles < 4 * threads && j.kvlen >= 2 * min_part) {
-      const int64_t want = (4 * threads + base_tiles - 1) / base_tiles;
-      nsplit = std::min<int64_t>(want, j.kvlen / min_part);
-    }
+    const bool split = ql == 1 && j.kvlen > part_keys;
     for (int64_t kh = 0; kh < kvh; ++kh)
       for (int64_t i0 = 0; i0 < ql; i0 += kQueryTile) {
         const int64_t i1 = std::min(ql, i0 + kQueryTile);
-        if (nsplit == 1) {
+        if (!split) {
           w.tiles.push_back(Tile{(int32_t)ji, (int32_t)kh, i0, i1, 0, j.kvlen, nullptr});
           continue;
         }
-        const int64_t chunk = ((j.kvlen + nsplit - 1) / nsplit + bs - 1) / bs * bs;
         Merge m{(int64_t)ji, kh, i0, (int64_t)w.tiles.size(), 0};
-        for (int64_t j0 = 0; j0 < j.kvlen; j0 += chunk) {
-          w.tiles.push_back(Tile{(int32_t)ji, (int32_t)kh, i0, i1, j0, std::min(j.kvlen, j0 + chunk), nullptr});
+        for (int64_t j0 = 0; j0 < j.kvlen; j0 += part_keys) {
+          w.tiles.push_back(Tile{(int32_t)ji, (int32_t)kh, i0, i1, j0, std::min(j.kvlen, j0 + part_keys), nullptr});
           ++m.nparts;
         }
         merges.push_back(m);
@@ -447,10 +441,15 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
     for (int64_t hj = 0; hj < g; ++hj) {
       const int64_t head = m.kv_head * g + hj;
       float M = s.sink ? s.sink[head] : -INFINITY;
-      for (int64_t k = 0; k < m.nparts; ++k) M = std::max(M, w.tiles[m.first_part + k].part[hj * (2 + VH)]);
+      bool nan = false;
+      for (int64_t k = 0; k < m.nparts; ++k) {
+        const float pm = w.tiles[m.first_part + k].part[hj * (2 + VH)];
+        M = std::max(M, pm);
+        nan = nan || std::isnan(pm);
+      }
       float L = s.sink ? std::exp(s.sink[head] - M) : 0.0f;
-      std::fill(accm.begin(), accm.end(), 0.0f);
-      if (M != -INFINITY) {
+      std::fill(accm.begin(), accm.end(), nan ? NAN : 0.0f);
+      if (!nan && M != -INFINITY) {
         for (int64_t k = 0; k < m.nparts; ++k) {
           const float* pr = w.tiles[m.first_part + k].part + hj * (2 + VH);
           if (pr[1] == 0.0f) continue;

@@ -62,7 +62,8 @@ typedef struct OrtpaTensor {
 
 /* A parallel-for: run fn(usr, i) for every i in [0, total), in any order, possibly concurrently, and
  * return when all have finished. The glue routes it to ONNX Runtime's KernelContext_ParallelFor so that the
- * session's intra-op thread setting holds. NULL: the kernel runs serially. */
+ * session's intra-op thread setting holds. NULL: the kernel runs on num_threads threads of its own for the
+ * call (num_threads <= 1: serially). Results never depend on the threads used. */
 typedef void (*OrtpaParallelFor)(void* ctx, void (*fn)(void* usr, size_t i), size_t total, void* usr);
 
 typedef struct OrtpaPagedAttentionArgs {
@@ -116,7 +117,7 @@ typedef struct OrtpaPagedAttentionArgs {
   /* threading */
   OrtpaParallelFor parallel_for; /* NULL: serial */
   void* parallel_ctx;            /* passed as parallel_for's ctx */
-  int32_t num_threads;           /* threads behind parallel_for (sizes the KV split); <= 0: unknown */
+  int32_t num_threads;           /* without parallel_for: threads the kernel may start; <= 1: serial */
   int32_t reserved0;
 } OrtpaPagedAttentionArgs;
 

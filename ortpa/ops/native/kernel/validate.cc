@@ -64,6 +64,19 @@ std::string fmt_shape(const OrtpaTensor& t) {
   return s + "}";
 }
 
+// A float as Python's str() prints it in the validator's messages (0.0, -1.0, nan, inf, 1e-06).
+std::string py_float(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  if (v == std::floor(v) && std::fabs(v) < 1e16) {
+    snprintf(buf, sizeof buf, "%.1f", v);
+  } else {
+    snprintf(buf, sizeof buf, "%.9g", v);
+  }
+  return buf;
+}
+
 std::string upper(const char* s) {
   std::string r = s ? s : "";
   for (char& c : r) c = (char)std::toupper((unsigned char)c);
@@ -176,8 +189,8 @@ bool validate(const OrtpaPagedAttentionArgs& a, Params* p, Error* err) {
                   (long long)nh, (long long)kvh);
   const float eps = a.qk_norm_epsilon;
   if (!(std::isfinite(eps) && eps > 0.0f))
-    return r.fail("ctor.qk_norm_epsilon", "qk_norm_epsilon", "qk_norm_epsilon must be a positive finite number (got %g).",
-                  (double)eps);
+    return r.fail("ctor.qk_norm_epsilon", "qk_norm_epsilon", "qk_norm_epsilon must be a positive finite number (got %s).",
+                  py_float(eps).c_str());
   int quant[2] = {kQuantNone, kQuantNone};
   const char* qattr[2] = {"k_quant_type", "v_quant_type"};
   const char* qval[2] = {a.k_quant_type, a.v_quant_type};

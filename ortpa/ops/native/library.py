@@ -29,6 +29,7 @@ __all__ = [
     "absent_reason",
     "find_library",
     "native_library",
+    "native_report",
     "paged_attention_mode",
     "register_native",
     "reset_native_library",
@@ -77,11 +78,13 @@ def _from_distribution() -> Path | None:
 
 
 def find_library() -> tuple[Path | None, str]:
-    """The library's path (None when there is none) and where it was looked for."""
+    """The library's path and where it was found, or None and why there is none."""
     override = os.environ.get(ENV_LIBRARY)
     if override:
         path = Path(override)
-        return (path if path.is_file() else None), f"{ENV_LIBRARY}={override}"
+        if path.is_file():
+            return path, f"{ENV_LIBRARY}={override}"
+        return None, f"{ENV_LIBRARY}={override} names no file"
     here = Path(__file__).resolve().parent
     for path in _built_names(here):
         if path.is_file():
@@ -89,7 +92,7 @@ def find_library() -> tuple[Path | None, str]:
     installed = _from_distribution()
     if installed is not None and installed.is_file():
         return installed, "the installed ortpa distribution"
-    return None, f"{here} and the installed ortpa distribution"
+    return None, f"not built: no {_STEM} library in {here} nor in the installed ortpa distribution"
 
 
 def _isa_of(handle: ctypes.CDLL) -> str:
@@ -105,7 +108,7 @@ def _isa_of(handle: ctypes.CDLL) -> str:
 def _load() -> _Found:
     path, where = find_library()
     if path is None:
-        return _Found(None, f"no library found ({where})")
+        return _Found(None, where)
     try:
         handle = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -160,3 +163,21 @@ def paged_attention_mode(explicit: str | None = None) -> str:
 def register_native(options: Any, library: NativeLibrary) -> None:
     """Register the library's ops with an ``onnxruntime.SessionOptions``."""
     options.register_custom_ops_library(str(library.path))
+
+
+def native_report() -> dict[str, Any]:
+    """What ``ortpa doctor`` prints: whether the library is present, its path and ISA path (or why it is absent),
+    and the path PagedAttention nodes take on the CPU provider under the current ``$ORTPA_PAGED_ATTENTION``."""
+    library = native_library()
+    mode = paged_attention_mode()
+    cpu_path = "portable" if library is None or mode == "portable" else NATIVE_BACKEND
+    if mode == "auto" and library is not None:
+        cpu_path += ", portable for a node it does not support"
+    return {
+        "present": library is not None,
+        "path": str(library.path) if library is not None else None,
+        "isa": library.isa if library is not None else None,
+        "absent_reason": absent_reason() or None,
+        "mode": mode,
+        "cpu_paged_attention": cpu_path,
+    }

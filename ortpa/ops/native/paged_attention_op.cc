@@ -164,7 +164,9 @@ class PagedAttentionKernel final : public Kernel {
                                                 " has rank " + std::to_string(info.shape.size()) + ", at most " +
                                                 std::to_string(ORTPA_MAX_RANK) + " expected");
     }
-    tensor.data = data;
+    // ONNX Runtime gives an empty tensor (a step with no tokens) no buffer; the kernel reads null as "absent"
+    static char no_elements = 0;
+    tensor.data = data != nullptr ? data : &no_elements;
     tensor.elem_type = info.element_type;
     tensor.rank = static_cast<int32_t>(info.shape.size());
     for (size_t d = 0; d < info.shape.size(); ++d) tensor.dims[d] = info.shape[d];

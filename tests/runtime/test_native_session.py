@@ -87,7 +87,7 @@ def test_engine_greedy_tokens_equal_the_portable_paths():
 
 
 def test_converted_mla_model_runs_native_within_the_dense_models_precision(tmp_path):
-    """A DeepSeek-V3-style dense MLA export, converted (LATENT), verified, then the parity driver's continuous
+    """A DeepSeek-V3-style dense MLA export, converted (LATENT), then the parity driver's continuous
     batching on the default CPU path against the dense original."""
     import onnx
 
@@ -95,7 +95,7 @@ def test_converted_mla_model_runs_native_within_the_dense_models_precision(tmp_p
 
     dense = FIXTURES / "dsv3_sdpa_op18.onnx"
     out = tmp_path / "paged.onnx"
-    convert_file(dense, out)
+    convert_file(dense, out, verify=False)  # the parity run below is the check, on the native path
     sess = InferenceSession(str(out), providers=CPU)
     assert set(sess.implementations.values()) == {"native-cpu"}
     result = run_parity(onnx.load(str(out)), dense, steps=6)

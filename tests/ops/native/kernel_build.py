@@ -19,12 +19,16 @@ KERNEL_DIR = Path(ortpa.__file__).resolve().parent / "ops" / "native" / "kernel"
 SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 
 
-def compile_kernel(out: Path, *, extra_sources: tuple[Path, ...] = (), sanitize: bool = False) -> Path:
-    """Build a shared library (no extra sources) or an executable (a driver among extra_sources) at ``out``."""
+def compile_kernel(
+    out: Path, *, extra_sources: tuple[Path, ...] = (), sanitize: bool = False, with_kernel: bool = True
+) -> Path:
+    """Build a shared library (no extra sources) or an executable (a driver among extra_sources) at ``out``;
+    ``with_kernel=False`` builds the extra sources alone with the same flags."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("compile the native kernel: expected g++ or c++ on PATH, found neither")
-    sources = sorted(str(p) for p in KERNEL_DIR.glob("*.cc")) + [str(p) for p in extra_sources]
+    sources = sorted(str(p) for p in KERNEL_DIR.glob("*.cc")) if with_kernel else []
+    sources += [str(p) for p in extra_sources]
     flags = ["-std=c++17", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{KERNEL_DIR}"]
     flags += SANITIZE if sanitize else ["-O2"]
     if not extra_sources:

@@ -260,7 +260,7 @@ class InferenceSession:
             **{name: native_backend for name in self.native_nodes},
             **{name: "portable" for name in self.portable_nodes},
         }
-        library = native_library() if native_backend == NATIVE_BACKEND else None
+        library = native_library() if native_backend == NATIVE_BACKEND and self.native_nodes else None
         # found on the op nodes, before the portable lowering replaces them by function calls
         self.aliases = find_cache_aliases(graph_only)
         if self.portable_nodes:

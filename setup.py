@@ -50,7 +50,7 @@ setup(
         Extension(
             "ortpa.ops.native._ortpa_native",
             sources=_sources(),
-            depends=sorted(p.as_posix() for p in NATIVE.rglob("*.h")),
+            depends=sorted(p.as_posix() for p in NATIVE.rglob("*") if p.suffix in (".h", ".inc")),
             include_dirs=[str(NATIVE)],
             language="c++",
             optional=True,  # a failed build is a warning: the package installs without it (docs/native.md)

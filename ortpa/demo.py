@@ -4,8 +4,8 @@
 2. :func:`ortpa.convert_file` it to PagedAttention LATENT (progress per layer, verified against the original);
 3. validate every PagedAttention node against ONNX Runtime's rules for the CUDA kernel;
 4. greedy-generate for four prompts of different lengths with :class:`~ortpa.runtime.engine.Engine`
-   (continuous batching) on the best provider present: CUDA's native kernel where a GPU is, else the portable
-   CPU path;
+   (continuous batching) on the best provider present: CUDA's native kernel where a GPU is, else ortpa's native
+   CPU kernel (the portable CPU path where it is not built);
 5. check parity with the dense original run by ONNX Runtime on CPU. The engine returns tokens only, so a
    step-by-step greedy loop on the same paged model and provider (:func:`ortpa.parity.greedy.paged_greedy`:
    one packed prefill, then packed decodes) records each step's logits; the dense model is teacher-forced on

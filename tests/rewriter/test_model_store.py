@@ -160,7 +160,7 @@ def test_one_shape_inference_and_one_validation_per_session(tmp_path, monkeypatc
     monkeypatch.setattr(node_check, "infer_shapes", infer)
     monkeypatch.setattr("ortpa.ops.portable.lower.infer_shapes", infer)
     monkeypatch.setattr(node_check, "_check_rules", rules)
-    sess = InferenceSession(out, providers=["CPUExecutionProvider"])
+    sess = InferenceSession(out, providers=["CPUExecutionProvider"], paged_attention="portable")
     nodes = sum(n.op_type == "PagedAttention" for n in onnx.load(str(out)).graph.node)
     assert sess.portable_nodes and nodes == len(sess.portable_nodes)
     assert counts == {"infer": 1, "rules": nodes}

@@ -7,7 +7,6 @@
 #include <atomic>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernel/paged_attention.h"
@@ -112,8 +111,7 @@ class PagedAttentionKernel final : public Kernel {
     base_.v_quant_type = v_quant_type_.c_str();
     base_.k_cache_dtype = k_cache_dtype_.c_str();
     base_.v_cache_dtype = v_cache_dtype_.c_str();
-    base_.parallel_for = &RunParallel;
-    base_.num_threads = static_cast<int32_t>(std::thread::hardware_concurrency());
+    base_.parallel_for = &RunParallel;  // num_threads stays unset: the kernel starts no threads of its own
   }
 
   void Compute(OrtKernelContext* context) override {

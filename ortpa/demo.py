@@ -4,8 +4,8 @@
 2. :func:`ortpa.convert_file` it to PagedAttention LATENT (progress per layer, verified against the original);
 3. validate every PagedAttention node against ONNX Runtime's rules for the CUDA kernel;
 4. greedy-generate for four prompts of different lengths with :class:`~ortpa.runtime.engine.Engine`
-   (continuous batching) on the best provider present: CUDA's native kernel where a GPU is, else the portable
-   CPU path;
+   (continuous batching) on the best provider present: CUDA's native kernel where a GPU is, else ortpa's native
+   CPU kernel (the portable CPU path where it is not built);
 5. check parity with the dense original run by ONNX Runtime on CPU. The engine returns tokens only, so a
    step-by-step greedy loop on the same paged model and provider (:func:`ortpa.parity.greedy.paged_greedy`:
    one packed prefill, then packed decodes) records each step's logits; the dense model is teacher-forced on
@@ -68,6 +68,7 @@ class DemoSummary:
 
     ok: bool
     provider: str
+    paged_attention: str  # what ran the PagedAttention nodes: native-cpu, cuda, portable (InferenceSession)
     dense_model: str
     paged_model: str
     dense_model_bytes: int
@@ -132,7 +133,7 @@ class DemoSummary:
             _kv_line("un-absorbed MHA K+V (fp16)", self.kv_bytes_per_token_mha, self.layers)
             + f"  ({self.kv_bytes_per_token_mha / self.kv_bytes_per_token_paged:.0f}x the LATENT row)",
             f"  generation    {len(self.prompt_lengths)} prompts (lengths {self.prompt_lengths}), "
-            f"{self.new_tokens} new tokens each, batched on {self.provider}",
+            f"{self.new_tokens} new tokens each, batched on {self.provider} (PagedAttention: {self.paged_attention})",
             f"  parity        max |logit diff| {self.max_abs_error:.2e} (per step: {per_step}); "
             f"tolerance rtol {self.tolerance[0]:g}, atol {self.tolerance[1]:g}",
             f"                greedy tokens {'identical' if self.tokens_identical else 'DIFFER'}"
@@ -281,6 +282,7 @@ def run_demo(
     summary = DemoSummary(
         ok=not failures,
         provider=chosen,
+        paged_attention=", ".join(sorted(set(engine.session.session.implementations.values()))),
         dense_model=str(dense_path),
         paged_model=str(paged_path),
         dense_model_bytes=dense_path.stat().st_size,

@@ -44,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "parity": "run the same prompts through the dense original and the converted model; compare",
     "export": "export a Hugging Face model (local dir or config) to dense ONNX (convert exports and converts)",
     "bench": "run the built-in benchmarks (ortpa.bench) and those in ./benchmarks; print one table",
+    "doctor": "what this installation runs: onnxruntime, its providers, ortpa's native CPU kernel (path, ISA)",
 }
 
 MODEL_HELP = "; or a model folder, or a Hugging Face repo id ORG/NAME in the local cache (never downloaded)"
@@ -104,6 +105,11 @@ def library_logging(verbose: bool) -> Iterator[None]:
         handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
     previous_level = root.level
     root.addHandler(handler)
+    # ortpa's own one-time notice that the native library is absent is not library chatter: always on stderr
+    native = logging.getLogger("ortpa.native")
+    native_handler = logging.StreamHandler(sys.stderr)
+    native_propagate, native.propagate = native.propagate, False
+    native.addHandler(native_handler)
     if verbose:
         root.setLevel(min(previous_level or logging.WARNING, logging.INFO))
     with warnings.catch_warnings():
@@ -114,6 +120,8 @@ def library_logging(verbose: bool) -> Iterator[None]:
         finally:
             root.removeHandler(handler)
             root.setLevel(previous_level)
+            native.removeHandler(native_handler)
+            native.propagate = native_propagate
 
 
 def progress_printer(args: argparse.Namespace) -> Callable[[str], None] | None:

@@ -169,6 +169,11 @@ BACKENDS: Mapping[str, BackendSupport] = MappingProxyType(
                 + "key_cache_out and value_cache_out must be both present or both absent.",
             },
         ),
+        # ortpa.ops.native: ortpa's own CPU kernel (C++ custom op), the CPU provider's default where it is built
+        "native-cpu": BackendSupport(
+            name="native-cpu",
+            supported=_ALL - {"float4e2m1 KV cache", "kv_cache_layout=LATENT with an int4 cache"},
+        ),
         # ortpa.ops.portable: what its graph implements (ortpa.ops.portable.PORTABLE_FEATURES is this set)
         "portable": BackendSupport(
             name="portable",

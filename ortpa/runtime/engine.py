@@ -103,7 +103,8 @@ class Engine:
     ``num_blocks`` sizes the KV pool directly; otherwise ``kv_budget_bytes`` (default
     :data:`DEFAULT_KV_BUDGET_BYTES`) is divided by the bytes one block costs across all layers' caches.
     ``max_num_batched_tokens`` bounds the tokens of one step (a longer prompt is prefilled in chunks),
-    ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime.
+    ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime;
+    ``paged_attention`` forces a PagedAttention path (:class:`InferenceSession`).
 
     Every step mixes decodes and prompt chunks (chunked prefill), on the native kernels and on the portable
     PagedAttention alike: the portable op attends decodes and prompt chunks in separate groups, so a step
@@ -131,6 +132,7 @@ class Engine:
         kv_budget_bytes: int | None = None,
         sess_options: ort.SessionOptions | None = None,
         mixed_steps: bool = True,
+        paged_attention: str | None = None,
     ) -> None:
         loaded = read_for_session(model)  # once: the session takes it as is, keeping the file's name for errors
         proto = loaded.proto
@@ -142,7 +144,12 @@ class Engine:
         if num_blocks < 1:
             raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
         self.session = PagedSession(
-            loaded, num_blocks=num_blocks, block_size=block_size, providers=providers, sess_options=sess_options
+            loaded,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            providers=providers,
+            sess_options=sess_options,
+            paged_attention=paged_attention,
         )
         self.mixed_steps = mixed_steps
         self.kv = PagedKVCache(num_blocks, self.session.block_size)

@@ -219,11 +219,16 @@ def open_ort_session(
     sess_options: ort.SessionOptions | None = None,
     providers: Sequence[Any] | None = None,
     provider_options: Sequence[dict] | None = None,
+    custom_ops_library: str | None = None,
     **kwargs: Any,
 ) -> OrtSession:
     """An ORT session of ``graph_only`` (from :func:`external_initializers` of ``loaded``, possibly rewritten
     since): from the file itself when ``unchanged`` and ``loaded`` came from a path, else from the graph with
-    ``external``'s arrays passed as external initializers."""
+    ``external``'s arrays passed as external initializers. ``custom_ops_library`` is registered with a copy of
+    the options (the caller's stay as they are)."""
+    if custom_ops_library is not None:
+        sess_options = _fresh_options(sess_options)
+        sess_options.register_custom_ops_library(custom_ops_library)
     if unchanged and loaded.base_dir is not None and os.path.isfile(loaded.label):
         sess = ort.InferenceSession(
             loaded.label, sess_options, providers=providers, provider_options=provider_options, **kwargs
@@ -231,7 +236,9 @@ def open_ort_session(
         return OrtSession(sess, from_path=True)
     on_disk = _point_at_data_files(graph_only, external)
     names, arrays = external.arrays(skip=on_disk)
-    options = _fresh_options(sess_options) if names or on_disk else sess_options
+    # a copy made above for the library is fresh already: registering twice would be refused
+    fresh = custom_ops_library is None and (names or on_disk)
+    options = _fresh_options(sess_options) if fresh else sess_options
     if on_disk:
         # ORT reads (memory-maps) these from the model's own data files, exactly as it would open the file
         options.add_session_config_entry(_EXTERNAL_FOLDER_KEY, str(external.base_dir))

@@ -1,9 +1,10 @@
 """Sessions that run PagedAttention models on any execution provider.
 
 * :class:`InferenceSession` is a drop-in for ``onnxruntime.InferenceSession``: each PagedAttention node runs
-  natively where the first provider has a kernel for it (CUDA, WebGPU) and is otherwise rewritten, in memory,
-  to ``ortpa.ops.portable`` (standard ONNX ops). Every node is validated and gated before any ORT session
-  exists, so an unsupported mode fails with a typed error, not deep inside ONNX Runtime.
+  natively where the first provider has a kernel for it (CUDA, WebGPU; on CPU ortpa's own native library,
+  ``ortpa.ops.native``) and is otherwise rewritten, in memory, to ``ortpa.ops.portable`` (standard ONNX ops).
+  Every node is validated and gated before any ORT session exists, so an unsupported mode fails with a typed
+  error, not deep inside ONNX Runtime.
 * :class:`PagedSession` owns each layer's KV caches as ``OrtValue`` s on the provider's device and binds a
   cache input and its aliasing output (``key_cache`` / ``key_cache_out``) to the *same* ``OrtValue`` on
   every step, so the caches are updated in place: no per-step copy of the pool.
@@ -30,10 +31,11 @@ from ortpa.errors import InvalidArgument, InvalidModel, InvalidParameter, KVPool
 from ortpa.model.file import LoadedModel, ort_message_line, read_model
 from ortpa.model.ref import resolve_any
 from ortpa.ops.backends import backend_for_provider
+from ortpa.ops.native import NATIVE_BACKEND, absent_reason, native_library, paged_attention_mode, warn_if_absent
 from ortpa.ops.portable.calls import lowered_cache_ports
 from ortpa.ops.shape_inference import infer_shapes
 from ortpa.ops.spec import DOMAIN, OP_TYPE
-from ortpa.providers import DEVICE_OF
+from ortpa.providers import CPU, DEVICE_OF
 from ortpa.runtime.device import best_providers
 from ortpa.runtime.ort_session import external_initializers, open_ort_session
 from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, ortvalue_to_numpy, to_ortvalue
@@ -120,19 +122,52 @@ def _through_trailing_write(model: onnx.ModelProto, name: str | None, graph_outp
     return name
 
 
-def _plan_nodes(loaded: LoadedModel, providers: list[str]) -> tuple[list[str], list[str]]:
-    """Validate every node once; return (native node names, portable node names). Raises before any session.
+def _native_backend(label: str, provider: str | None, mode: str, block_size: int | None = None) -> str | None:
+    """The backend that runs PagedAttention natively under ``provider`` in ``mode`` (None: none does).
 
-    A node runs natively when the first provider has a PagedAttention kernel whose gate accepts it; any other
-    node (no kernel, or a mode the kernel lacks) goes to the portable implementation, whose own gate must
-    accept it or :class:`~ortpa.errors.NotImplementedByBackend` is raised. ``loaded.proto`` is the model with
-    shapes inferred already: one shape inference and one check of each node's rules per session.
+    The provider's own kernel (CUDA, WebGPU) where it has one; on the CPU provider ortpa's native library where
+    it is present (absent: said once per process, see :func:`ortpa.ops.native.warn_if_absent`) and the caches'
+    ``block_size`` keeps the op's rule 1.5.2 (a power of two, at least 16), which the native kernel checks on
+    every call as ONNX Runtime's kernels do; the portable lowering takes any block size."""
+    if provider is None or mode == "portable":
+        return None
+    backend = backend_for_provider(provider)
+    if backend is not None or provider != CPU:
+        return backend
+    if native_library() is None:
+        if mode == "native":
+            raise InvalidParameter(
+                label, "paged_attention", "'native' only where ortpa's native library is present", absent_reason()
+            )
+        warn_if_absent()
+        return None
+    if block_size is not None and (block_size < 16 or block_size & (block_size - 1)):
+        if mode == "native":
+            raise InvalidParameter(
+                label, "block_size", "a power of two, at least 16 (rule 1.5.2) for the native kernel", block_size
+            )
+        return None
+    return NATIVE_BACKEND
+
+
+def _plan_nodes(
+    loaded: LoadedModel, providers: list[str], mode: str = "auto", block_size: int | None = None
+) -> tuple[list[str], list[str], str]:
+    """Validate every node once; return (native node names, portable node names, the native backend's name).
+    Raises before any session.
+
+    A node runs natively when the first provider has a PagedAttention kernel (ortpa's native library on CPU)
+    whose gate accepts it; any other node (no kernel, or a mode the kernel lacks) goes to the portable
+    implementation, whose own gate must accept it or :class:`~ortpa.errors.NotImplementedByBackend` is raised.
+    ``mode`` (:func:`ortpa.ops.native.paged_attention_mode`) forces one path: ``portable`` lowers every node,
+    ``native`` refuses a node the native backend cannot run. ``loaded.proto`` is the model with shapes inferred
+    already: one shape inference and one check of each node's rules per session.
     """
     from ortpa.ops.validate.model import validate_backends
 
     if not _paged_nodes(loaded.proto):
-        return [], []
-    native_backend = backend_for_provider(providers[0]) if providers else None
+        return [], [], ""
+    native_backend = _native_backend(loaded.label, providers[0] if providers else None, mode, block_size)
     reports = validate_backends(loaded, [b for b in (native_backend, "portable") if b], shapes_inferred=True)
     report = reports[None]
     if not report.ok:
@@ -140,14 +175,17 @@ def _plan_nodes(loaded: LoadedModel, providers: list[str]) -> tuple[list[str], l
     names = [n.node for n in report.nodes]
     native: list[str] = []
     if native_backend is not None:
-        native = [n.node for n in reports[native_backend].nodes if n.status in ("valid", "unchecked")]
+        gated = reports[native_backend]
+        native = [n.node for n in gated.nodes if n.status in ("valid", "unchecked")]
+        if mode == "native" and len(native) < len(names):
+            raise _report_error(gated, next(name for name in names if name not in native))
     portable = [name for name in names if name not in native]
     if portable:
         gated = reports["portable"]
         failing = [n for n in gated.nodes if n.node in portable and n.status not in ("valid", "unchecked")]
         if failing:
             raise _report_error(gated, failing[0].node)
-    return native, portable
+    return native, portable, native_backend or ""
 
 
 def read_for_session(model: Any) -> LoadedModel:
@@ -184,6 +222,12 @@ class InferenceSession:
     OrtValues. With plain :meth:`run`, cache outputs come back as new arrays; use :class:`PagedSession` (or
     :meth:`io_binding` with the same OrtValue bound to a cache input and its output) to update in place.
 
+    ``paged_attention`` (else ``$ORTPA_PAGED_ATTENTION``; default ``auto``) picks the path: ``auto`` runs a node
+    natively where the provider's backend accepts it and portably elsewhere, ``portable`` lowers every node,
+    ``native`` refuses a node no native backend runs. :attr:`implementations` says, per node, which ran
+    (``native-cpu``, ``cuda``, ``webgpu`` or ``portable``). ``block_size``: the caches' block size where the
+    caller knows it before any run (:class:`PagedSession`), so that the path is chosen for it.
+
     :meth:`run` is safe to call from several threads at once, as ONNX Runtime's own ``run`` is: the wrapper
     keeps no per-call state (each bound run makes its own IO binding and copies of aliased caches).
     """
@@ -194,17 +238,29 @@ class InferenceSession:
         sess_options: ort.SessionOptions | None = None,
         providers: Sequence[Any] | None = None,
         provider_options: Sequence[dict] | None = None,
+        *,
+        paged_attention: str | None = None,
+        block_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         loaded = read_for_session(model)
         self.label = loaded.label
+        mode = paged_attention_mode(paged_attention)
         # the graph with its weights as references (memory-mapped or views): every step below is weight-free
         graph_only, external = external_initializers(loaded.proto, loaded.base_dir)
         renamed = _name_nodes(graph_only)
         self._providers_requested = list(providers) if providers else _provider_names(None)
         names = _provider_names(self._providers_requested)
         inferred = infer_shapes(graph_only) if _paged_nodes(graph_only) else graph_only  # once per session
-        self.native_nodes, self.portable_nodes = _plan_nodes(dataclasses.replace(loaded, proto=inferred), names)
+        self.native_nodes, self.portable_nodes, native_backend = _plan_nodes(
+            dataclasses.replace(loaded, proto=inferred), names, mode, block_size
+        )
+        # which implementation runs each PagedAttention node: "native-cpu", "cuda", "webgpu" or "portable"
+        self.implementations: dict[str, str] = {
+            **{name: native_backend for name in self.native_nodes},
+            **{name: "portable" for name in self.portable_nodes},
+        }
+        library = native_library() if native_backend == NATIVE_BACKEND and self.native_nodes else None
         # found on the op nodes, before the portable lowering replaces them by function calls
         self.aliases = find_cache_aliases(graph_only)
         if self.portable_nodes:
@@ -230,6 +286,7 @@ class InferenceSession:
                 sess_options=sess_options,
                 providers=self._providers_requested,
                 provider_options=provider_options,
+                custom_ops_library=str(library.path) if library is not None else None,
                 **kwargs,
             )
         except Exception as exc:
@@ -335,8 +392,11 @@ class PagedSession:
         providers: Sequence[Any] | None = None,
         sess_options: ort.SessionOptions | None = None,
         dims: Mapping[str, int] | None = None,
+        paged_attention: str | None = None,
     ) -> None:
-        self.session = InferenceSession(model, sess_options, providers=providers)
+        self.session = InferenceSession(
+            model, sess_options, providers=providers, paged_attention=paged_attention, block_size=block_size
+        )
         self.device = self.session._device
         self.num_blocks = int(num_blocks)
         self.aliases = self.session.aliases

@@ -128,7 +128,7 @@ def test_providers_and_errors() -> None:
     assert backend_for_provider("WebGpuExecutionProvider") == "webgpu"
     assert backend_for_provider("CPUExecutionProvider") is None
     assert backend_for_provider("DmlExecutionProvider") is None
-    assert set(available_backends()) == {"cuda", "webgpu", "portable"}
+    assert set(available_backends()) == {"cuda", "webgpu", "portable", "native-cpu"}
     with pytest.raises(ValueError, match="unknown backend"):
         check_backend(BASE, None, "tpu")
     with pytest.raises(ValueError, match="unknown features"):

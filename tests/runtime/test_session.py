@@ -41,13 +41,19 @@ def _oracle(x, attrs=ATTRS):
     return paged_attention(**x, **attrs)
 
 
+@pytest.mark.parametrize("mode", ["portable", "auto"])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
-def test_inference_session_single_node_matches_oracle(dtype):
+def test_inference_session_single_node_matches_oracle(dtype, mode):
     rng = np.random.default_rng(0)
     x = _inputs(rng, dtype, q_lens=[5, 1, 3], past=[0, 17, 30])
     before = {k: v.copy() for k, v in x.items()}
-    sess = InferenceSession(paged_attention_model(x, ATTRS), providers=["CPUExecutionProvider"])
-    assert sess.portable_nodes == ["PagedAttention_0"] and sess.native_nodes == []
+    sess = InferenceSession(paged_attention_model(x, ATTRS), providers=["CPUExecutionProvider"], paged_attention=mode)
+    # auto: ortpa's native CPU kernel (the package builds it); portable: the standard-op lowering
+    expected = "portable" if mode == "portable" else "native-cpu"
+    assert sess.implementations == {"PagedAttention_0": expected}
+    assert (sess.portable_nodes, sess.native_nodes) == (
+        (["PagedAttention_0"], []) if mode == "portable" else ([], ["PagedAttention_0"])
+    )
     out, kc, vc = sess.run(None, x)
     ref_out, ref_kc, ref_vc = _oracle(x)
     assert_close(out, ref_out, dtype, what="output")
@@ -67,8 +73,10 @@ def test_unsupported_mode_raises_before_any_session():
     x["k_scale"] = np.ones([1], np.float32)
     x["v_scale"] = np.ones([1], np.float32)
     attrs = {**ATTRS, "k_quant_type": "PER_TENSOR", "v_quant_type": "PER_TENSOR"}
-    with pytest.raises(NotImplementedByBackend) as info:
-        InferenceSession(paged_attention_model(x, attrs), providers=["CPUExecutionProvider"])
+    with pytest.raises(NotImplementedByBackend) as info:  # float8 caches: the portable lowering has none
+        InferenceSession(
+            paged_attention_model(x, attrs), providers=["CPUExecutionProvider"], paged_attention="portable"
+        )
     assert info.value.backend == "portable"
 
 
@@ -241,7 +249,10 @@ def test_paged_session_rejects_feeding_a_cache_and_bad_dims():
 
 # ------------------------------------------------------------------------------------------------ bad models
 def test_a_model_only_onnx_runtime_rejects_is_an_invalid_model_naming_the_file(tmp_path):
-    """Weights whose dims no longer fit their MatMul pass ortpa's file checks; ORT's error is typed and named."""
+    """Weights whose dims no longer fit their MatMul pass ortpa's file checks; ORT's error is typed and named.
+
+    On the portable path: ortpa's native custom op declares no shape inference (docs/native.md), so ONNX Runtime
+    finds this mismatch behind it only when the graph runs."""
     from ortpa.errors import InvalidModel
     from ortpa.testing.toy_lm import build_toy_lm
 
@@ -252,7 +263,8 @@ def test_a_model_only_onnx_runtime_rejects_is_an_invalid_model_naming_the_file(t
     weight.dims.extend([rows * 2, cols // 2])
     path = tmp_path / "bad.onnx"
     onnx.save(model, path)
-    for make in (InferenceSession, lambda p: PagedSession(p, num_blocks=4)):
+    portable = {"paged_attention": "portable"}
+    for make in (lambda p: InferenceSession(p, **portable), lambda p: PagedSession(p, num_blocks=4, **portable)):
         with pytest.raises(InvalidModel, match="ONNX Runtime rejected it") as info:
             make(str(path))
         assert str(path) in str(info.value) and "\n" not in str(info.value)

@@ -94,6 +94,7 @@ def run_parity(
     providers: list[str] | None = None,
     follow_reference: bool = False,
     reference=None,
+    paged_attention: str | None = None,
 ) -> ParityResult:
     """Continuous batching on ``converted`` vs the dense model, judged by the precision rule of the one
     verification rule (:mod:`ortpa.parity.rule`): each row's next-token KL divergence within
@@ -110,7 +111,8 @@ def run_parity(
 
     ``scatter_blocks`` hands out blocks in a random order (drawn from ``seed`` before the prompts), so the block
     table really is a page table. ``logits``: ``"last"`` requires one logits row per sequence, ``"all"`` one per
-    packed token (the last of each sequence is checked), ``"auto"`` accepts either.
+    packed token (the last of each sequence is checked), ``"auto"`` accepts either. ``paged_attention`` forces a
+    PagedAttention path (:class:`ortpa.InferenceSession`; on CPU the native kernel by default).
     """
     precision = "int8" if dtype == "int8" else dtype_name(dtype)
     ties, kl_bound = precision_ties(precision), precision_kl_bound(precision)
@@ -120,6 +122,7 @@ def run_parity(
         block_size=BLOCK_SIZE,
         providers=providers or ["CPUExecutionProvider"],
         sess_options=_options(),
+        paged_attention=paged_attention,
     )
     wanted = {i.name for i in sess.session.get_inputs()}
     dense = reference if reference is not None else DenseModel(dense_path)

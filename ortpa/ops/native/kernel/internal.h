@@ -195,6 +195,9 @@ constexpr int64_t kQueryTile = 16;
 // Keys per part of a decode row's split key range (rounded to whole pages).
 constexpr int64_t kDecodePart = 512;
 
+// How many pages ahead of the one being computed the attention loop prefetches.
+constexpr int64_t kPrefetchPages = 2;
+
 }  // namespace ortpa_native
 
 #endif  // ORTPA_OPS_NATIVE_KERNEL_INTERNAL_H_

@@ -196,7 +196,7 @@ constexpr int64_t kQueryTile = 16;
 constexpr int64_t kDecodePart = 512;
 
 // How many pages ahead of the one being computed the attention loop prefetches.
-constexpr int64_t kPrefetchPages = 2;
+constexpr int64_t kPrefetchPages = 3;
 
 }  // namespace ortpa_native
 

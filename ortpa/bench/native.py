@@ -12,6 +12,7 @@ Rows (``ortpa bench --only native`` or ``python -m ortpa.bench.native [--quick]`
 * ``bandwidth/*``: the cache bytes the step reads (every K and V row of every context position) over the native
   step time, a NumPy copy of as many bytes measured in the same run, and their quotient ``bandwidth_share``
   (goal >= 0.3): decode attention is memory-bound, the kernel's job is to stream the pages at copy speed.
+  ``bandwidth_1thread/*``: the same in CPU time with one thread (NumPy's copy is single-threaded).
 * ``pool_ratio/4096_vs_64``: the native step with 4096 allocated blocks over 64 (target <= 1.15: the cache
   write is in place, the pool is never copied).
 * ``mla_decode_ms/{native,portable}/ctx4096`` and ``mla_prefill_ms/...``: LATENT (absorbed MLA) at
@@ -88,11 +89,11 @@ def _decode(rows: list[dict], repeats: int, rng) -> None:
             for k in ("native", "portable"):
                 rows.append(_row(f"decode_ms/{k}/{tag}", "step_time", ms[k], "ms", f"{shape}; {env}; aliased"))
             rows.append(_row(f"decode_ms/ort_gqa/{tag}", "step_time", ms["gqa"], "ms", "shared past/present"))
-            native_gbs = cache_bytes / ms["native"] / 1e6
-            copy_gbs = cache_bytes / ms["copy"] / 1e6
-            rows.append(_row("bandwidth/native", "cache_read_rate", native_gbs, "GB/s", f"{cache_bytes} bytes"))
-            rows.append(_row("bandwidth/numpy_copy", "copy_rate", copy_gbs, "GB/s", "same bytes, same run"))
-            rows.append(_row("bandwidth_share/native", "fraction_of_copy", native_gbs / copy_gbs, "x", "goal >= 0.3"))
+        native_gbs = cache_bytes / ms["native"] / 1e6
+        copy_gbs = cache_bytes / ms["copy"] / 1e6  # NumPy's copy runs on one thread
+        rows.append(_row(f"bandwidth{suffix}/native", "cache_read_rate", native_gbs, "GB/s", f"{cache_bytes} B; {env}"))
+        rows.append(_row(f"bandwidth{suffix}/numpy_copy", "copy_rate", copy_gbs, "GB/s", "same bytes, same run"))
+        rows.append(_row(f"bandwidth_share{suffix}/native", "fraction_of_copy", native_gbs / copy_gbs, "x", "goal >= 0.3"))
         note = f"native {ms['native']:.2f} ms, GQA {ms['gqa']:.2f} ms, portable {ms['portable']:.2f} ms; {env}"
         rows.append(_row(f"ratio{suffix}/native_over_gqa", "step_time_ratio", ms["native"] / ms["gqa"], "x",
                          note + ("; target <= 0.5" if not suffix else "")))  # fmt: skip

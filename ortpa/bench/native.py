@@ -93,7 +93,8 @@ def _decode(rows: list[dict], repeats: int, rng) -> None:
         copy_gbs = cache_bytes / ms["copy"] / 1e6  # NumPy's copy runs on one thread
         rows.append(_row(f"bandwidth{suffix}/native", "cache_read_rate", native_gbs, "GB/s", f"{cache_bytes} B; {env}"))
         rows.append(_row(f"bandwidth{suffix}/numpy_copy", "copy_rate", copy_gbs, "GB/s", "same bytes, same run"))
-        rows.append(_row(f"bandwidth_share{suffix}/native", "fraction_of_copy", native_gbs / copy_gbs, "x", "goal >= 0.3"))
+        share = native_gbs / copy_gbs
+        rows.append(_row(f"bandwidth_share{suffix}/native", "fraction_of_copy", share, "x", "goal >= 0.3"))
         note = f"native {ms['native']:.2f} ms, GQA {ms['gqa']:.2f} ms, portable {ms['portable']:.2f} ms; {env}"
         rows.append(_row(f"ratio{suffix}/native_over_gqa", "step_time_ratio", ms["native"] / ms["gqa"], "x",
                          note + ("; target <= 0.5" if not suffix else "")))  # fmt: skip

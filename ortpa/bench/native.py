@@ -6,7 +6,8 @@ Rows (``ortpa bench --only native`` or ``python -m ortpa.bench.native [--quick]`
 * ``decode_ms/{native,portable,ort_gqa}/b4/ctx2048``: one new token for each of 4 sequences at context 2048, GQA
   32 query / 8 KV heads of 128, float16, block 16, 2 intra-op threads. The native and portable sessions bind
   their caches aliased (in place); ``com.microsoft::GroupQueryAttention`` binds past and present KV to one shared
-  buffer, its fastest decode mode. The three are timed interleaved.
+  buffer, its fastest decode mode. The three are timed interleaved, every session with its pool's spinning off
+  (a pool spinning after its run would take a core from the next session's run).
 * ``ratio/native_over_gqa`` (target <= 0.5) and ``ratio/native_over_portable``; ``ratio_1thread/...``: the same
   with one thread each in CPU time of this process (steadier on a shared machine).
 * ``bandwidth/*``: the cache bytes the step reads (every K and V row of every context position) over the native
@@ -50,6 +51,8 @@ def _session(model, *, native: bool, threads: int) -> ort.InferenceSession:
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    # sessions are timed interleaved: a pool left spinning after its run would take a core from the next one
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if native:
         lib = native_library()
         if lib is None:
@@ -81,7 +84,9 @@ def _decode(rows: list[dict], repeats: int, rng) -> None:
     for threads, clock, suffix in ((THREADS, time.perf_counter, ""), (1, time.process_time, "_1thread")):
         sess = _pair(x, attrs, threads)
         fns = {k: aliased_step(s, {n: a.copy() for n, a in x.items()}, alias=True) for k, s in sess.items()}
-        fns["gqa"] = gqa_bench._gqa_step(gqa_bench._session(gqa_bench._gqa_model(), threads), batch, ctx, rng)
+        fns["gqa"] = gqa_bench._gqa_step(
+            _session(gqa_bench._gqa_model(), native=False, threads=threads), batch, ctx, rng
+        )
         fns["copy"] = _copy_fn(cache_bytes)
         ms = interleaved_ms(fns, repeats, clock)
         env = f"{threads} intra-op thread(s), ORT {ort.__version__}, " + ("wall" if not suffix else "CPU time")

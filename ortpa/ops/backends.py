@@ -169,10 +169,16 @@ BACKENDS: Mapping[str, BackendSupport] = MappingProxyType(
                 + "key_cache_out and value_cache_out must be both present or both absent.",
             },
         ),
-        # ortpa.ops.native: ortpa's own CPU kernel (C++ custom op), the CPU provider's default where it is built
+        # ortpa.ops.native: ortpa's own CPU kernel (C++ custom op), the CPU provider's default where it is built.
+        # Every feature of the op (and float32 activations besides); tests/ops/native runs each against the oracle.
         "native-cpu": BackendSupport(
             name="native-cpu",
             supported=_ALL - {"float4e2m1 KV cache", "kv_cache_layout=LATENT with an int4 cache"},
+            details={
+                "float4e2m1 KV cache": "the op has no float4 cache (rule 1.8.7 rejects it); no kernel implements it",
+                "kv_cache_layout=LATENT with an int4 cache": "undefined in the op (the CUDA latent kernel reads the "
+                "packed bytes as values), so the native kernel refuses it, as the oracle does",
+            },
         ),
         # ortpa.ops.portable: what its graph implements (ortpa.ops.portable.PORTABLE_FEATURES is this set)
         "portable": BackendSupport(

@@ -20,6 +20,7 @@ from ops.validate_cases import ACCEPT, REJECT, build
 from support.tolerances import assert_close
 
 from ortpa.errors import InvalidArgument, NotImplementedByBackend
+from ortpa.ops.backends import check_backend
 from ortpa.ops.native.kernel.binding import INPUT_NAMES
 from ortpa.ops.oracle import paged_attention
 from ortpa.ops.validate import TensorInfo, check_inputs
@@ -43,6 +44,8 @@ def run_both(kernel, x: dict, attrs: dict, *, threads: int = 1):
 
 
 def assert_matches_oracle(kernel, x: dict, attrs: dict, dtype, *, exact_cache: bool = True, threads: int = 1):
+    # the backend entry declares what runs here: a feature it lacks would raise before the comparison
+    check_backend(check_inputs(full_inputs(x), attrs), None, "native-cpu")
     exp_out, exp_k, exp_v, out, kc, vc = run_both(kernel, x, attrs, threads=threads)
     assert out.dtype == exp_out.dtype and out.shape == exp_out.shape
     assert_close(out, exp_out, dtype, what="output")
@@ -122,6 +125,8 @@ def test_latent_int4_refused_like_the_oracle(kernel) -> None:
     requantize(case, "int4")
     with pytest.raises(NotImplementedByBackend):
         paged_attention(**full_inputs(case.inputs), **case.attrs)
+    with pytest.raises(NotImplementedByBackend):  # the backend entry says so before any session
+        check_backend(check_inputs(full_inputs(case.inputs), case.attrs), None, "native-cpu")
     kc = case.inputs["key_cache"].copy()
     with pytest.raises(NotImplementedByBackend, match="int4"):
         kernel.run(case.inputs, case.attrs)

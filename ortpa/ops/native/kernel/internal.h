@@ -168,11 +168,13 @@ struct AttendShape {
   CacheView k, v;     // v unused in LATENT (V is the leading v_head_size channels of the K row)
 };
 
-// One unit of work: sequence job, KV head, query tile [i0, i1) (token offsets within the sequence),
-// key range split [j0, j1). Partial results (m, l, acc per row) go to `part` when the work is split.
+// One unit of work: sequence job, KV heads [kv_head, kv_head + kv_heads), query tile [i0, i1) (token offsets
+// within the sequence), key range [j0, j1). Partial results (m, l, acc per row, rows ordered as the tile's)
+// go to `part` when a decode's key range is split.
 struct Tile {
   int32_t job;
   int32_t kv_head;
+  int32_t kv_heads;
   int64_t i0, i1, j0, j1;
   float* part;  // null: write the output directly; else [rows][2 + v_head_size] (m, l, acc)
 };
@@ -184,14 +186,17 @@ void attend_tile_baseline(const AttendShape& s, const AttendJob* jobs, const Til
 void attend_tile_avx2(const AttendShape& s, const AttendJob* jobs, const Tile& tile, float* scratch);
 #endif
 
-// Floats of scratch one attend_tile call needs.
-int64_t attend_scratch_floats(const AttendShape& s, int64_t q_tile);
+// Floats of scratch one attend_tile call needs for tiles of up to q_tile tokens and kv_heads KV heads.
+int64_t attend_scratch_floats(const AttendShape& s, int64_t q_tile, int64_t kv_heads);
 
 // Query tokens per tile of a prefill (a decode is one token).
 constexpr int64_t kQueryTile = 16;
 
 // Keys per part of a decode row's split key range (rounded to whole pages).
 constexpr int64_t kDecodePart = 512;
+
+// How many pages ahead of the one being computed the attention loop prefetches.
+constexpr int64_t kPrefetchPages = 3;
 
 }  // namespace ortpa_native
 

@@ -394,28 +394,31 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
   // depends on the other sequences of the batch nor on the thread count.
   const int64_t part_keys = std::max<int64_t>(kDecodePart, bs) / bs * bs;
   std::vector<float> parts;
-  struct Merge { int64_t job, kv_head, token, first_part, nparts; };
+  struct Merge { int64_t job, token, first_part, nparts; };  // a decode row, all KV heads
   std::vector<Merge> merges;
   int64_t part_floats = 0;
   for (size_t ji = 0; ji < w.jobs.size(); ++ji) {
     const AttendJob& j = w.jobs[ji];
     const int64_t ql = j.t1 - j.t0;
-    const bool split = ql == 1 && j.kvlen > part_keys;
-    for (int64_t kh = 0; kh < kvh; ++kh)
-      for (int64_t i0 = 0; i0 < ql; i0 += kQueryTile) {
-        const int64_t i1 = std::min(ql, i0 + kQueryTile);
-        if (!split) {
-          w.tiles.push_back(Tile{(int32_t)ji, (int32_t)kh, i0, i1, 0, j.kvlen, nullptr});
-          continue;
-        }
-        Merge m{(int64_t)ji, kh, i0, (int64_t)w.tiles.size(), 0};
-        for (int64_t j0 = 0; j0 < j.kvlen; j0 += part_keys) {
-          w.tiles.push_back(Tile{(int32_t)ji, (int32_t)kh, i0, i1, j0, std::min(j.kvlen, j0 + part_keys), nullptr});
-          ++m.nparts;
-        }
-        merges.push_back(m);
-        part_floats += m.nparts * (nh / kvh) * (2 + VH);
+    if (ql == 1) {
+      // a decode: every KV head in one tile (the pages are read as contiguous runs), the key range in parts
+      if (j.kvlen <= part_keys) {
+        w.tiles.push_back(Tile{(int32_t)ji, 0, (int32_t)kvh, 0, 1, 0, j.kvlen, nullptr});
+        continue;
       }
+      Merge m{(int64_t)ji, 0, (int64_t)w.tiles.size(), 0};
+      for (int64_t j0 = 0; j0 < j.kvlen; j0 += part_keys) {
+        w.tiles.push_back(Tile{(int32_t)ji, 0, (int32_t)kvh, 0, 1, j0, std::min(j.kvlen, j0 + part_keys), nullptr});
+        ++m.nparts;
+      }
+      merges.push_back(m);
+      part_floats += m.nparts * nh * (2 + VH);
+      continue;
+    }
+    // a prefill or chunk: one KV head per tile, query tiles of kQueryTile tokens
+    for (int64_t kh = 0; kh < kvh; ++kh)
+      for (int64_t i0 = 0; i0 < ql; i0 += kQueryTile)
+        w.tiles.push_back(Tile{(int32_t)ji, (int32_t)kh, 1, i0, std::min(ql, i0 + kQueryTile), 0, j.kvlen, nullptr});
   }
   if (part_floats > 0) {
     parts.resize((size_t)part_floats);
@@ -423,27 +426,29 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
     for (const Merge& m : merges)
       for (int64_t k = 0; k < m.nparts; ++k) {
         w.tiles[m.first_part + k].part = parts.data() + at;
-        at += (nh / kvh) * (2 + VH);
+        at += nh * (2 + VH);
       }
   }
-  int64_t max_q = 1;
-  for (const Tile& t : w.tiles) max_q = std::max(max_q, t.i1 - t.i0);
-  w.scratch_floats = attend_scratch_floats(s, max_q);
+  int64_t max_q = 1, max_kh = 1;
+  for (const Tile& t : w.tiles) {
+    max_q = std::max(max_q, t.i1 - t.i0);
+    max_kh = std::max<int64_t>(max_kh, t.kv_heads);
+  }
+  w.scratch_floats = std::max(attend_scratch_floats(s, max_q, 1), attend_scratch_floats(s, 1, max_kh));
   parallel_for(c.par, w.tiles.size(), attend_task, &w);
   if (c.failure.failed)
     return fail(err, "native.memory", "output", "out of memory for the attention scratch; the caches were already written");
 
-  // merge split decodes: out = sum_s acc_s e^(m_s - M) / (sum_s l_s e^(m_s - M) + sink term)
-  const int64_t g = nh / kvh;
+  // merge split decodes: out = sum_s acc_s e^(m_s - M) / (sum_s l_s e^(m_s - M) + sink term); a part's rows
+  // are its tile's, (kv head * 1 + 0) * g + head in group = the query head
   std::vector<float> accm((size_t)VH);
   for (const Merge& m : merges) {
     const AttendJob& j = w.jobs[m.job];
-    for (int64_t hj = 0; hj < g; ++hj) {
-      const int64_t head = m.kv_head * g + hj;
+    for (int64_t head = 0; head < nh; ++head) {
       float M = s.sink ? s.sink[head] : -INFINITY;
       bool nan = false;
       for (int64_t k = 0; k < m.nparts; ++k) {
-        const float pm = w.tiles[m.first_part + k].part[hj * (2 + VH)];
+        const float pm = w.tiles[m.first_part + k].part[head * (2 + VH)];
         M = std::max(M, pm);
         nan = nan || std::isnan(pm);
       }
@@ -451,7 +456,7 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
       std::fill(accm.begin(), accm.end(), nan ? NAN : 0.0f);
       if (!nan && M != -INFINITY) {
         for (int64_t k = 0; k < m.nparts; ++k) {
-          const float* pr = w.tiles[m.first_part + k].part + hj * (2 + VH);
+          const float* pr = w.tiles[m.first_part + k].part + head * (2 + VH);
           if (pr[1] == 0.0f) continue;
           const float f = std::exp(pr[0] - M);
           L += pr[1] * f;
@@ -475,9 +480,9 @@ void copy_error(const Error& e, char* error, size_t len) {
 
 }  // namespace
 
-int64_t attend_scratch_floats(const AttendShape& s, int64_t q_tile) {
-  const int64_t R = (s.num_heads / s.kv_heads) * q_tile;
-  return s.block_size * s.head_size + s.block_size * s.v_head_size + R * s.block_size + 2 * R + R * s.v_head_size;
+int64_t attend_scratch_floats(const AttendShape& s, int64_t q_tile, int64_t kv_heads) {
+  const int64_t R = kv_heads * (s.num_heads / s.kv_heads) * q_tile;
+  return s.block_size * (s.head_size + s.v_head_size) + R * s.block_size + 2 * R + R * s.v_head_size;
 }
 
 }  // namespace ortpa_native

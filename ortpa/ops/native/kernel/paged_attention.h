@@ -131,8 +131,9 @@ ORTPA_NATIVE_EXPORT void ortpa_paged_attention_args_init(OrtpaPagedAttentionArgs
 ORTPA_NATIVE_EXPORT int ortpa_paged_attention_output_shape(const OrtpaPagedAttentionArgs* args, int64_t out_dims[2],
                                                            char* error, size_t error_len);
 
-/* Run the op. Returns 0 on success, non-zero with a NUL-terminated message in error otherwise; on error the
- * caches and the output are unchanged unless the message says otherwise (every check runs before any write). */
+/* Run the op. Returns 0 on success, non-zero with a NUL-terminated message in error otherwise. Every check runs
+ * before any write, so a rejected call leaves the caches and the output unchanged; only running out of memory
+ * ("[native.memory] ...") can come after the cache write. */
 ORTPA_NATIVE_EXPORT int ortpa_paged_attention(const OrtpaPagedAttentionArgs* args, char* error, size_t error_len);
 
 /* The instruction-set path the kernel dispatches to on this machine: "avx2" (AVX2 + FMA + F16C) or

@@ -1,0 +1,31 @@
+"""What one request may send, as a deployment sets it (``ortpa serve --max-body-bytes ...``,
+``build_app(limits=...)``). Plain data, importable without the ``serve`` extra (the CLI reads its defaults); the
+checks that enforce it: :mod:`ortpa.serve.guards` (body, API keys), :mod:`ortpa.serve.prompts` (prompt bytes),
+:mod:`ortpa.serve.request_checks` (``n``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ServeLimits"]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """``max_body_bytes``: a request body's size (413 past it). ``max_prompt_bytes``: the UTF-8 bytes of a request's
+    prompt text (completions: its prompt strings together; chat and ``/tokenize``: the prompt the chat template
+    renders) (400). ``max_n``: choices per request (400). ``max_concurrent_per_key``: requests one API key may have
+    in flight when keys are configured (429)."""
+
+    max_body_bytes: int = 2 * MIB
+    max_prompt_bytes: int = 1 * MIB
+    max_n: int = 16
+    max_concurrent_per_key: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_bytes", "max_n", "max_concurrent_per_key"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServeLimits.{name}: expected a positive int, found {value!r}")

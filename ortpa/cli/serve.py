@@ -206,7 +206,8 @@ def register(sub) -> None:
         "--max-prompt-bytes",
         type=_positive(int),
         default=defaults.max_prompt_bytes,
-        help="UTF-8 bytes of a request's prompt text; past it: 400, before tokenizing (default: %(default)s)",
+        help="UTF-8 bytes of a request's prompt text; past it: 400, before tokenizing (default: 16 per token of "
+        "the context, at most 1 MiB)",
     )
     limits.add_argument(
         "--max-n",

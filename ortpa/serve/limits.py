@@ -12,20 +12,37 @@ __all__ = ["ServeLimits"]
 MIB = 1 << 20
 
 
+# A whole prompt averages 3 to 5 bytes per token in common tokenizers; 16 leaves room for text that tokenizes
+# poorly while bounding the tokenizing a request can ask for by the context it can use.
+PROMPT_BYTES_PER_TOKEN = 16
+MAX_DEFAULT_PROMPT_BYTES = 1 * MIB
+
+
 @dataclass(frozen=True)
 class ServeLimits:
     """``max_body_bytes``: a request body's size (413 past it). ``max_prompt_bytes``: the UTF-8 bytes of a request's
     prompt text (completions: its prompt strings together; chat and ``/tokenize``: the prompt the chat template
-    renders) (400). ``max_n``: choices per request (400). ``max_concurrent_per_key``: requests one API key may have
-    in flight when keys are configured (429)."""
+    renders) (400); None: :meth:`prompt_bytes` derives it from the context. ``max_n``: choices per request (400).
+    ``max_concurrent_per_key``: requests one API key may have in flight when keys are configured (429)."""
 
     max_body_bytes: int = 2 * MIB
-    max_prompt_bytes: int = 1 * MIB
+    max_prompt_bytes: int | None = None
     max_n: int = 16
     max_concurrent_per_key: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_bytes", "max_n", "max_concurrent_per_key"):
             value = getattr(self, name)
+            if name == "max_prompt_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServeLimits.{name}: expected a positive int, found {value!r}")
+
+    def prompt_bytes(self, max_model_len: int | None) -> int:
+        """``max_prompt_bytes``, or by default 16 bytes per token of the served context, at most 1 MiB (1 MiB when
+        the context is unknown)."""
+        if self.max_prompt_bytes is not None:
+            return self.max_prompt_bytes
+        if max_model_len is None:
+            return MAX_DEFAULT_PROMPT_BYTES
+        return min(MAX_DEFAULT_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * max_model_len)

@@ -47,11 +47,11 @@ class PromptWorker:
         counts any text's tokens)."""
         sizes = [len(t.encode("utf-8", "surrogatepass")) for t in texts]
         total = sum(sizes)
-        if total > self.limits.max_prompt_bytes:
+        most = self.limits.prompt_bytes(self.served.max_model_len)
+        if total > most:
             raise ApiError(
                 400,
-                f"the prompt is {total} bytes of text, past this server's limit of {self.limits.max_prompt_bytes} "
-                "bytes (--max-prompt-bytes)",
+                f"the prompt is {total} bytes of text, past this server's limit of {most} bytes (--max-prompt-bytes)",
                 param=param,
                 code="prompt_too_long",
             )

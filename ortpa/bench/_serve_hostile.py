@@ -17,7 +17,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Answer", "Hostile", "Round", "hostile_round", "post", "stream"]
+__all__ = [
+    "Answer",
+    "Hostile",
+    "Round",
+    "hostile_round",
+    "post",
+    "prompt_request",
+    "soak_hostiles",
+    "soak_rows",
+    "stream",
+]
 
 _PIECE = 1 << 16
 
@@ -194,3 +204,111 @@ async def hostile_round(
         quiet_s=hostile_start - quiet_start,
         hostile_s=hostile_end - hostile_start,
     )
+
+
+# --- the soak of ``ortpa bench --only serve``: rows ``serve hostile ...`` ---
+
+_POSITIONS = 4096  # streams of thousands of tokens outlast a round
+_WORDS = 200_000
+_NAME = "toy-long"
+_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}assistant"
+
+
+def _write_folder(folder) -> None:
+    import onnx
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
+
+    config = ToyLMConfig(vocab=512, hidden=64, num_heads=2, kv_heads=1, num_layers=1, max_positions=_POSITIONS)
+    onnx.save(build_toy_lm(config), str(folder / "model.onnx"))
+    words = ["hello", "user", "assistant"] + [f"w{i}" for i in range(config.vocab - 4)] + ["[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": _TEMPLATE}))
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": _POSITIONS}))
+
+
+def prompt_request(model: str, count: int, ids: bool = False, chat: bool = False) -> Hostile:
+    """A request whose prompt is ``count`` words ("hello hello ...") or token ids, to chat or completions."""
+    prompt: str | list[int] = [5] * count if ids else " ".join(["hello"] * count)
+    fields = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    name = f"{'chat ' if chat else ''}{count} {'ids' if ids else 'words'}"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return Hostile(name, path, body=json.dumps({"model": model, "max_tokens": 4, **fields}).encode())
+
+
+def soak_hostiles(model: str = _NAME) -> list[Hostile]:
+    """200,000 words (chat and completions) and token ids; 40,000 words (chat and completions) and 30,000 ids;
+    a 50 MB body, sent with its length and chunked."""
+    return [
+        prompt_request(model, _WORDS, chat=True),
+        prompt_request(model, _WORDS),
+        prompt_request(model, _WORDS, ids=True),
+        prompt_request(model, 40_000, chat=True),
+        prompt_request(model, 40_000),
+        prompt_request(model, 30_000, ids=True),
+        Hostile("50 MB body", "/v1/completions", size=50_000_000),
+        Hostile("50 MB chunked", "/v1/completions", size=50_000_000, chunked=True),
+    ]
+
+
+def soak_rows(quick: bool = False) -> list[dict]:
+    """Rounds of the hostile requests beside 4 streams, under the default limits and with the body and prompt limits
+    raised past the 200,000 words (so they are parsed, rendered and tokenized: the worst case for a tokenizer
+    without a bytes-per-token bound, as this word-level one): each hostile request's answer time and status, and the
+    largest growth of a stream's longest gap between chunks over its quiet window, median and worst over the
+    rounds."""
+    import os
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from ortpa.bench._server import live_server
+
+    rounds = 2 if quick else 8
+    env = f"toy LM 1 layer, {_POSITIONS} positions; 4 streams; {os.cpu_count()} cpus shared by client and server"
+    rows = []
+    raised = ["--max-body-bytes", str(4 * _WORDS * 6), "--max-prompt-bytes", str(4 * _WORDS * 6)]
+    configs = {"defaults": [], "limits raised": raised}
+    with tempfile.TemporaryDirectory(prefix="ortpa-bench-hostile-") as tmp:
+        folder = Path(tmp)
+        _write_folder(folder)
+        for label, extra in configs.items():
+            with live_server(folder, _NAME, ["--num-blocks", "1100", *extra]) as url:
+                port = int(url.rsplit(":", 1)[1])
+                results = [
+                    asyncio.run(hostile_round("127.0.0.1", port, _NAME, soak_hostiles(), max_tokens=4000))
+                    for _ in range(rounds)
+                ]
+            name = f"serve hostile ({label})"
+            notes = f"{rounds} rounds; {env}"
+            increases = [1e3 * r.worst_increase for r in results]
+            quiet = [1e3 * max(r.baseline) for r in results]
+            rows += [
+                _row(name, "largest gap growth, median", statistics.median(increases), "ms", notes),
+                _row(name, "largest gap growth, worst", max(increases), "ms", "over the rounds"),
+                _row(name, "quiet largest gap, median", statistics.median(quiet), "ms", "the baseline"),
+            ]
+            for h in soak_hostiles():
+                times = [1e3 * r.answers[h.name].seconds for r in results]
+                statuses = sorted({r.answers[h.name].status for r in results})
+                rows += [
+                    _row(name, f"{h.name}: answer median", statistics.median(times), "ms", f"status {statuses}"),
+                    _row(name, f"{h.name}: answer worst", max(times), "ms", ""),
+                ]
+    return rows
+
+
+def _row(name: str, metric: str, value: float, unit: str, notes: str) -> dict:
+    return {"name": name, "metric": metric, "value": value, "unit": unit, "notes": notes}
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ortpa.bench import format_table
+
+    print(format_table(soak_rows(quick="--quick" in sys.argv)))

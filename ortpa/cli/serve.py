@@ -200,7 +200,8 @@ def register(sub) -> None:
         "--max-body-bytes",
         type=_positive(int),
         default=defaults.max_body_bytes,
-        help="request body size; past it: 413, refused before the body is read (default: %(default)s)",
+        help="request body size; past it: 413, refused before the body is read (default: 32 per token of the "
+        "context, from 256 KiB to 2 MiB)",
     )
     limits.add_argument(
         "--max-prompt-bytes",

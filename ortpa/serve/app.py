@@ -60,6 +60,7 @@ class ServerState:
         self.served = served
         self.api_keys = list(api_keys)
         self.limits = limits
+        self.body_bytes = limits.body_bytes(served.max_model_len)
         self.prompts = PromptWorker(served, limits)
         self.metrics = ServeMetrics(served.engine.num_blocks)
         self.bridge = EngineBridge(served.engine, self.metrics)
@@ -157,7 +158,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        body = parse_body(CompletionRequest, await read_body(request, state.limits.max_body_bytes))
+        body = parse_body(CompletionRequest, await read_body(request, state.body_bytes))
         check_common(body, served, state.limits.max_n)
         prompts, texts = await state.prompts.completion_prompts(body.prompt, _fewest_completion(body.max_tokens))
         guided = guided_grammar(body)
@@ -167,7 +168,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        body = parse_body(ChatCompletionRequest, await read_body(request, state.limits.max_body_bytes))
+        body = parse_body(ChatCompletionRequest, await read_body(request, state.body_bytes))
         check_common(body, served, state.limits.max_n)
         if served.chat_template is None:
             raise ApiError(
@@ -190,7 +191,7 @@ def build_app(
             raise ApiError(400, "the messages render to an empty prompt", param="messages")
         return await _respond(state, request, body, [ids], max_tokens, chat=True, guided=guided, tools=tools)
 
-    add_tokenizer_routes(app, served, check_key, state.prompts, state.limits.max_body_bytes)
+    add_tokenizer_routes(app, served, check_key, state.prompts, state.body_bytes)
     return app
 
 

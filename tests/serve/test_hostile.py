@@ -1,7 +1,7 @@
 """Hostile requests beside running streams (issue 41's must-show): with 4 streams running, a 200,000-token prompt
-(as words, in chat and completions, and as token ids) and a 50 MB body (with a Content-Length, and chunked) are
-each answered with their 4xx within 0.5 s, and no stream's largest gap between chunks grows by more than 50 ms
-over its largest gap in a quiet window of the same run.
+(as words, in chat and completions, and as token ids), prompts past the prompt limit and the context, and a 50 MB
+body (with a Content-Length, and chunked) are each answered with their 4xx within 0.5 s, and no stream's largest
+gap between chunks grows by more than 50 ms over its largest gap in a quiet window of the same run.
 
 The served model is the toy LM (one layer, 4096 positions: streams of thousands of tokens outlast the
 measurement; the Llama fixture's 256 positions are done in a fraction of a second) with the fixture's word-level
@@ -19,7 +19,7 @@ import json
 import onnx
 import pytest
 
-from ortpa.bench._serve_hostile import Hostile, hostile_round
+from ortpa.bench._serve_hostile import Hostile, hostile_round, prompt_request
 from serve.helpers import CHAT_TEMPLATE, EOS, MODEL_NAME, serve, write_tokenizer
 
 POSITIONS = 4096
@@ -43,16 +43,19 @@ def toy_server(tmp_path_factory):
 
 
 def _hostiles() -> list[tuple[Hostile, int, str]]:
-    words = " ".join(["hello"] * WORDS)
-    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": words}], "max_tokens": 4}
-    text = {"model": MODEL_NAME, "prompt": words, "max_tokens": 4}
-    ids = {"model": MODEL_NAME, "prompt": [5] * WORDS, "max_tokens": 4}
+    """Under the defaults for a 4096-token context (bodies up to 256 KiB, prompts up to 64 KiB), each refusal path:
+    the 200,000-token prompts' bodies are past the body limit; 40,000 words (240 KB) pass it but not the prompt
+    limit; 30,000 token ids are parsed and refused by the context."""
+    too_large, too_long, context = "request_too_large", "prompt_too_long", "context_length_exceeded"
     return [
-        (Hostile("chat 200k words", "/v1/chat/completions", body=json.dumps(chat).encode()), 400, "prompt_too_long"),
-        (Hostile("200k words", "/v1/completions", body=json.dumps(text).encode()), 400, "prompt_too_long"),
-        (Hostile("200k ids", "/v1/completions", body=json.dumps(ids).encode()), 400, "context_length_exceeded"),
-        (Hostile("50 MB body", "/v1/completions", size=50_000_000), 413, "request_too_large"),
-        (Hostile("50 MB chunked", "/v1/completions", size=50_000_000, chunked=True), 413, "request_too_large"),
+        (prompt_request(MODEL_NAME, WORDS, chat=True), 413, too_large),
+        (prompt_request(MODEL_NAME, WORDS), 413, too_large),
+        (prompt_request(MODEL_NAME, WORDS, ids=True), 413, too_large),
+        (prompt_request(MODEL_NAME, 40_000, chat=True), 400, too_long),
+        (prompt_request(MODEL_NAME, 40_000), 400, too_long),
+        (prompt_request(MODEL_NAME, 30_000, ids=True), 400, context),
+        (Hostile("50 MB body", "/v1/completions", size=50_000_000), 413, too_large),
+        (Hostile("50 MB chunked", "/v1/completions", size=50_000_000, chunked=True), 413, too_large),
     ]
 
 

@@ -156,11 +156,12 @@ def test_concurrent_requests_per_key(limited):
 
 
 def test_defaults(server):
-    """The main server runs with the defaults: 2 MiB bodies, 16 bytes of prompt per token of its 256-token
-    context, 16 choices."""
+    """The main server runs with the defaults: for its 256-token context, bodies of 256 KiB (the floor), 16 bytes
+    of prompt per token (4096), 16 choices."""
     defaults = ServeLimits()
-    answer = asyncio.run(post("127.0.0.1", _port(server), Hostile("big", "/v1/completions", size=(2 << 20) + 1)))
-    assert answer.status == 413 and str(defaults.max_body_bytes) in answer.json()["error"]["message"]
+    assert defaults.body_bytes(256) == 256 << 10
+    answer = asyncio.run(post("127.0.0.1", _port(server), Hostile("big", "/v1/completions", size=(256 << 10) + 1)))
+    assert answer.status == 413 and str(256 << 10) in answer.json()["error"]["message"]
     body = json.dumps({"model": MODEL_NAME, "prompt": "w" * 4097, "max_tokens": 1}).encode()
     status, _, raw = request("POST", server.api + "/completions", body)
     assert status == 400 and _error(raw)["code"] == "prompt_too_long" and "4096" in _error(raw)["message"]

@@ -152,8 +152,12 @@ def test_prompt_bytes_limit_before_tokenizing(tmp_path):
     spy = _Spy(write_tokenizer(tmp_path / "words.json"))
     worker = _worker(spy, 256)  # default: 16 bytes per token of the context
     try:
-        assert ServeLimits().prompt_bytes(256) == 4096 and ServeLimits().prompt_bytes(None) == 1 << 20
-        assert ServeLimits().prompt_bytes(10**6) == 1 << 20
+        defaults = ServeLimits()
+        assert defaults.prompt_bytes(256) == 4096 and defaults.prompt_bytes(None) == 1 << 20
+        assert defaults.prompt_bytes(10**6) == 1 << 20 and ServeLimits(max_prompt_bytes=7).prompt_bytes(256) == 7
+        # bodies: twice the prompt's bytes, from 256 KiB to 2 MiB
+        assert defaults.body_bytes(256) == 256 << 10 and defaults.body_bytes(32768) == 1 << 20
+        assert defaults.body_bytes(10**6) == 2 << 20 and defaults.body_bytes(None) == 2 << 20
         with pytest.raises(ApiError) as err:  # two prompts of one request count together
             asyncio.run(worker.encode(["hello " * 400, "w" * 1700], True, "prompt", None))
         assert err.value.status == 400 and err.value.code == "prompt_too_long" and "4096 bytes" in err.value.message

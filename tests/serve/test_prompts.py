@@ -72,7 +72,7 @@ def test_bound_holds_on_adversarial_texts(make):
     tok = make()
     bound = token_bound(tok)
     assert bound.max_bytes_per_token is not None, bound.why
-    for text in _texts(seed=len(bound.why) + 7, count=300):
+    for text in _texts(seed=0, count=300):
         n_bytes = len(text.encode())
         tokens = len(tok.encode(text, add_special_tokens=False).ids)
         assert tokens >= min_tokens(n_bytes, bound), (text[:80], n_bytes, tokens, bound)

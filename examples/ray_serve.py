@@ -40,7 +40,7 @@ class OrtpaReplica:
         from ortpa.serve.model import ServingModel
 
         opts = dict(options)
-        self._api = {k: opts.pop(k) for k in ("api_key", "max_queue") if k in opts}
+        self._api = {k: opts.pop(k) for k in ("api_key", "max_queue", "limits") if k in opts}
         self._served = ServingModel.load(model, **opts)
 
     def __serve_build_asgi_app__(self):
@@ -70,7 +70,8 @@ def build(
     """The Ray Serve application: ``replicas`` copies of the server for ``model`` (a path every node can read).
 
     ``options`` go to :meth:`ortpa.serve.model.ServingModel.load` (``num_blocks``, ``kv_budget_bytes``,
-    ``block_size``, ``max_num_seqs``, ``provider``...) and to the app (``api_key``, ``max_queue``).
+    ``block_size``, ``max_num_seqs``, ``provider``...) and to the app (``api_key``, ``max_queue``, ``limits``: a
+    :class:`~ortpa.serve.limits.ServeLimits`, each replica enforcing it on its own requests).
     """
     deployment = OrtpaReplica.options(
         num_replicas=replicas,

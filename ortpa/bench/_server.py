@@ -9,15 +9,16 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["live_server"]
 
 
 @contextlib.contextmanager
-def live_server(folder: Path, name: str) -> Iterator[str]:
-    """``ortpa serve folder`` as model ``name``; yields its base URL (``http://127.0.0.1:PORT``)."""
+def live_server(folder: Path, name: str, extra: Sequence[str] = ()) -> Iterator[str]:
+    """``ortpa serve folder`` as model ``name`` (``extra``: more options); yields its base URL
+    (``http://127.0.0.1:PORT``)."""
     with contextlib.closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -25,7 +26,7 @@ def live_server(folder: Path, name: str) -> Iterator[str]:
     # one ONNX Runtime thread, as the engine benchmark: client and server share the cores, and a spinning
     # thread pool would take them from the event loop and the client (3x slower steps measured on 2 busy cores);
     # --quiet also turns the access log off, whose lines would fill the unread stderr pipe
-    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet"]
+    cmd += ["--num-blocks", "2048", "--max-num-seqs", "64", "--threads", "1", "--quiet", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -154,8 +154,9 @@ def run(quick: bool = False) -> list[dict]:
                     }
                 )
     from ortpa.bench import _serve_extras  # structured-output overhead, guidellm's serving table
+    from ortpa.bench._serve_hostile import soak_rows  # hostile requests beside streams (issue 41)
 
-    return rows + extras + _serve_extras.run(quick)
+    return rows + extras + _serve_extras.run(quick) + soak_rows(quick)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 
 from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision
 from ortpa.errors import InvalidParameter, Unavailable
+from ortpa.serve.limits import ServeLimits
 
 __all__ = ["register", "run"]
 
@@ -83,6 +84,12 @@ def _serve(args: argparse.Namespace, sock) -> int:
         sock=sock,
         api_key=args.api_key,
         max_queue=args.max_queue,
+        limits=ServeLimits(
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_bytes=args.max_prompt_bytes,
+            max_n=args.max_n,
+            max_concurrent_per_key=args.max_concurrent_per_key,
+        ),
         drain_s=args.drain_timeout,
         log_level=log_level,
         access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
@@ -181,7 +188,40 @@ def register(sub) -> None:
         help="where conversions made for serving are kept (default: $ORTPA_CACHE_DIR or ~/.cache/ortpa/serve)",
     )
     p.add_argument("--no-access-log", action="store_true", help="no line per request on stderr (--quiet implies it)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the /v1 and tokenizer routes; repeat for several keys",
+    )
+    limits = p.add_argument_group("limits on what one request may send (docs/serve.md: 'Limits')")
+    defaults = ServeLimits()
+    limits.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=defaults.max_body_bytes,
+        help="request body size; past it: 413, refused before the body is read (default: 32 per token of the "
+        "context, from 256 KiB to 2 MiB)",
+    )
+    limits.add_argument(
+        "--max-prompt-bytes",
+        type=_positive(int),
+        default=defaults.max_prompt_bytes,
+        help="UTF-8 bytes of a request's prompt text; past it: 400, before tokenizing (default: 16 per token of "
+        "the context, at most 1 MiB)",
+    )
+    limits.add_argument(
+        "--max-n",
+        type=_positive(int),
+        default=defaults.max_n,
+        help="choices ('n') per request; past it: 400 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-concurrent-per-key",
+        type=_positive(int),
+        default=defaults.max_concurrent_per_key,
+        help="requests one --api-key may have in flight; past it: 429 (default: %(default)s)",
+    )
     p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds SIGTERM lets in-flight requests finish")
     add_common(p)
     p.set_defaults(func=run)

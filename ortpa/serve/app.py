@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,12 +21,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ortpa.serve.access_log import AccessLog, access_logger
 from ortpa.serve.bridge import EngineBridge
-from ortpa.serve.chat import ChatTemplate, TemplateRenderError
+from ortpa.serve.chat import ChatTemplate
 from ortpa.serve.generation import Admission, Choice, Delta, Generation
+from ortpa.serve.guards import KeyConcurrency, bearer_token, matching_key, read_body
+from ortpa.serve.limits import ServeLimits
 from ortpa.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from ortpa.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ortpa.serve.model import ServingModel
 from ortpa.serve.params import logprobs_asked
+from ortpa.serve.prompts import PromptWorker
 from ortpa.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -35,7 +37,7 @@ from ortpa.serve.protocol import (
     error_body,
     parse_body,
 )
-from ortpa.serve.request_checks import check_common, completion_prompts, max_tokens_for
+from ortpa.serve.request_checks import check_common, max_tokens_for
 from ortpa.serve.structured import Grammars, GuidedGrammar, guided_grammar
 from ortpa.serve.tokenize import add_tokenizer_routes
 from ortpa.serve.tool_requests import forced_call_grammar, template_messages
@@ -43,12 +45,23 @@ from ortpa.serve.tool_requests import forced_call_grammar, template_messages
 __all__ = ["ServerState", "build_app"]
 
 
-class ServerState:
-    """What the routes share: the model, the engine's thread, admission and metrics."""
+_KEYED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 
-    def __init__(self, served: ServingModel, *, api_key: str | None, max_queue: int) -> None:
+
+def _keyed(path: str) -> bool:
+    """The routes ``--api-key`` guards (and whose requests count against a key's concurrency)."""
+    return path.startswith("/v1/") or path in _KEYED_ROUTES
+
+
+class ServerState:
+    """What the routes share: the model, the engine's thread, admission, limits, the prompt worker and metrics."""
+
+    def __init__(self, served: ServingModel, *, api_keys: Sequence[str], max_queue: int, limits: ServeLimits) -> None:
         self.served = served
-        self.api_key = api_key
+        self.api_keys = list(api_keys)
+        self.limits = limits
+        self.body_bytes = limits.body_bytes(served.max_model_len)
+        self.prompts = PromptWorker(served, limits)
         self.metrics = ServeMetrics(served.engine.num_blocks)
         self.bridge = EngineBridge(served.engine, self.metrics)
         self.admission = Admission(served.engine.scheduler.max_num_seqs + max_queue)
@@ -58,11 +71,21 @@ class ServerState:
 
 
 def build_app(
-    served: ServingModel, *, api_key: str | None = None, max_queue: int = 256, access_log: bool = True
+    served: ServingModel,
+    *,
+    api_key: str | Sequence[str] | None = None,
+    max_queue: int = 256,
+    access_log: bool = True,
+    limits: ServeLimits | None = None,
 ) -> FastAPI:
-    """The app serving ``served``. ``max_queue``: requests waiting beyond the running batch before a 503.
-    ``access_log``: one line per request on stderr (:mod:`ortpa.serve.access_log`)."""
-    state = ServerState(served, api_key=api_key, max_queue=max_queue)
+    """The app serving ``served``. ``api_key``: one key or several, each accepted on the /v1 and tokenizer routes
+    (None: no key asked). ``max_queue``: requests waiting beyond the running batch before a 503. ``access_log``:
+    one line per request on stderr (:mod:`ortpa.serve.access_log`). ``limits``: what one request may send
+    (:class:`~ortpa.serve.limits.ServeLimits`; default: its defaults)."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if any(not k for k in keys):
+        raise ValueError("api_key: expected non-empty keys, found an empty one")
+    state = ServerState(served, api_keys=keys, max_queue=max_queue, limits=limits or ServeLimits())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -71,9 +94,18 @@ def build_app(
             yield
         finally:
             state.bridge.stop()
+            state.prompts.close()
 
     app = FastAPI(title="ortpa", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ortpa = state
+    if keys:  # inside the access log, which then logs the 429s too
+        app.add_middleware(
+            KeyConcurrency,
+            keys=keys,
+            limit=state.limits.max_concurrent_per_key,
+            gated=_keyed,
+            on_refused=state.metrics.rejected.labels("429").inc,
+        )
     if access_log:
         app.add_middleware(AccessLog, log=access_logger())
 
@@ -94,11 +126,10 @@ def build_app(
     def check_key(request: Request) -> None:
         """``--api-key``: every /v1 route wants ``Authorization: Bearer KEY`` (a check per route rather than a
         middleware, which would copy every streamed chunk through one more queue)."""
-        if state.api_key is None:
+        if not state.api_keys:
             return
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+        token = bearer_token(request.headers)
+        if matching_key(token, state.api_keys) is None:
             what = "no API key given" if not token else "the API key given is not valid"
             raise ApiError(
                 401,
@@ -127,9 +158,9 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        body = parse_body(CompletionRequest, await request.body())
-        check_common(body, served)
-        prompts, texts = completion_prompts(body.prompt, served)
+        body = parse_body(CompletionRequest, await read_body(request, state.body_bytes))
+        check_common(body, served, state.limits.max_n)
+        prompts, texts = await state.prompts.completion_prompts(body.prompt, _fewest_completion(body.max_tokens))
         guided = guided_grammar(body)
         echo = texts if body.echo else None
         return await _respond(state, request, body, prompts, body.max_tokens, chat=False, guided=guided, echo=echo)
@@ -137,8 +168,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        body = parse_body(ChatCompletionRequest, await request.body())
-        check_common(body, served)
+        body = parse_body(ChatCompletionRequest, await read_body(request, state.body_bytes))
+        check_common(body, served, state.limits.max_n)
         if served.chat_template is None:
             raise ApiError(
                 400,
@@ -148,22 +179,25 @@ def build_app(
                 code="no_chat_template",
             )
         tools, guided = _tool_plan(body, served, served.chat_template)
-        try:
-            text = served.chat_template.render(
-                template_messages([m.for_template() for m in body.messages]),
-                add_generation_prompt=body.add_generation_prompt,
-                tools=tools,
-            )
-        except TemplateRenderError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        ids = served.tokenizer.encode(text, add_special_tokens=False).ids
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        ids = await state.prompts.render_encode(
+            served.chat_template,
+            template_messages([m.for_template() for m in body.messages]),
+            body.add_generation_prompt,
+            tools,
+            _fewest_completion(max_tokens),
+        )
         if not ids:
             raise ApiError(400, "the messages render to an empty prompt", param="messages")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await _respond(state, request, body, [ids], max_tokens, chat=True, guided=guided, tools=tools)
 
-    add_tokenizer_routes(app, served, check_key)
+    add_tokenizer_routes(app, served, check_key, state.prompts, state.body_bytes)
     return app
+
+
+def _fewest_completion(requested: int | None) -> int:
+    """The fewest completion tokens a request asks the context for (its ``max_tokens`` is checked later)."""
+    return 1 if requested is None else max(requested, 0)
 
 
 def _tool_plan(

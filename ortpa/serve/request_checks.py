@@ -1,17 +1,17 @@
 """The checks every generating route makes before it admits anything: the model, unsupported fields, ``n``,
-``stream_options``; the prompt field as token ids; ``max_tokens`` against the context."""
+``stream_options``; the prompt field's items; ``max_tokens`` against the context."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ortpa.serve.model import ServingModel
-from ortpa.serve.protocol import MAX_N, ApiError
+from ortpa.serve.protocol import ApiError
 
-__all__ = ["check_common", "completion_prompts", "max_tokens_for"]
+__all__ = ["check_common", "max_tokens_for", "prompt_items"]
 
 
-def check_common(body: Any, served: ServingModel) -> None:
+def check_common(body: Any, served: ServingModel, max_n: int) -> None:
     if body.model != served.name:
         raise ApiError(
             404,
@@ -22,28 +22,22 @@ def check_common(body: Any, served: ServingModel) -> None:
     bad = body.unsupported()
     if bad:
         raise ApiError(400, f"'{bad[0]}' is not supported by this server (leave it unset)", param=bad[0])
-    if not 1 <= body.n <= MAX_N:
-        raise ApiError(400, f"'n': expected 1 to {MAX_N} choices, found {body.n}", param="n")
+    if not 1 <= body.n <= max_n:
+        raise ApiError(400, f"'n': expected 1 to {max_n} choices (--max-n), found {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
 
 
-def completion_prompts(prompt: Any, served: ServingModel) -> tuple[list[list[int]], list[str]]:
-    """The prompt field as token id lists (a string, strings, token ids, or lists of token ids) and as texts."""
+def prompt_items(prompt: Any) -> list[str | list[int]]:
+    """The prompt field as a list of prompts, each a string or token ids (a string, strings, token ids, or lists
+    of token ids)."""
     if isinstance(prompt, str):
-        prompt = [prompt]
+        return [prompt]
     if not prompt:
         raise ApiError(400, "'prompt': expected a string or token ids, found an empty list", param="prompt")
     if isinstance(prompt[0], int):
-        prompt = [prompt]
-    out, texts = [], []
-    for i, p in enumerate(prompt):
-        ids = served.tokenizer.encode(p).ids if isinstance(p, str) else list(p)
-        if not ids:
-            raise ApiError(400, f"'prompt': prompt {i} is empty (expected at least one token)", param="prompt")
-        out.append(ids)
-        texts.append(p if isinstance(p, str) else None)
-    return out, texts
+        return [prompt]
+    return list(prompt)
 
 
 def max_tokens_for(

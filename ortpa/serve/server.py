@@ -9,11 +9,12 @@ import logging
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
 from ortpa.serve.app import build_app
+from ortpa.serve.limits import ServeLimits
 from ortpa.serve.model import ServingModel
 
 __all__ = ["run_server"]
@@ -52,14 +53,16 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     sock: socket.socket | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_queue: int = 256,
+    limits: ServeLimits | None = None,
     drain_s: float = 5.0,
     log_level: str = "warning",
     access_log: bool = True,
 ) -> None:
-    """Serve until SIGTERM; on ``sock`` (bound, not yet listening) when given, else on ``host:port``."""
-    app = build_app(served, api_key=api_key, max_queue=max_queue, access_log=access_log)
+    """Serve until SIGTERM; on ``sock`` (bound, not yet listening) when given, else on ``host:port``. ``api_key``,
+    ``max_queue``, ``limits``, ``access_log``: as :func:`~ortpa.serve.app.build_app` takes them."""
+    app = build_app(served, api_key=api_key, max_queue=max_queue, access_log=access_log, limits=limits)
     bridge = app.state.ortpa.bridge
     config = uvicorn.Config(
         app,

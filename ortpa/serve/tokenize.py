@@ -1,5 +1,6 @@
 """vLLM's tokenizer routes: ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (which
-lm-evaluation-harness reads to use the server's tokenizer instead of downloading one)."""
+lm-evaluation-harness reads to use the server's tokenizer instead of downloading one). Rendering, tokenizing and
+decoding run in the server's prompt worker (:mod:`ortpa.serve.prompts`), off the event loop."""
 
 from __future__ import annotations
 
@@ -8,34 +9,35 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from ortpa.serve.chat import TemplateRenderError
+from ortpa.serve.guards import read_body
 from ortpa.serve.model import ServingModel
+from ortpa.serve.prompts import PromptWorker
 from ortpa.serve.protocol import ApiError, DetokenizeRequest, TokenizeRequest, parse_body
 
 __all__ = ["add_tokenizer_routes"]
 
 
-def add_tokenizer_routes(app: FastAPI, served: ServingModel, check_key: Callable[[Request], None]) -> None:
+def add_tokenizer_routes(
+    app: FastAPI,
+    served: ServingModel,
+    check_key: Callable[[Request], None],
+    prompts: PromptWorker,
+    max_body_bytes: int,
+) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         check_key(request)
-        body = parse_body(TokenizeRequest, await request.body())
+        body = parse_body(TokenizeRequest, await read_body(request, max_body_bytes))
         _check_model(body.model, served)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "expected exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
             if served.chat_template is None:
                 raise ApiError(400, f"model {served.name!r} has no chat template", param="messages")
-            try:
-                text = served.chat_template.render(
-                    [m.for_template() for m in body.messages], add_generation_prompt=body.add_generation_prompt
-                )
-            except TemplateRenderError as exc:
-                raise ApiError(400, str(exc), param="messages") from None
-            add_special = False  # the template writes the special tokens itself, as /v1/chat/completions reads it
+            messages = [m.for_template() for m in body.messages]
+            ids = await prompts.render_encode(served.chat_template, messages, body.add_generation_prompt, None, None)
         else:
-            text, add_special = body.prompt, body.add_special_tokens
-        ids = served.tokenizer.encode(text, add_special_tokens=add_special).ids
+            (ids,) = await prompts.encode([body.prompt], body.add_special_tokens, "prompt", None)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
         out["token_strs"] = [served.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
         return out
@@ -43,14 +45,14 @@ def add_tokenizer_routes(app: FastAPI, served: ServingModel, check_key: Callable
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         check_key(request)
-        body = parse_body(DetokenizeRequest, await request.body())
+        body = parse_body(DetokenizeRequest, await read_body(request, max_body_bytes))
         _check_model(body.model, served)
         outside = [t for t in body.tokens if not 0 <= t < served.vocab_size]
         if outside:
             raise ApiError(
                 400, f"'tokens': expected ids in [0, {served.vocab_size}), found {outside[:5]}", param="tokens"
             )
-        return {"prompt": served.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await prompts.decode(body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> dict[str, Any]:

@@ -24,6 +24,10 @@ def test_listed_with_its_options(capsys):
         "--max-num-seqs",
         "--max-queue",
         "--api-key",
+        "--max-body-bytes",
+        "--max-prompt-bytes",
+        "--max-n",
+        "--max-concurrent-per-key",
     ):
         assert option in out, option
 
@@ -38,6 +42,10 @@ def test_listed_with_its_options(capsys):
         ["--max-queue", "-1"],
         ["--kv-memory", "0"],
         ["--max-model-len", "0"],
+        ["--max-body-bytes", "0"],
+        ["--max-prompt-bytes", "-5"],
+        ["--max-n", "0"],
+        ["--max-concurrent-per-key", "x"],
     ],
 )
 def test_usage_errors_exit_2(model_folder, bad, capsys):

@@ -520,8 +520,15 @@ def test_lowering_keeps_names_and_does_not_mutate() -> None:
         (FUNCTION_DOMAIN, "PagedAttention_0"),
     ]
     # standard ops, but for the fused decode's one contrib kernel
-    ops = {(n.domain, n.op_type) for f in lowered.functions for n in f.node if n.domain not in ("", FUNCTION_DOMAIN)}
-    assert ops == {("com.microsoft", "MultiHeadAttention")}
+    def nodes(graph_nodes):  # with the If branches' nodes
+        for n in graph_nodes:
+            yield n
+            for attr in n.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from nodes(attr.g.node)
+
+    ops = {(n.domain, n.op_type) for f in lowered.functions for n in nodes(f.node)}
+    assert {o for o in ops if o[0] not in ("", FUNCTION_DOMAIN)} == {("com.microsoft", "MultiHeadAttention")}
     # the cache outputs are ScatterND outputs whose data input is the cache graph input
     (f,) = [f for f in lowered.functions if f.name == lowered.graph.node[1].op_type]
     scatters = [n for n in f.node if n.op_type == "ScatterND"]

@@ -21,7 +21,8 @@ PLAN_OUTPUTS = (
     "pos",  # [T] position of every token (RoPE)
     "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
     "write_index",  # [n, 2] (block, offset) of each written row
-    "any_prefill",  # bool scalar: the prefill group is not empty
+    "any_prefill",  # bool scalar: some prefilling sequence has a key (else the layers skip the group)
+    "any_decode",  # bool scalar: some decoding sequence attends a key (else the layers skip the group)
     "out_row",  # [T] each token's row in Concat(decode output, prefill output, one zero row)
     "d_query",  # [D] the decoding sequences' tokens
     "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H]); one not live reads an attended one

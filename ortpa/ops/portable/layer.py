@@ -258,9 +258,23 @@ class _Body(GraphTracer):
         The groups' indices and masks come from the plan, computed once per step for all layers.
         """
         op, pl = self.op, self.plan
-        o_dec = self.attend_group(q, k_cache, v_cache, "d_", one_query=True)  # [D, N * vh]
-        # the prefill group runs under an If on its being non-empty: a decode-only step does not dispatch it
-        empty = np.zeros((0, self.c.num_heads * self.c.v_head_size), np.float32)
+        width = self.c.num_heads * self.c.v_head_size
+        # each group runs under an If on one of its members attending a key, so that no kernel is called on an
+        # empty batch or key range (older MultiHeadAttention kernels divide by zero there); a skipped decode
+        # group is D zero rows (D may be 0), which its tokens never read (the plan's out_row: the zero row)
+        (o_dec,) = self.branch(
+            pl["any_decode"],
+            "decodes",
+            lambda: [self.attend_group(q, k_cache, v_cache, "d_", one_query=True)],
+            lambda: [
+                self.op.Expand(
+                    self.constant(np.zeros((1, width), np.float32)),
+                    self.op.Concat(self.dim(pl["d_query"], 0), self.ints([width]), axis=0),
+                )
+            ],
+        )  # [D, N * vh]
+        # a decode-only step does not dispatch the prefill group
+        empty = np.zeros((0, width), np.float32)
         (o_pre,) = self.branch(
             pl["any_prefill"],
             "prefills",

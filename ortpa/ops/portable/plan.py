@@ -55,7 +55,12 @@ class _Plan(GraphTracer):
         is_dec = op.Equal(self.q_len, 1)
         is_pre = op.Greater(self.q_len, 1)
         dec = self.group(is_dec, one_query=True)
-        any_pre = op.Greater(op.ReduceSum(op.Cast(is_pre, to=_I64), keepdims=0), 0)
+        # A group runs only when one of its members attends a key: no kernel is ever called on an empty batch or
+        # an empty key range (com.microsoft::MultiHeadAttention before ONNX Runtime 1.29 divides by zero on an
+        # empty batch: SIGFPE). A member without a key reads the zero row (out_row) anyway.
+        has_kv = op.Greater(self.kvlen, 0)
+        any_pre = op.Greater(op.ReduceSum(op.Cast(op.And(is_pre, has_kv), to=_I64), keepdims=0), 0)
+        any_dec = op.Greater(op.ReduceSum(op.Cast(dec["mask"], to=_I64), keepdims=0), 0)
         # a decode-only step skips the prefill group's ~40 index kernels; the layers then never read them
         kvh = self.p.kv_num_heads
         empty = [
@@ -101,6 +106,7 @@ class _Plan(GraphTracer):
             rows,
             index,
             any_pre,
+            any_dec,
             out_row,
             dec["query"],
             dec["row"],

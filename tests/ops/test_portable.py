@@ -519,6 +519,7 @@ def test_lowering_keeps_names_and_does_not_mutate() -> None:
         (FUNCTION_DOMAIN, "PagedAttention_0/plan"),
         (FUNCTION_DOMAIN, "PagedAttention_0"),
     ]
+
     # standard ops, but for the fused decode's one contrib kernel
     def nodes(graph_nodes):  # with the If branches' nodes
         for n in graph_nodes:

@@ -27,7 +27,7 @@ PLAN_OUTPUTS = (
     "d_query",  # [D] the decoding sequences' tokens
     "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H]); one not live reads an attended one
     "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
-    "d_mask",  # [D, kv_d] int32: d_allowed as the key_padding_mask of com.microsoft::MultiHeadAttention
+    "d_bias",  # [D, 1, 1, kv_d] float32: 0 where d_allowed, else -inf (com.microsoft::MultiHeadAttention's bias)
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
     "p_row",  # [P, kvh, kv_p]
     "p_row_ok",  # [P, 1, kv_p, 1]

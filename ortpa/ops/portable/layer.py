@@ -357,7 +357,9 @@ class _Body(GraphTracer):
         MultiHeadAttention has one head count for Q and K; a decode has one query, so the G query heads that
         share a KV head are laid out as G query *positions* of that head (``[D, G, kvh * H]``), none causal
         among themselves: the same scores as GQA, with K and V read in place as gathered (``[D, kvh, kv, H]``,
-        BNSH). Keys are masked by the plan's ``d_mask`` (padding, unmapped pages, the window); a decode with no
+        BNSH). Keys are masked by the plan's ``d_bias`` (padding, unmapped pages, the window), given whole
+        (``[D, kvh, G, kv]``) as ``attention_bias``: ONNX Runtime 1.19 and 1.20 apply a ``key_padding_mask`` or a
+        bias broadcast over heads wrongly to BNSH keys in a batch of more than one; a decode with no
         key left reads the zero row (the plan's ``out_row``) (the op returns NaN there). Float32 throughout, as the
         unfused path. Only where the op has no softcap or sink to express (the lowering decides per node).
         """
@@ -370,18 +372,18 @@ class _Body(GraphTracer):
         qd = op.Reshape(qd, self.ints([0, g, kvh * h]))
         kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
         vf = self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h)
-        # every padding or unmapped key is a copy of an attended row (the plan's d_row): the op adds -inf to a
+        # every padding or unmapped key is a copy of an attended row (the plan's d_row): the bias adds -inf to a
         # masked score, and NaN - inf would be NaN, so a masked row must never hold another block's NaN
         o = op.MultiHeadAttention(
             qd,
             kf,
             vf,
-            None,
-            pl["d_mask"],
+            None,  # bias
+            None,  # key_padding_mask
+            op.Expand(pl["d_bias"], self.ints([1, kvh, g, 1])),  # attention_bias
             _domain=ORT_DOMAIN,
             num_heads=kvh,
             scale=c.scale,
-            mask_filter_value=float("-inf"),
         )  # [D, G, kvh * vh]
         if g > 1:
             o = op.Transpose(op.Reshape(o, self.ints([0, g, kvh, vh])), perm=[0, 2, 1, 3])  # [D, kvh, G, vh]

@@ -111,7 +111,7 @@ class _Plan(GraphTracer):
             dec["query"],
             dec["row"],
             dec["allowed"],
-            dec["mask"],
+            op.Where(dec["allowed"], op.Constant(value_float=0.0), op.Constant(value_float=float("-inf"))),
             pre["query"],
             pre["row"],
             pre["row_ok"],

@@ -272,6 +272,7 @@ class _Body(GraphTracer):
                     self.op.Concat(self.dim(pl["d_query"], 0), self.ints([width]), axis=0),
                 )
             ],
+            shapes=[(_F32, [None, width])],
         )  # [D, N * vh]
         # a decode-only step does not dispatch the prefill group
         empty = np.zeros((0, width), np.float32)
@@ -423,4 +424,5 @@ class _Body(GraphTracer):
             f"{g_}pv",
             lambda: [self.op.MatMul(p, values)],
             lambda: [self.op.MatMul(p, self.op.Where(pl[g_ + "row_ok"], values, 0.0))],
+            shapes=[(_F32, [None, self.c.kv_num_heads, None, self.c.head_size])],  # [S, kvh, G * max_q, H]
         )[0]

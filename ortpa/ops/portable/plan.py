@@ -139,7 +139,7 @@ class _Plan(GraphTracer):
 
         # clamp into [0, T] with fixed ends, then an inclusive running max (B is small: a [B+1, B+1] table)
         n1 = self.dim(cu, 0)
-        idx = op.Range(0, op.Squeeze(n1), 1)
+        idx = op.Range(0, self.scalar(n1), 1)
         cl = op.Min(op.Max(cu, 0), self.T)
         cl = op.Where(op.Equal(idx, 0), 0, cl)
         cl = op.Where(op.Equal(idx, op.Sub(n1, 1)), self.T, cl)
@@ -155,7 +155,7 @@ class _Plan(GraphTracer):
         self.kvlen = op.Where(valid, op.Min(op.Add(self.past, self.q_len), cap), 0)
 
         # token -> owning sequence: how many sequence ends c[1..B] are <= t (empty sequences are skipped)
-        t = op.Range(0, op.Squeeze(self.T), 1)
+        t = op.Range(0, self.scalar(self.T), 1)
         owns = op.Cast(op.LessOrEqual(op.Unsqueeze(c_hi, [0]), op.Unsqueeze(t, [1])), to=_I64)
         self.seq = op.ReduceSum(owns, [1], keepdims=0)
         self.s_in = op.Sub(t, op.Gather(self.c_lo, self.seq))
@@ -218,7 +218,7 @@ class _Plan(GraphTracer):
         bt = op.Gather(self.bt, sel, axis=0)
         zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
         maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
-        j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
+        j = op.Range(0, self.scalar(maxkv), 1)  # kv position
 
         # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
         blk_j = op.Div(j, self.BS)
@@ -245,7 +245,7 @@ class _Plan(GraphTracer):
         unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
         rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
         maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
-        i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+        i = op.Range(0, self.scalar(maxq), 1)  # query index within a sequence
         tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
         tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
         allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]

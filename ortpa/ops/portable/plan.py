@@ -280,8 +280,10 @@ class _Plan(GraphTracer):
         if p.local_window_size > 0:
             near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
             allowed = op.And(live, near)
-        # ReduceMax over an empty key axis (no decode has a key) is INT64_MIN: clamped to slot 0 like -1
-        some = op.Max(op.ReduceMax(op.Where(allowed, slot_j, -1), [1], keepdims=1), 0)  # [S, 1]
+        # a -1 column keeps the key axis non-empty when no decode has a key (ONNX Runtime before 1.21 fails a
+        # ReduceMax over an empty axis; later ones give INT64_MIN); -1 is clamped to slot 0
+        none = op.Sub(op.Mul(op.Unsqueeze(past, [1]), 0), 1)  # [S, 1] of -1
+        some = op.Max(op.ReduceMax(op.Concat(op.Where(allowed, slot_j, -1), none, axis=1), [1], keepdims=1), 0)
         row = self.kv_rows(op.Where(live, slot_j, some))
         return {
             "query": c_lo,

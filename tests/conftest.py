@@ -1,4 +1,4 @@
-"""Suite-wide pytest setup: the `cuda` and `slow` markers skip cleanly where they cannot run.
+"""Suite-wide pytest setup: the `cuda`, `slow` and `compat` markers skip cleanly where they cannot run.
 
 Skips follow markers only (``item.get_closest_marker``), never keywords: a test parametrized with the value
 ``"cuda"`` or named ``..._slow`` runs like any other. Nothing else is skipped: a missing optional extra fails.
@@ -67,8 +67,11 @@ def _has_cuda() -> bool:
 def pytest_collection_modifyitems(config, items):
     has_cuda = _has_cuda()
     slow = os.environ.get("ORTPA_SLOW") == "1"
+    compat = os.environ.get("ORTPA_COMPAT") == "1"
     for item in items:
         if item.get_closest_marker("cuda") is not None and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
         if item.get_closest_marker("slow") is not None and not slow:
             item.add_marker(pytest.mark.skip(reason="slow; set ORTPA_SLOW=1"))
+        if item.get_closest_marker("compat") is not None and not compat:
+            item.add_marker(pytest.mark.skip(reason="compat matrix; set ORTPA_COMPAT=1"))

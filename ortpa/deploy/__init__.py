@@ -8,9 +8,17 @@
 
 from ortpa.deploy.deployment import Deployment, finish_deployment
 from ortpa.deploy.genai_config import GenaiOptions, build_genai_config, write_genai_config
-from ortpa.deploy.portable_file import PortableInfo, lower_file, lower_graph, portable_info
+from ortpa.deploy.portable_file import (
+    MIN_ONNXRUNTIME_KEY,
+    PortableInfo,
+    lower_file,
+    lower_graph,
+    min_onnxruntime,
+    portable_info,
+)
 
 __all__ = [
+    "MIN_ONNXRUNTIME_KEY",
     "Deployment",
     "GenaiOptions",
     "PortableInfo",
@@ -18,6 +26,7 @@ __all__ = [
     "finish_deployment",
     "lower_file",
     "lower_graph",
+    "min_onnxruntime",
     "portable_info",
     "write_genai_config",
 ]

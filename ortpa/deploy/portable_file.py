@@ -14,7 +14,9 @@ latent row per token, not a key and a value row of the full width.
 
 The metadata says what was done: ``ortpa.portable`` = JSON ``{"lowered": true, "nodes": n, "kv_cache_layout":
 ..., "split_latent": ..., "head_size": H, "cache_head_size": ..., "kv_num_heads": ..., "num_heads": ...,
-"configs": [the PagedAttention attributes of each distinct node configuration]}``.
+"configs": [the PagedAttention attributes of each distinct node configuration]}``, and
+``ortpa.portable.min_onnxruntime`` = the oldest ONNX Runtime release that runs the file (:func:`min_onnxruntime`):
+a runtime that is not ortpa reads it from the model's metadata before its first run (``docs/converted_model.md``).
 """
 
 from __future__ import annotations
@@ -37,9 +39,32 @@ from ortpa.ops.spec import OP_TYPE, PAGED_ATTENTION
 from ortpa.ops.trailing_write import trailing_writes
 from ortpa.providers import CPU
 
-__all__ = ["METADATA_KEY", "PortableInfo", "lower_file", "lower_graph", "portable_info"]
+__all__ = [
+    "METADATA_KEY",
+    "MIN_ONNXRUNTIME",
+    "MIN_ONNXRUNTIME_KEY",
+    "PortableInfo",
+    "lower_file",
+    "lower_graph",
+    "min_onnxruntime",
+    "portable_info",
+]
 
 METADATA_KEY = PORTABLE_METADATA_KEY
+MIN_ONNXRUNTIME_KEY = f"{PORTABLE_METADATA_KEY}.min_onnxruntime"
+# The oldest release the compatibility matrix runs (scripts/compat_matrix.py: tokens equal ortpa's); older ones
+# are refused by the file's metadata, not by its graph (docs/portable.md, "Which ONNX Runtime releases").
+MIN_ONNXRUNTIME = "1.20"
+# The first release that loads a model of each newer default-domain opset (older releases refuse such a file when
+# they open it, with a message); measured with each release's wheel, see docs/portable.md.
+_OPSET_RELEASE = {22: "1.21", 23: "1.23", 24: "1.24", 25: "1.24", 26: "1.25"}
+
+
+def min_onnxruntime(opset: int) -> str:
+    """The oldest ONNX Runtime release that runs a lowered file whose default-domain opset is ``opset`` (an opset
+    newer than the table's: the newest entry; releases that do not know it refuse to load the file themselves)."""
+    needed = [release for version, release in _OPSET_RELEASE.items() if version <= opset]
+    return max([MIN_ONNXRUNTIME, *needed], key=lambda v: tuple(map(int, v.split("."))))
 
 
 @dataclass(frozen=True)
@@ -141,7 +166,9 @@ def lower_graph(
         cache_head_size=first.head_size // 2 if split else first.head_size,
         configs=tuple(configs.values()),
     )
-    helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, METADATA_KEY: info.to_json()})
+    props = {p.key: p.value for p in proto.metadata_props}
+    props.update({METADATA_KEY: info.to_json(), MIN_ONNXRUNTIME_KEY: min_onnxruntime(fn_opset)})
+    helper.set_model_props(proto, props)
     if check_session:
         _check_session(proto, where)
     return info

@@ -519,9 +519,17 @@ def test_lowering_keeps_names_and_does_not_mutate() -> None:
         (FUNCTION_DOMAIN, "PagedAttention_0/plan"),
         (FUNCTION_DOMAIN, "PagedAttention_0"),
     ]
+
     # standard ops, but for the fused decode's one contrib kernel
-    ops = {(n.domain, n.op_type) for f in lowered.functions for n in f.node if n.domain not in ("", FUNCTION_DOMAIN)}
-    assert ops == {("com.microsoft", "MultiHeadAttention")}
+    def nodes(graph_nodes):  # with the If branches' nodes
+        for n in graph_nodes:
+            yield n
+            for attr in n.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from nodes(attr.g.node)
+
+    ops = {(n.domain, n.op_type) for f in lowered.functions for n in nodes(f.node)}
+    assert {o for o in ops if o[0] not in ("", FUNCTION_DOMAIN)} == {("com.microsoft", "MultiHeadAttention")}
     # the cache outputs are ScatterND outputs whose data input is the cache graph input
     (f,) = [f for f in lowered.functions if f.name == lowered.graph.node[1].op_type]
     scatters = [n for n in f.node if n.op_type == "ScatterND"]
@@ -568,3 +576,35 @@ def test_unsupported_and_invalid_nodes_raise_typed_errors() -> None:
         lower_to_portable(paged_attention_model(x, attrs))
     with pytest.raises(InvalidArgument):
         lower_to_portable(paged_attention_model(case.inputs, {**case.attrs, "kv_num_heads": 3}))
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "latent"])
+def test_branch_outputs_declare_type_and_rank(latent: bool) -> None:
+    """Compilers such as OpenVINO refuse a value of unknown rank: every If output (the branches' and the If's) is
+    declared with its element type and rank, and no Squeeze leaves its axes to be inferred."""
+    kw = dict(latent=True, num_heads=4, kv_num_heads=1, head_size=64, v_head_size=48) if latent else {}
+    case = make_case(np.random.default_rng(3), np.float16, q_lens=(1, 4), pasts=(9, 2), **kw)
+    lowered = lower_to_portable(paged_attention_model(case.inputs, case.attrs))
+    ifs = squeezes = 0
+    for f in lowered.functions:
+        nodes, declared, stack = [], {v.name: v for v in f.value_info}, list(f.node)
+        while stack:  # every node, If branches included, and every declared value
+            node = stack.pop()
+            nodes.append(node)
+            for g in (a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH):
+                declared.update({v.name: v for v in [*g.value_info, *g.output]})
+                stack += g.node
+        for node in nodes:
+            squeezes += node.op_type == "Squeeze"
+            assert node.op_type != "Squeeze" or len(node.input) == 2, node.name
+            if node.op_type != "If":
+                continue
+            ifs += 1
+            for k, out in enumerate(node.output):
+                values = [a.g.output[k] for a in node.attribute] + [declared[out]]
+                for v in values:
+                    t = v.type.tensor_type
+                    assert t.elem_type and t.HasField("shape"), f"{node.name}: {v.name} has no type or rank"
+                assert len({len(v.type.tensor_type.shape.dim) for v in values}) == 1, (node.name, out)
+    assert ifs >= 3 and squeezes >= 3  # the decode and prefill groups, the prefill plan; the plan's ranges
+    check(case, model=lowered)

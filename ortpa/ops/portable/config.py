@@ -21,12 +21,13 @@ PLAN_OUTPUTS = (
     "pos",  # [T] position of every token (RoPE)
     "write_rows",  # [n] tokens whose K/V are written (compacted, de-duplicated)
     "write_index",  # [n, 2] (block, offset) of each written row
-    "any_prefill",  # bool scalar: the prefill group is not empty
+    "any_prefill",  # bool scalar: some prefilling sequence has a key (else the layers skip the group)
+    "any_decode",  # bool scalar: some decoding sequence attends a key (else the layers skip the group)
     "out_row",  # [T] each token's row in Concat(decode output, prefill output, one zero row)
     "d_query",  # [D] the decoding sequences' tokens
     "d_row",  # [D, kvh, kv_d] cache rows (of the cache viewed as [slots * kvh, H]); one not live reads an attended one
     "d_allowed",  # [D, 1, 1, kv_d] keys the query attends (live, inside the local window)
-    "d_mask",  # [D, kv_d] int32: d_allowed as the key_padding_mask of com.microsoft::MultiHeadAttention
+    "d_bias",  # [D, 1, 1, kv_d] float32: 0 where d_allowed, else -inf (com.microsoft::MultiHeadAttention's bias)
     "p_query",  # [P, max_q] the prefilling sequences' tokens (padding rows clamped onto real tokens)
     "p_row",  # [P, kvh, kv_p]
     "p_row_ok",  # [P, 1, kv_p, 1]

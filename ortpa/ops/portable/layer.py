@@ -258,9 +258,24 @@ class _Body(GraphTracer):
         The groups' indices and masks come from the plan, computed once per step for all layers.
         """
         op, pl = self.op, self.plan
-        o_dec = self.attend_group(q, k_cache, v_cache, "d_", one_query=True)  # [D, N * vh]
-        # the prefill group runs under an If on its being non-empty: a decode-only step does not dispatch it
-        empty = np.zeros((0, self.c.num_heads * self.c.v_head_size), np.float32)
+        width = self.c.num_heads * self.c.v_head_size
+        # each group runs under an If on one of its members attending a key, so that no kernel is called on an
+        # empty batch or key range (older MultiHeadAttention kernels divide by zero there); a skipped decode
+        # group is D zero rows (D may be 0), which its tokens never read (the plan's out_row: the zero row)
+        (o_dec,) = self.branch(
+            pl["any_decode"],
+            "decodes",
+            lambda: [self.attend_group(q, k_cache, v_cache, "d_", one_query=True)],
+            lambda: [
+                self.op.Expand(
+                    self.constant(np.zeros((1, width), np.float32)),
+                    self.op.Concat(self.dim(pl["d_query"], 0), self.ints([width]), axis=0),
+                )
+            ],
+            shapes=[(_F32, [None, width])],
+        )  # [D, N * vh]
+        # a decode-only step does not dispatch the prefill group
+        empty = np.zeros((0, width), np.float32)
         (o_pre,) = self.branch(
             pl["any_prefill"],
             "prefills",
@@ -343,7 +358,9 @@ class _Body(GraphTracer):
         MultiHeadAttention has one head count for Q and K; a decode has one query, so the G query heads that
         share a KV head are laid out as G query *positions* of that head (``[D, G, kvh * H]``), none causal
         among themselves: the same scores as GQA, with K and V read in place as gathered (``[D, kvh, kv, H]``,
-        BNSH). Keys are masked by the plan's ``d_mask`` (padding, unmapped pages, the window); a decode with no
+        BNSH). Keys are masked by the plan's ``d_bias`` (padding, unmapped pages, the window), given whole
+        (``[D, kvh, G, kv]``) as ``attention_bias``: ONNX Runtime 1.19 and 1.20 apply a ``key_padding_mask`` or a
+        bias broadcast over heads wrongly to BNSH keys in a batch of more than one; a decode with no
         key left reads the zero row (the plan's ``out_row``) (the op returns NaN there). Float32 throughout, as the
         unfused path. Only where the op has no softcap or sink to express (the lowering decides per node).
         """
@@ -356,18 +373,18 @@ class _Body(GraphTracer):
         qd = op.Reshape(qd, self.ints([0, g, kvh * h]))
         kf = self.read(k_cache, row, c.k_quant, self.x.get("k_scale"), h)
         vf = self.read(v_cache, row, c.v_quant, self.x.get("v_scale"), h)
-        # every padding or unmapped key is a copy of an attended row (the plan's d_row): the op adds -inf to a
+        # every padding or unmapped key is a copy of an attended row (the plan's d_row): the bias adds -inf to a
         # masked score, and NaN - inf would be NaN, so a masked row must never hold another block's NaN
         o = op.MultiHeadAttention(
             qd,
             kf,
             vf,
-            None,
-            pl["d_mask"],
+            None,  # bias
+            None,  # key_padding_mask
+            op.Expand(pl["d_bias"], self.ints([1, kvh, g, 1])),  # attention_bias
             _domain=ORT_DOMAIN,
             num_heads=kvh,
             scale=c.scale,
-            mask_filter_value=float("-inf"),
         )  # [D, G, kvh * vh]
         if g > 1:
             o = op.Transpose(op.Reshape(o, self.ints([0, g, kvh, vh])), perm=[0, 2, 1, 3])  # [D, kvh, G, vh]
@@ -407,4 +424,5 @@ class _Body(GraphTracer):
             f"{g_}pv",
             lambda: [self.op.MatMul(p, values)],
             lambda: [self.op.MatMul(p, self.op.Where(pl[g_ + "row_ok"], values, 0.0))],
+            shapes=[(_F32, [None, self.c.kv_num_heads, None, self.c.head_size])],  # [S, kvh, G * max_q, H]
         )[0]

@@ -55,7 +55,12 @@ class _Plan(GraphTracer):
         is_dec = op.Equal(self.q_len, 1)
         is_pre = op.Greater(self.q_len, 1)
         dec = self.group(is_dec, one_query=True)
-        any_pre = op.Greater(op.ReduceSum(op.Cast(is_pre, to=_I64), keepdims=0), 0)
+        # A group runs only when one of its members attends a key: no kernel is ever called on an empty batch or
+        # an empty key range (com.microsoft::MultiHeadAttention before ONNX Runtime 1.29 divides by zero on an
+        # empty batch: SIGFPE). A member without a key reads the zero row (out_row) anyway.
+        has_kv = op.Greater(self.kvlen, 0)
+        any_pre = op.Greater(op.ReduceSum(op.Cast(op.And(is_pre, has_kv), to=_I64), keepdims=0), 0)
+        any_dec = op.Greater(op.ReduceSum(op.Cast(dec["mask"], to=_I64), keepdims=0), 0)
         # a decode-only step skips the prefill group's ~40 index kernels; the layers then never read them
         kvh = self.p.kv_num_heads
         empty = [
@@ -101,11 +106,12 @@ class _Plan(GraphTracer):
             rows,
             index,
             any_pre,
+            any_dec,
             out_row,
             dec["query"],
             dec["row"],
             dec["allowed"],
-            dec["mask"],
+            op.Where(dec["allowed"], op.Constant(value_float=0.0), op.Constant(value_float=float("-inf"))),
             pre["query"],
             pre["row"],
             pre["row_ok"],
@@ -133,7 +139,7 @@ class _Plan(GraphTracer):
 
         # clamp into [0, T] with fixed ends, then an inclusive running max (B is small: a [B+1, B+1] table)
         n1 = self.dim(cu, 0)
-        idx = op.Range(0, op.Squeeze(n1), 1)
+        idx = op.Range(0, self.scalar(n1), 1)
         cl = op.Min(op.Max(cu, 0), self.T)
         cl = op.Where(op.Equal(idx, 0), 0, cl)
         cl = op.Where(op.Equal(idx, op.Sub(n1, 1)), self.T, cl)
@@ -149,7 +155,7 @@ class _Plan(GraphTracer):
         self.kvlen = op.Where(valid, op.Min(op.Add(self.past, self.q_len), cap), 0)
 
         # token -> owning sequence: how many sequence ends c[1..B] are <= t (empty sequences are skipped)
-        t = op.Range(0, op.Squeeze(self.T), 1)
+        t = op.Range(0, self.scalar(self.T), 1)
         owns = op.Cast(op.LessOrEqual(op.Unsqueeze(c_hi, [0]), op.Unsqueeze(t, [1])), to=_I64)
         self.seq = op.ReduceSum(owns, [1], keepdims=0)
         self.s_in = op.Sub(t, op.Gather(self.c_lo, self.seq))
@@ -212,7 +218,7 @@ class _Plan(GraphTracer):
         bt = op.Gather(self.bt, sel, axis=0)
         zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
         maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
-        j = op.Range(0, op.Squeeze(maxkv), 1)  # kv position
+        j = op.Range(0, self.scalar(maxkv), 1)  # kv position
 
         # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
         blk_j = op.Div(j, self.BS)
@@ -239,7 +245,7 @@ class _Plan(GraphTracer):
         unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
         rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
         maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
-        i = op.Range(0, op.Squeeze(maxq), 1)  # query index within a sequence
+        i = op.Range(0, self.scalar(maxq), 1)  # query index within a sequence
         tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
         tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
         allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]
@@ -274,8 +280,10 @@ class _Plan(GraphTracer):
         if p.local_window_size > 0:
             near = op.Greater(op.Unsqueeze(j, [0]), op.Unsqueeze(op.Sub(past, p.local_window_size), [1]))
             allowed = op.And(live, near)
-        # ReduceMax over an empty key axis (no decode has a key) is INT64_MIN: clamped to slot 0 like -1
-        some = op.Max(op.ReduceMax(op.Where(allowed, slot_j, -1), [1], keepdims=1), 0)  # [S, 1]
+        # a -1 column keeps the key axis non-empty when no decode has a key (ONNX Runtime before 1.21 fails a
+        # ReduceMax over an empty axis; later ones give INT64_MIN); -1 is clamped to slot 0
+        none = op.Sub(op.Mul(op.Unsqueeze(past, [1]), 0), 1)  # [S, 1] of -1
+        some = op.Max(op.ReduceMax(op.Concat(op.Where(allowed, slot_j, -1), none, axis=1), [1], keepdims=1), 0)
         row = self.kv_rows(op.Where(live, slot_j, some))
         return {
             "query": c_lo,

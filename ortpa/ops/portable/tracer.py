@@ -30,12 +30,23 @@ class GraphTracer:
     def dim(self, v, axis: int):
         return self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
 
+    def scalar(self, v):
+        """A ``[1]`` tensor as a scalar. Squeeze with its axes as a Constant of the current (sub)graph: without
+        axes, or with axes a compiler cannot see as constant (a value of the enclosing graph read inside an If
+        branch), OpenVINO cannot tell the result's rank and refuses the graph."""
+        return self.op.Squeeze(v, self.ints([0]))
+
     def ints(self, values: list[int]):
         return self.op.Constant(value_ints=values)
 
-    def branch(self, condition, name: str, then_trace, else_trace, count: int = 1) -> list:
+    def branch(self, condition, name: str, then_trace, else_trace, count: int = 1, shapes=None) -> list:
         """``If(condition)`` over two traced branches (each returns a list of ``count`` values); the branches
-        read the body's values from the enclosing scope."""
+        read the body's values from the enclosing scope.
+
+        Every output (the branches' and the If's) is declared with its element type and rank, static dimensions
+        where known: compilers such as OpenVINO refuse a value of unknown rank. ``shapes`` gives each output's
+        dimensions (``None``: dynamic); by default they are read off the else branch's constants, whose 0-sized
+        dimensions are the dynamic ones (an empty group)."""
         outer = self.op
 
         def traced(trace):
@@ -63,7 +74,21 @@ class GraphTracer:
                     if id(v) not in declared:
                         v.name = f"{name}_{key}/{v.name}"
         outs = outer.If(condition, then_branch=branches["then"], else_branch=branches["else"], _outputs=count)
-        return list(outs) if count > 1 else [outs]
+        outs = list(outs) if count > 1 else [outs]
+        for k, out in enumerate(outs):
+            then_v, else_v = branches["then"].outputs[k], branches["else"].outputs[k]
+            if shapes is not None:
+                dtype, dims = shapes[k]
+            else:
+                if else_v.const_value is None and else_v.producer() is not None:
+                    const = else_v.producer().attributes["value"].as_tensor()
+                else:
+                    const = else_v.const_value
+                dtype, dims = const.dtype, [d or None for d in const.shape]
+            for v in (then_v, else_v, out):
+                v.type = ir.TensorType(dtype)
+                v.shape = ir.Shape(dims)
+        return outs
 
     def constant(self, array: np.ndarray):
         return self.op.Constant(value=ir.tensor(array))

@@ -94,10 +94,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not result.eos_token_id and not args.quiet:
         # genai then ends every request at its default id 0: say so rather than let a deployment stop early
+        where = (
+            f"none of genai_config.json, config.json, generation_config.json in {result.metadata_folder} names one"
+            if result.metadata_folder is not None
+            else "no genai_config.json, config.json or generation_config.json beside the input"
+        )
         print(
-            "ortpa convert: note: no eos_token_id found (no genai_config.json, config.json or generation_config.json "
-            "beside the input): genai_config.json has none, and onnxruntime-genai then stops at token id 0; add "
-            '"eos_token_id" to its "model" section',
+            f"ortpa convert: note: no eos_token_id found ({where}): genai_config.json has none, and onnxruntime-genai "
+            'then stops at token id 0; add "eos_token_id" to its "model" section',
             file=sys.stderr,
         )
     if not args.quiet:
@@ -139,8 +143,8 @@ def register(sub) -> None:
     )
     p.add_argument(
         "output",
-        help="where to write the paged model (a regular file; a folder or repo input's tokenizer and config "
-        "files are copied beside it)",
+        help="where to write the paged model (a regular file; the input's tokenizer and config files, from its "
+        "folder, are copied beside it)",
     )
     add_revision(p)
     add_providers(p)

@@ -58,6 +58,7 @@ class Conversion:
     verification: Verification | None  # None: verify=False
     copied: tuple[str, ...]  # tokenizer and config files copied beside the model
     eos_token_id: bool  # whether genai_config.json names one (genai otherwise stops at token id 0)
+    metadata_folder: Path | None  # where the token ids and tokenizer came from (the input's folder); None: nowhere
     # MLA: the prefill form the model carries ("expanded" / "absorbed"), and why not the expanded one; None: not MLA
     mla_prefill: str | None = None
     mla_prefill_reason: str | None = None
@@ -237,6 +238,7 @@ def _deploy(
         verification=verification,
         copied=copied,
         eos_token_id="eos_token_id" in config.get("model", {}),
+        metadata_folder=ref.folder,
         mla_prefill=prefill,
         mla_prefill_reason=prefill_reason or None,
     )

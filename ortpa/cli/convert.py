@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
                     "split_latent": bool(result.portable and result.portable.split_latent),
                     "genai_config": str(result.genai_config),
                     "copied": list(result.copied),
+                    "kv_cache_dtype": result.kv_cache_dtype,
+                    "kv_cache_dtype_reason": result.kv_cache_dtype_reason,
                     "verification": result.verification.summary() if result.verification else None,
                     **(
                         {"mla_prefill": result.mla_prefill, "mla_prefill_reason": result.mla_prefill_reason}
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             else "; NOT verified (--no-verify)"
         )
         print(f"wrote {args.output}: {result.paged_attention_nodes} {kind}, genai_config.json{also}{check}")
+        print(f"KV cache: {result.kv_cache_dtype} ({result.kv_cache_dtype_reason})")
     return EXIT_OK
 
 
@@ -157,11 +160,13 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["float16", "bfloat16", "int8", "float8e4m3fn"],
-        default=None,
-        help="element type of the KV caches (default: the op's float type). int8: static scales calibrated by "
-        "running the dense model on seeded random prompts (see docs/converted_model.md); float8e4m3fn is "
-        "rejected (ortpa's portable op cannot run it)",
+        choices=["auto", "float16", "bfloat16", "int8", "float8e4m3fn"],
+        default="auto",
+        help="element type of the KV caches. auto (default): the model's activation dtype (--dtype, else the "
+        "model's float16/bfloat16; a float32 model gets float16, the more precise of the two types "
+        "PagedAttention computes in); float16/bfloat16 choose for a float32 model. int8: static scales calibrated "
+        "by running the dense model on seeded random prompts (see docs/converted_model.md); float8e4m3fn is "
+        "rejected (ortpa's portable op cannot run it). The summary and the model's metadata say what was picked",
     )
     p.add_argument(
         "--kv-scale",

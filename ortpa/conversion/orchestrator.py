@@ -33,6 +33,7 @@ from ortpa.deploy.genai_config import build_genai_config
 from ortpa.deploy.portable_file import PortableInfo, lower_graph
 from ortpa.errors import ConversionError, OrtpaError, Unavailable
 from ortpa.extras import require_extra
+from ortpa.model.position_bias import refuse_position_bias
 from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, copy_companion_files, locate_model
 from ortpa.progress import Progress, Stage, report, reporter
 from ortpa.rewriter import model_store, pipeline
@@ -131,6 +132,7 @@ def _locate(
     except NoOnnxFile as exc:
         if not (exc.folder / "config.json").is_file():
             raise
+        refuse_position_bias(exc.folder)  # a model that cannot be converted is refused before any export work
         try:
             return _export_checkpoint(exc.folder, opts, stage, stack, progress)
         except Unavailable:  # a missing extra: said as such, not as a refused model

@@ -179,7 +179,8 @@ def register(sub) -> None:
         "--logits",
         choices=["last", "all"],
         default="last",
-        help="logits for each sequence's last new token (default) or for every packed token",
+        help="logits for each sequence's last new token, or for the tokens a step names in the optional "
+        "logits_indices input (default; prompt scoring in one pass), or for every packed token",
     )
     p.add_argument(
         "--mla-prefill",

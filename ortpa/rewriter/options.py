@@ -45,7 +45,7 @@ class RewriteOptions:
       ``"float16"`` / ``"bfloat16"`` pick one for a float32 model; ``"int8"`` with static scales (``kv_scale``
       per-channel or per-tensor, times ``kv_scale_margin``) calibrated on ``calibration_prompts`` (default: seeded
       random prompts), see :mod:`ortpa.rewriter.kv_quant`. What was picked, and why, is in the model's metadata
-      (``ortpa.kv_cache_dtype``, ``ortpa.kv_cache_dtype_reason``).
+      (``ortpa.kv_cache_dtype``, ``ortpa.kv_cache_dtype_reason``). ``None`` is taken as ``"auto"``.
     * ``absorb`` (MLA): ``"auto"`` folds W_UK / W_UV into q_proj / o_proj where exact and not larger, ``"fold"``
       wherever exact, ``"matmul"`` never (per-head MatMuls).
     * ``mla_prefill`` (MLA): ``"expanded"`` (default) attends the rows of fresh prompts (no cached prefix) in the
@@ -60,7 +60,7 @@ class RewriteOptions:
     dtype: DType | None = None
     rope_in_op: bool = False
     logits: LogitsMode = "last"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str | None = "auto"
     absorb: AbsorbMode = "auto"
     mla_prefill: PrefillForm = "expanded"
     attention_metadata: bool = True
@@ -71,6 +71,8 @@ class RewriteOptions:
     calibration_prompts: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype is None:  # what callers passed for "the default" before `auto` had a name
+            object.__setattr__(self, "kv_cache_dtype", "auto")
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConversionError(f"{name}: expected one of {list(allowed)}, found {getattr(self, name)!r}")

@@ -11,6 +11,7 @@ import pytest
 
 from ortpa.cli import main
 from ortpa.errors import ConversionError
+from ortpa.rewriter.options import RewriteOptions
 from ortpa.rewriter.pipeline import convert
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -60,6 +61,7 @@ def test_auto_follows_the_converted_dtype_and_an_asked_type_is_recorded_as_asked
     assert _meta(asked)["ortpa.kv_cache_dtype_reason"] == "asked (bfloat16)"
     with pytest.raises(ConversionError, match="differs from the model's FLOAT16"):
         convert(str(FP16), kv_cache_dtype="bfloat16", providers=())
+    assert RewriteOptions(kv_cache_dtype=None) == RewriteOptions()  # None: the default, auto
     with pytest.raises(ConversionError, match="kv_cache_dtype: expected one of"):
         convert(str(LLAMA32), kv_cache_dtype="float32", providers=())
 

@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
                     "split_latent": bool(result.portable and result.portable.split_latent),
                     "genai_config": str(result.genai_config),
                     "copied": list(result.copied),
+                    "kv_cache_dtype": result.kv_cache_dtype,
+                    "kv_cache_dtype_reason": result.kv_cache_dtype_reason,
                     "verification": result.verification.summary() if result.verification else None,
                     **(
                         {"mla_prefill": result.mla_prefill, "mla_prefill_reason": result.mla_prefill_reason}
@@ -94,10 +96,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not result.eos_token_id and not args.quiet:
         # genai then ends every request at its default id 0: say so rather than let a deployment stop early
+        where = (
+            f"none of genai_config.json, config.json, generation_config.json in {result.metadata_folder} names one"
+            if result.metadata_folder is not None
+            else "no genai_config.json, config.json or generation_config.json beside the input"
+        )
         print(
-            "ortpa convert: note: no eos_token_id found (no genai_config.json, config.json or generation_config.json "
-            "beside the input): genai_config.json has none, and onnxruntime-genai then stops at token id 0; add "
-            '"eos_token_id" to its "model" section',
+            f"ortpa convert: note: no eos_token_id found ({where}): genai_config.json has none, and onnxruntime-genai "
+            'then stops at token id 0; add "eos_token_id" to its "model" section',
             file=sys.stderr,
         )
     if not args.quiet:
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             else "; NOT verified (--no-verify)"
         )
         print(f"wrote {args.output}: {result.paged_attention_nodes} {kind}, genai_config.json{also}{check}")
+        print(f"KV cache: {result.kv_cache_dtype} ({result.kv_cache_dtype_reason})")
     return EXIT_OK
 
 
@@ -139,8 +146,8 @@ def register(sub) -> None:
     )
     p.add_argument(
         "output",
-        help="where to write the paged model (a regular file; a folder or repo input's tokenizer and config "
-        "files are copied beside it)",
+        help="where to write the paged model (a regular file; the input's tokenizer and config files, from its "
+        "folder, are copied beside it)",
     )
     add_revision(p)
     add_providers(p)
@@ -153,11 +160,13 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["float16", "bfloat16", "int8", "float8e4m3fn"],
-        default=None,
-        help="element type of the KV caches (default: the op's float type). int8: static scales calibrated by "
-        "running the dense model on seeded random prompts (see docs/converted_model.md); float8e4m3fn is "
-        "rejected (ortpa's portable op cannot run it)",
+        choices=["auto", "float16", "bfloat16", "int8", "float8e4m3fn"],
+        default="auto",
+        help="element type of the KV caches. auto (default): the model's activation dtype (--dtype, else the "
+        "model's float16/bfloat16; a float32 model gets float16, the more precise of the two types "
+        "PagedAttention computes in); float16/bfloat16 choose for a float32 model. int8: static scales calibrated "
+        "by running the dense model on seeded random prompts (see docs/converted_model.md); float8e4m3fn is "
+        "rejected (ortpa's portable op cannot run it). The summary and the model's metadata say what was picked",
     )
     p.add_argument(
         "--kv-scale",
@@ -170,7 +179,8 @@ def register(sub) -> None:
         "--logits",
         choices=["last", "all"],
         default="last",
-        help="logits for each sequence's last new token (default) or for every packed token",
+        help="logits for each sequence's last new token, or for the tokens a step names in the optional "
+        "logits_indices input (default; prompt scoring in one pass), or for every packed token",
     )
     p.add_argument(
         "--mla-prefill",

@@ -33,6 +33,7 @@ from ortpa.deploy.genai_config import build_genai_config
 from ortpa.deploy.portable_file import PortableInfo, lower_graph
 from ortpa.errors import ConversionError, OrtpaError, Unavailable
 from ortpa.extras import require_extra
+from ortpa.model.position_bias import refuse_position_bias
 from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, copy_companion_files, locate_model
 from ortpa.progress import Progress, Stage, report, reporter
 from ortpa.rewriter import model_store, pipeline
@@ -58,6 +59,9 @@ class Conversion:
     verification: Verification | None  # None: verify=False
     copied: tuple[str, ...]  # tokenizer and config files copied beside the model
     eos_token_id: bool  # whether genai_config.json names one (genai otherwise stops at token id 0)
+    metadata_folder: Path | None  # where the token ids and tokenizer came from (the input's folder); None: nowhere
+    kv_cache_dtype: str | None = None  # the caches' element type (ortpa.kv_cache_dtype), and why it is that
+    kv_cache_dtype_reason: str | None = None
     # MLA: the prefill form the model carries ("expanded" / "absorbed"), and why not the expanded one; None: not MLA
     mla_prefill: str | None = None
     mla_prefill_reason: str | None = None
@@ -128,6 +132,7 @@ def _locate(
     except NoOnnxFile as exc:
         if not (exc.folder / "config.json").is_file():
             raise
+        refuse_position_bias(exc.folder)  # a model that cannot be converted is refused before any export work
         try:
             return _export_checkpoint(exc.folder, opts, stage, stack, progress)
         except Unavailable:  # a missing extra: said as such, not as a refused model
@@ -208,7 +213,8 @@ def _deploy(
     """The staged model's graph finished in memory and written once (verification figures, ``portable``
     lowering), then ``genai_config.json`` and the companion files beside it, all in the staging folder."""
     nodes = sum(1 for n in header.graph.node if n.op_type == "PagedAttention")
-    form = {p.key: p.value for p in header.metadata_props}.get("ortpa.mla_prefill")
+    meta = {p.key: p.value for p in header.metadata_props}
+    form = meta.get("ortpa.mla_prefill")
     prefill, _, prefill_reason = form.partition(": ") if form is not None else (None, "", "")
     changed = False
     if verification is not None:
@@ -222,9 +228,14 @@ def _deploy(
     if changed:  # the graph only: the weights stay in the staged .data (an inline model is small)
         onnx.save(header, str(stage.model))
     report(progress, Stage.DEPLOY, f"writing {GENAI_CONFIG}")
-    meta = dataclasses.asdict(portable) if portable is not None else None
+    portable_meta = dataclasses.asdict(portable) if portable is not None else None
     config = build_genai_config(
-        header, stage.out.name, portable=opts.portable, source_folder=ref.folder, options=opts.genai, portable_meta=meta
+        header,
+        stage.out.name,
+        portable=opts.portable,
+        source_folder=ref.folder,
+        options=opts.genai,
+        portable_meta=portable_meta,
     )
     (stage.folder / GENAI_CONFIG).write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
     copied = tuple(copy_companion_files(companions, stage.folder))
@@ -237,6 +248,9 @@ def _deploy(
         verification=verification,
         copied=copied,
         eos_token_id="eos_token_id" in config.get("model", {}),
+        metadata_folder=ref.folder,
+        kv_cache_dtype=meta.get("ortpa.kv_cache_dtype"),
+        kv_cache_dtype_reason=meta.get("ortpa.kv_cache_dtype_reason"),
         mla_prefill=prefill,
         mla_prefill_reason=prefill_reason or None,
     )

@@ -50,6 +50,10 @@ __all__ = [
 COMPANION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "tokenizer.model",  # SentencePiece (Llama 2, Mistral, Gemma): what a slow tokenizer and genai's fallback read
+    "vocab.json",  # byte-level BPE tokenizers saved without tokenizer.json (GPT-2 style)
+    "merges.txt",
+    "added_tokens.json",
     "chat_template.jinja",  # where transformers 5 saves a chat template (ortpa serve reads it)
     "config.json",
     "generation_config.json",
@@ -73,7 +77,8 @@ class NoOnnxFile(InvalidModel):
 @dataclass(frozen=True)
 class ModelRef:
     """A resolved model: the ONNX ``path``; the ``folder`` whose tokenizer/config files go with it (``None`` for
-    a plain file outside a Hugging Face snapshot); the ``repo_id`` and ``revision`` it came from, if any."""
+    a plain file outside a Hugging Face snapshot whose folder holds none of :data:`COMPANION_FILES`); the
+    ``repo_id`` and ``revision`` it came from, if any."""
 
     path: Path
     folder: Path | None = None
@@ -140,7 +145,26 @@ def locate_model(ref: str | os.PathLike | ModelRef, revision: str | None = None)
     if path.is_dir() and path.suffix != ".onnx":  # a folder named *.onnx was meant as the file: the loader says so
         return ModelRef(find_onnx_file(path), path)
     # a missing or odd file is the loader's to report, with its usual message
-    return ModelRef(path, _snapshot_root(path))
+    return ModelRef(path, _snapshot_root(path) or _file_folder(path))
+
+
+def _file_folder(path: Path) -> Path | None:
+    """The folder whose tokenizer and config files go with a model given as a file: the folder that, given as the
+    input, names this file (its own, or the one above an ``onnx/`` layout), when that folder holds any of
+    :data:`COMPANION_FILES`; so converting ``DIR/model.onnx`` keeps the same token ids and tokenizer as ``DIR``."""
+    if not path.is_file():
+        return None
+    parent = path.parent
+    if _has_companions(parent):
+        return parent
+    in_layout = path.name == "model.onnx" or (path.name.startswith("model_") and path.suffix == ".onnx")
+    if parent.name == "onnx" and in_layout and _has_companions(parent.parent):
+        return parent.parent
+    return None
+
+
+def _has_companions(folder: Path) -> bool:
+    return any(os.path.lexists(folder / name) for name in COMPANION_FILES)
 
 
 def _snapshot_root(path: Path) -> Path | None:

@@ -24,7 +24,7 @@ DType = Literal["float16", "bfloat16"]
 _CHOICES = {
     "dtype": (None, "float16", "bfloat16"),
     "logits": ("last", "all"),
-    "kv_cache_dtype": (None, "float16", "bfloat16", "int8", "float8e4m3fn"),
+    "kv_cache_dtype": ("auto", "float16", "bfloat16", "int8", "float8e4m3fn"),
     "absorb": ("auto", "fold", "matmul"),
     "mla_prefill": ("expanded", "absorbed"),
     "position_ids": ("derive", "input"),
@@ -39,9 +39,13 @@ class RewriteOptions:
     * ``rope_in_op``: move RoPE into the op (``do_rotary=1``, cos/sin caches of ``max_positions`` rows: default
       the model's ``max_position_embeddings``, else 4096); default keeps the model's own RoPE in the graph.
     * ``logits``: ``"last"`` one row per sequence (its last new token), ``"all"`` one row per packed token.
-    * ``kv_cache_dtype``: the caches' element type (default the op's float type); ``"int8"`` with static scales
-      (``kv_scale`` per-channel or per-tensor, times ``kv_scale_margin``) calibrated on ``calibration_prompts``
-      (default: seeded random prompts), see :mod:`ortpa.rewriter.kv_quant`.
+    * ``kv_cache_dtype``: the caches' element type. ``"auto"`` (default): the model's activation dtype (``dtype``
+      when given, else the model's own float16 / bfloat16); a float32 model gets float16, because PagedAttention
+      computes and caches in float16 or bfloat16 only and float16 keeps 3 more mantissa bits than bfloat16.
+      ``"float16"`` / ``"bfloat16"`` pick one for a float32 model; ``"int8"`` with static scales (``kv_scale``
+      per-channel or per-tensor, times ``kv_scale_margin``) calibrated on ``calibration_prompts`` (default: seeded
+      random prompts), see :mod:`ortpa.rewriter.kv_quant`. What was picked, and why, is in the model's metadata
+      (``ortpa.kv_cache_dtype``, ``ortpa.kv_cache_dtype_reason``). ``None`` is taken as ``"auto"``.
     * ``absorb`` (MLA): ``"auto"`` folds W_UK / W_UV into q_proj / o_proj where exact and not larger, ``"fold"``
       wherever exact, ``"matmul"`` never (per-head MatMuls).
     * ``mla_prefill`` (MLA): ``"expanded"`` (default) attends the rows of fresh prompts (no cached prefix) in the
@@ -56,7 +60,7 @@ class RewriteOptions:
     dtype: DType | None = None
     rope_in_op: bool = False
     logits: LogitsMode = "last"
-    kv_cache_dtype: str | None = None
+    kv_cache_dtype: str | None = "auto"
     absorb: AbsorbMode = "auto"
     mla_prefill: PrefillForm = "expanded"
     attention_metadata: bool = True
@@ -67,6 +71,8 @@ class RewriteOptions:
     calibration_prompts: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype is None:  # what callers passed for "the default" before `auto` had a name
+            object.__setattr__(self, "kv_cache_dtype", "auto")
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConversionError(f"{name}: expected one of {list(allowed)}, found {getattr(self, name)!r}")

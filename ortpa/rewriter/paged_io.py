@@ -7,7 +7,8 @@ attention needs sequence boundaries, which PagedAttention reads from ``cumulativ
 Inputs (names as onnxruntime-genai's paged models): ``input_ids`` int64[num_tokens],
 ``cumulative_sequence_lengths`` int32[batch+1], ``past_sequence_lengths`` int32[batch],
 ``block_table`` int32[batch, max_blocks], ``attention_metadata`` int32[3] (optional), ``position_ids``
-int64[num_tokens] (optional: derived in-graph by default), per layer ``past_key_values.{i}.key``
+int64[num_tokens] (optional: derived in-graph by default), ``logits_indices`` int64[num_logits] (optional, an
+empty default: the rows a step's logits hold, :func:`_asked_rows`), per layer ``past_key_values.{i}.key``
 ``[num_blocks, block_size, 1, head]``. Outputs: ``logits`` and per layer ``present.{i}.key`` (the op's
 ``key_cache_out``, aliasing the cache input).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -25,6 +27,7 @@ from ortpa.rewriter.packed import PagedIO, last_token_index, positions
 
 __all__ = [
     "DENSE_PREFIX",
+    "LOGITS_INDICES",
     "LogitsMode",
     "PagedIO",
     "PositionMode",
@@ -39,6 +42,7 @@ __all__ = [
 
 LogitsMode = Literal["last", "all"]
 PositionMode = Literal["derive", "input"]
+LOGITS_INDICES = "logits_indices"  # optional input: the packed tokens whose logits a step computes
 DENSE_PREFIX = "dense."  # the dense graph's I/O is renamed out of the way while the paged I/O is built
 
 
@@ -118,7 +122,7 @@ def _select_logits(graph: ir.Graph, b: Builder, io: PagedIO, mode: LogitsMode) -
     if mode == "all":
         logits = b.op("Squeeze", [dense, b.ints([0])])
     elif mode == "last":
-        idx = last_token_index(b, io)
+        idx = _asked_rows(graph, b, io)
         mm = dense.producer()
         if mm is not None and mm.op_type == "MatMul" and const_array(mm.inputs[1]) is not None:
             # Gather the last hidden state of each sequence before lm_head: vocab-wide rows only where needed.
@@ -131,8 +135,28 @@ def _select_logits(graph: ir.Graph, b: Builder, io: PagedIO, mode: LogitsMode) -
     logits.name = "logits"
     logits.type = dense.type
     vocab = dense.shape[-1] if dense.shape is not None else None
+    # "batch_size": onnxruntime-genai sizes its logits buffer from this name (one row per sequence), and never feeds
+    # logits_indices; a step that feeds it gets as many rows as it names
     logits.shape = ir.Shape(["batch_size" if mode == "last" else "num_tokens", vocab])
     graph.outputs.insert(0, logits)
+
+
+def _asked_rows(graph: ir.Graph, b: Builder, io: PagedIO) -> ir.Value:
+    """``[R]`` int64: the packed tokens whose logits a step computes. The optional input ``logits_indices`` names
+    them (vLLM's logits indices: every position of a prompt being scored, the last of the others); when a step
+    feeds none, each sequence's last token. The input's default is an empty initializer of the same name, so a
+    runtime that does not know it (onnxruntime-genai) runs the model as before: one row per sequence."""
+    asked = ir.Value(name=LOGITS_INDICES, shape=ir.Shape(["num_logits"]), type=ir.TensorType(ir.DataType.INT64))
+    asked.const_value = ir.tensor(np.zeros(0, np.int64), name=LOGITS_INDICES)
+    graph.inputs.append(asked)
+    graph.register_initializer(asked)
+    last = last_token_index(b, io)
+    n = b.op("Size", [asked], hint="logits_indices_count")
+    zero = b.initializer(np.array(0, np.int64), "zero")
+    none = b.op("Cast", [b.op("Equal", [n, zero])], {"to": ir.DataType.INT64})
+    end = b.op("Add", [n, b.op("Mul", [none, b.op("Size", [last])])])  # n if fed, else one row per sequence
+    both = b.op("Concat", [asked, last], {"axis": 0})
+    return b.op("Slice", [both, b.ints([0]), b.op("Reshape", [end, b.ints([1])]), b.ints([0])], hint="logits_rows")
 
 
 def _fold_cache_shapes(graph: ir.Graph, dense: ir.Value) -> None:

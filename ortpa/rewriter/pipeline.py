@@ -46,27 +46,33 @@ __all__ = ["DEFAULT_MAX_POSITIONS", "RewriteOptions", "Spill", "convert", "optio
 Spill = Callable[[ir.Model], None]
 DEFAULT_MAX_POSITIONS = 4096  # cos/sin rows when RoPE moves into the op and the model does not say otherwise
 _IR_DTYPES = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
+_DTYPE_NAMES = {v: k for k, v in _IR_DTYPES.items()}
 
 
-def _op_dtype(model_dtype: ir.DataType, dtype: DType | None, kv_cache_dtype: str | None) -> ir.DataType:
-    """The op's T: the converted model's dtype, else the model's own half type, else the cache dtype (fp16)."""
+def _op_dtype(model_dtype: ir.DataType, dtype: DType | None, kv_cache_dtype: str) -> tuple[ir.DataType, str]:
+    """The op's T (a float cache's element type too) and why: ``dtype`` when given, else the model's own half type,
+    else (a float32 model) the asked cache dtype, else float16: the op takes no float32, and float16 is the more
+    precise of its two float types."""
     if dtype is not None:
         target = _IR_DTYPES[dtype]
-        if kv_cache_dtype not in (None, dtype):
+        if kv_cache_dtype not in ("auto", dtype):
             raise ConversionError(
                 f"kv_cache_dtype {kv_cache_dtype!r} differs from dtype {dtype!r}: a float cache has the "
                 "activations' type; the quantized cache ortpa supports is 'int8'"
             )
-        return target
+        return target, f"the converted model's dtype ({dtype})"
     if model_dtype in _IR_DTYPES.values():
-        if kv_cache_dtype is not None and _IR_DTYPES.get(kv_cache_dtype) != model_dtype:
+        if kv_cache_dtype != "auto" and _IR_DTYPES.get(kv_cache_dtype) != model_dtype:
             raise ConversionError(f"kv_cache_dtype {kv_cache_dtype!r} differs from the model's {model_dtype.name}")
-        return model_dtype
-    if kv_cache_dtype is None:
-        return ir.DataType.FLOAT16
+        return model_dtype, f"the model's activation dtype ({_DTYPE_NAMES[model_dtype]})"
+    if kv_cache_dtype == "auto":
+        return ir.DataType.FLOAT16, (
+            "the model computes in float32, which PagedAttention cannot (its T is float16 or bfloat16): float16, "
+            "the more precise of the two; the attention's inputs are cast to it and its output back to float32"
+        )
     if kv_cache_dtype not in _IR_DTYPES:
-        raise ConversionError(f"kv_cache_dtype must be None, 'float16', 'bfloat16' or 'int8', got {kv_cache_dtype!r}")
-    return _IR_DTYPES[kv_cache_dtype]
+        raise ConversionError(f"kv_cache_dtype must be 'auto', 'float16', 'bfloat16' or 'int8', got {kv_cache_dtype!r}")
+    return _IR_DTYPES[kv_cache_dtype], "the cache dtype asked, for a float32 model"
 
 
 def _check_layers(results: list[MlaLayer | LayerFailure]) -> list[MlaLayer]:
@@ -109,7 +115,7 @@ def _convert_separate(
     irm: ir.Model,
     results: list[AttentionLayer | LayerFailure],
     o: RewriteOptions,
-    kv_cache_dtype: str | None,
+    kv_cache_dtype: str,
     kv_plan: kv_quant.KVQuantPlan | None,
     progress: Progress | None,
     spill: Spill | None,
@@ -124,7 +130,8 @@ def _convert_separate(
         )
     layers = [r for r in results if isinstance(r, AttentionLayer)]
     graph = irm.graph
-    op_dtype = _op_dtype(layers[0].query.dtype or ir.DataType.FLOAT, o.dtype, kv_cache_dtype)
+    op_dtype, why = _op_dtype(layers[0].query.dtype or ir.DataType.FLOAT, o.dtype, kv_cache_dtype)
+    _record_cache_dtype(irm, op_dtype, why, o.kv_cache_dtype)
     cos = sin = None
     if o.rope_in_op:
         problems = [
@@ -233,7 +240,7 @@ def rewrite(
     )
     kv_cache_dtype = o.kv_cache_dtype
     if kv_plan is not None:
-        kv_cache_dtype = None  # the op's T follows dtype / the model as for a float cache; the cache is int8
+        kv_cache_dtype = "auto"  # the op's T follows dtype / the model as for a float cache; the cache is int8
     _refuse_paged(irm, source)
     if kv_plan is not None:  # calibration runs the dense model, so keep it before the rewrite changes irm
         kv_plan.dense = model_store.inline_copy(irm)
@@ -264,7 +271,8 @@ def rewrite(
         return irm
     layers = _check_layers(mla_results)
     model_dtype = layers[0].q_nope.dtype or ir.DataType.FLOAT
-    op_dtype = _op_dtype(model_dtype, o.dtype, kv_cache_dtype)
+    op_dtype, why = _op_dtype(model_dtype, o.dtype, kv_cache_dtype)
+    _record_cache_dtype(irm, op_dtype, why, o.kv_cache_dtype)
 
     cos = sin = None
     if o.rope_in_op:
@@ -318,6 +326,18 @@ def rewrite(
     )
     _finish(irm, io, "paged-attention-latent", o, kv_plan, progress)
     return irm
+
+
+def _record_cache_dtype(irm: ir.Model, op_dtype: ir.DataType, why: str, asked: str) -> None:
+    """The KV cache's element type and why it is that (``ortpa.kv_cache_dtype``, ``..._reason``), so a user and
+    the runtime read it from the model rather than guess it from the graph."""
+    name = _DTYPE_NAMES[op_dtype]
+    if asked == "int8":
+        irm.metadata_props["ortpa.kv_cache_dtype"] = "int8"
+        irm.metadata_props["ortpa.kv_cache_dtype_reason"] = f"asked (int8, static scales); the op computes in {name}"
+        return
+    irm.metadata_props["ortpa.kv_cache_dtype"] = name
+    irm.metadata_props["ortpa.kv_cache_dtype_reason"] = f"auto: {why}" if asked == "auto" else f"asked ({asked})"
 
 
 def _refuse_paged(irm: ir.Model, model) -> None:

@@ -7,8 +7,10 @@ reached its last token, and retires finished requests.
 
 The model is driven through the converted-model interface (docs/converted_model.md): ``input_ids``,
 ``cumulative_sequence_lengths``, ``past_sequence_lengths``, ``block_table``, and, when the graph declares
-them, ``attention_metadata`` and ``position_ids``. ``logits`` may have one row per sequence (ortpa's default)
-or one per packed token (onnxruntime-genai's); the engine tells them apart at run time by the row count.
+them, ``attention_metadata``, ``position_ids`` and ``logits_indices``. ``logits`` has one row per sequence
+(ortpa's default), plus every position of a chunk whose prompt is scored where the model takes ``logits_indices``
+(:mod:`ortpa.runtime.prompt_scoring`), or one per packed token (``--logits all``, onnxruntime-genai's; a model
+without ortpa's metadata is told apart at run time by the row count).
 Reading that interface from the graph lives in :mod:`ortpa.runtime.model_io`, the one-driver-thread guard in
 :mod:`ortpa.runtime.driver`.
 
@@ -31,13 +33,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
+from ortpa.errors import ConcurrentUse, OrtpaError
 from ortpa.model.file import LoadedModel
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
 from ortpa.runtime.prefix_cache import PrefixCache
-from ortpa.runtime.prompt_scoring import score_prompts
+from ortpa.runtime.prompt_scoring import RowsMode, score_prompts, step_rows
 from ortpa.runtime.sampling import RowContext, Sampler, SamplingParams, TokenLogprobs, sample_rows
 from ortpa.runtime.scheduler import (
     InvalidRequest,
@@ -162,9 +164,10 @@ class Engine:
             mixed_steps=mixed_steps,
             max_model_len=rotary_table_rows(proto),
         )
-        # one logits row per packed token ("all"): a scored prompt's rows come with any chunk; otherwise a scored
-        # prompt runs one token per chunk, so that each of its tokens is some chunk's last
-        self._all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
+        # one logits row per packed token ("all"), or the rows a step names ("indices"): a scored prompt's rows come
+        # with any chunk; otherwise ("last") a scored prompt runs one token per chunk, each token some chunk's last
+        all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
+        self._rows_mode: RowsMode = "all" if all_rows else "indices" if self.io.logits_indices else "last"
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generated_tokens = 0
@@ -219,10 +222,16 @@ class Engine:
         feeds = inputs.model_feeds(
             ids, attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids
         )
+        asked = step_rows(plan.chunks, self._rows_mode)
+        if asked.indices is not None:  # an input with a default: ONNX Runtime binds those as OrtValues only
+            feeds["logits_indices"] = ort.OrtValue.ortvalue_from_numpy(asked.indices)
         logits = self.session.run(feeds, ["logits"])["logits"]
-        rows = self._rows_per_sequence(logits, len(plan.chunks), len(ids), inputs.last_token_indices)
+        if asked.indices is None and logits.ndim == 2 and logits.shape[0] == len(ids) != asked.total:
+            asked = step_rows(plan.chunks, "all")  # a model without ortpa's metadata giving every token's row
+        asked.check(logits)
+        rows = logits[asked.last]
         if any(c.request.prompt_scores is not None for c in plan.chunks):
-            score_prompts(plan.chunks, logits, rows)
+            score_prompts(plan.chunks, logits, asked)
         self.scheduler.commit(plan.chunks)
 
         # one batched choice for every chunk that reached its request's last token (and has tokens to generate)
@@ -349,7 +358,7 @@ class Engine:
         request = Request(rid, tokens, len(tokens), Sampler(sampling))
         if sampling.prompt_logprobs is not None:
             request.prompt_scores = [None] * len(tokens)
-            request.max_chunk = 0 if self._all_rows else 1
+            request.max_chunk = 0 if self._rows_mode != "last" else 1
         return request
 
     def _add_all(
@@ -383,16 +392,3 @@ class Engine:
                         pending.discard(out.request_id)
             with self._lock:  # aborted meanwhile (from another thread): nothing more will come for it
                 pending = {i for i in pending if i in self.scheduler.requests}
-
-    @staticmethod
-    def _rows_per_sequence(logits: np.ndarray, batch: int, tokens: int, last: np.ndarray) -> np.ndarray:
-        """One logits row per scheduled sequence, whichever logits mode the model was converted with."""
-        if logits.ndim != 2:
-            raise InvalidModel("logits", f"expected a 2-D output [rows, vocab], found shape {logits.shape}")
-        if logits.shape[0] == batch:  # one row per sequence (also the per-token case when every chunk is 1)
-            return logits
-        if logits.shape[0] == tokens:
-            return logits[last]
-        raise InvalidModel(
-            "logits", f"expected {batch} rows (one per sequence) or {tokens} (one per token), found {logits.shape[0]}"
-        )

@@ -1,7 +1,8 @@
 """The converted-model interface as the engine reads it from a paged model (docs/converted_model.md).
 
 Inputs ``input_ids``, ``cumulative_sequence_lengths``, ``past_sequence_lengths``, ``block_table`` (required)
-and ``attention_metadata``, ``position_ids`` (optional) besides the KV caches, a ``logits`` output
+and ``attention_metadata``, ``position_ids``, ``logits_indices`` (optional; the last with an empty default: the
+packed tokens whose logits a step computes) besides the KV caches, a ``logits`` output
 (:func:`model_io`); the bytes one block id costs over every cache input (:func:`cache_bytes_per_block`, which
 sizes the pool from a byte budget); and the positions the in-op RoPE tables hold (:func:`rotary_table_rows`,
 which bounds a request's length).
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 REQUIRED_INPUTS = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
-OPTIONAL_INPUTS = ("attention_metadata", "position_ids")
+OPTIONAL_INPUTS = ("attention_metadata", "position_ids", "logits_indices")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class ModelIO:
     attention_metadata: bool
     position_ids: bool
     vocab: int | None
+    logits_indices: bool = False  # rows at the positions a step asks for (one pass over a scored prompt)
 
 
 def model_io(model: onnx.ModelProto, cache_inputs: set[str]) -> ModelIO:
@@ -60,7 +62,7 @@ def model_io(model: onnx.ModelProto, cache_inputs: set[str]) -> ModelIO:
         raise InvalidModel(where, f"expected a graph output 'logits'; found {[o.name for o in model.graph.output]}")
     dims = logits.type.tensor_type.shape.dim
     vocab = dims[-1].dim_value if len(dims) == 2 and dims[-1].HasField("dim_value") else None
-    return ModelIO("attention_metadata" in inputs, "position_ids" in inputs, vocab)
+    return ModelIO("attention_metadata" in inputs, "position_ids" in inputs, vocab, "logits_indices" in inputs)
 
 
 def cache_bytes_per_block(model: onnx.ModelProto, cache_inputs: set[str], block_size: int) -> int:

@@ -7,7 +7,8 @@ The graph is what :func:`ortpa.convert` produces for a small MHA/GQA decoder, bu
     per layer i:  q, k, v = x @ Wq, x @ Wk, x @ Wv ──Cast fp16──► com.microsoft::PagedAttention (SEPARATE,
                   RoPE in-op) with past_key_values.{i}.key/.value ──► present.{i}.key/.value (aliased)
                   x = x + Cast_fp32(attn) @ Wo
-    logits = x[last token of each sequence] @ W_lm  [B, vocab]        (or every token, [T, vocab])
+    logits = x[last token of each sequence] @ W_lm  [B, vocab]        (or every token, [T, vocab]; or the rows
+                                                                      an optional `logits_indices` input names)
 
 Weights are float32 and seeded; activations are cast to float16 at the attention boundary because the op's
 ``T`` is float16/bfloat16 only. :func:`toy_lm_reference` recomputes the same model densely in NumPy (no
@@ -36,7 +37,8 @@ class ToyLMConfig:
     kv_heads: int = 2  # GQA: 2 query heads per KV head
     num_layers: int = 2
     max_positions: int = 1024  # rows of the RoPE cos/sin tables: the longest sequence the model can run
-    logits: Literal["last", "all"] = "last"  # one row per sequence, or one per packed token
+    # one row per sequence, one per packed token, or "indices": the rows `logits_indices` names (default: "last")
+    logits: Literal["last", "all", "indices"] = "last"
     position_ids: bool = False  # add a learned position embedding fed by an optional `position_ids` input
     attention_metadata: bool = True  # declare the optional `attention_metadata` input
     seed: int = 0
@@ -181,6 +183,33 @@ def build_toy_lm(config: ToyLMConfig | None = None, weights: ToyLMWeights | None
             numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "big_i64"),
         ]
         logits_dims = ["batch_size", config.vocab]
+    elif config.logits == "indices":
+        # the converter's form (ortpa.rewriter.paged_io): logits_indices when fed, else each sequence's last token
+        inputs.append(helper.make_tensor_value_info("logits_indices", i64, ["num_logits"]))
+        nodes += [
+            helper.make_node("Slice", ["cumulative_sequence_lengths", "one_i64", "big_i64"], ["ends"], name="ends"),
+            helper.make_node("Cast", ["ends"], ["ends_i64"], to=i64, name="ends_i64"),
+            helper.make_node("Sub", ["ends_i64", "one_i64"], ["last_idx"], name="last_idx"),
+            helper.make_node("Size", ["logits_indices"], ["n_asked"], name="n_asked"),
+            helper.make_node("Equal", ["n_asked", "zero_i64"], ["none_asked"], name="none_asked"),
+            helper.make_node("Cast", ["none_asked"], ["none_i64"], to=i64, name="none_i64"),
+            helper.make_node("Size", ["last_idx"], ["n_last"], name="n_last"),
+            helper.make_node("Mul", ["none_i64", "n_last"], ["n_default"], name="n_default"),
+            helper.make_node("Add", ["n_asked", "n_default"], ["n_rows"], name="n_rows"),
+            helper.make_node("Reshape", ["n_rows", "one_i64"], ["end_rows"], name="end_rows"),
+            helper.make_node("Concat", ["logits_indices", "last_idx"], ["both_rows"], axis=0, name="both_rows"),
+            helper.make_node("Slice", ["both_rows", "zero_1d", "end_rows", "zero_1d"], ["rows"], name="rows"),
+            helper.make_node("Gather", [x, "rows"], ["hidden_rows"], name="gather_rows"),
+            helper.make_node("MatMul", ["hidden_rows", "lm_head"], ["logits"], name="lm_head"),
+        ]
+        inits += [
+            numpy_helper.from_array(np.zeros(0, np.int64), "logits_indices"),  # the default: nothing asked
+            numpy_helper.from_array(np.array([1], np.int64), "one_i64"),
+            numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "big_i64"),
+            numpy_helper.from_array(np.array(0, np.int64), "zero_i64"),
+            numpy_helper.from_array(np.array([0], np.int64), "zero_1d"),
+        ]
+        logits_dims = ["num_logits", config.vocab]
     elif config.logits == "all":
         nodes.append(helper.make_node("MatMul", [x, "lm_head"], ["logits"], name="lm_head"))
         logits_dims = ["num_tokens", config.vocab]

@@ -60,7 +60,9 @@ def test_interface_and_attributes():
         "past_key_values.0.value",
         "past_key_values.1.key",
         "past_key_values.1.value",
+        "logits_indices",  # optional: its default (an initializer) asks for each sequence's last row
     ]
+    assert "logits_indices" in {i.name for i in converted.graph.initializer}
     assert [o.name for o in converted.graph.output] == [
         "logits",
         "present.0.key",

@@ -84,6 +84,7 @@ def test_node_attributes_and_interface():
         "attention_metadata",
         "past_key_values.0.key",
         "past_key_values.1.key",
+        "logits_indices",  # optional, with a default
     ]
     assert [o.name for o in converted.graph.output] == ["logits", "present.0.key", "present.1.key"]
     assert nodes[0].input[3] == "past_key_values.0.key"

@@ -21,7 +21,7 @@ from support.parity import paged_nodes, run_parity
 from ortpa.conversion import convert_file
 from ortpa.errors import UnsupportedModel
 from ortpa.rewriter.pipeline import convert
-from ortpa.rewriter.recognisers.decomposed_core import positional_bias
+from ortpa.rewriter.recognisers.position_bias import positional_bias
 
 FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
 

@@ -158,14 +158,15 @@ def test_max_new_tokens_zero_only_scores_a_prompt():
 def _engine(logits_mode: str, **kw) -> Engine:
     cfg = ToyLMConfig(logits=logits_mode)
     model = build_toy_lm(cfg, WEIGHTS)
-    onnx.helper.set_model_props(model, {"ortpa.logits": logits_mode})
+    # "indices" is a converted default ("last") model that also takes logits_indices
+    onnx.helper.set_model_props(model, {"ortpa.logits": "all" if logits_mode == "all" else "last"})
     return Engine(model, num_blocks=64, block_size=4, providers=CPU, max_num_batched_tokens=16, **kw)
 
 
 PROMPTS = [[5, 9, 3], [int(t) for t in np.random.default_rng(3).integers(0, CFG.vocab, 37)], [7, 1]]  # 37 > budget
 
 
-@pytest.mark.parametrize("logits_mode", ["last", "all"])
+@pytest.mark.parametrize("logits_mode", ["last", "all", "indices"])
 def test_prompt_logprobs_equal_the_dense_model_batched_with_generation(logits_mode):
     engine = _engine(logits_mode)
     # the third request generates alongside the two scored ones; the scored prompts share a cached prefix

@@ -29,8 +29,9 @@ from ortpa.rewriter.recognisers._match import (
     need,
     reaches,
 )
-from ortpa.rewriter.recognisers.decomposed_core import attention_core, positional_bias, sliding_window
+from ortpa.rewriter.recognisers.decomposed_core import attention_core, sliding_window
 from ortpa.rewriter.recognisers.decomposed_qk import before_transpose_norm, rope_input
+from ortpa.rewriter.recognisers.position_bias import layer_score_bias, positional_bias
 
 __all__ = [
     "match_attention_layer",
@@ -96,8 +97,21 @@ def match_attention_layer(graph: ir.Graph, layer: int) -> AttentionLayer | Layer
     return match_or_failure(_match, graph, layer)
 
 
+def _alibi(layer: int, detail: str) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"layer {layer}",
+        f"its scores get a per-head positional bias (ALiBi: {detail}); PagedAttention takes no bias on the scores, "
+        "so ALiBi models are not converted",
+    )
+
+
 def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     past_k, past_v = cache_inputs(graph, i)
+    if past_v.consumers():  # a position bias is said first, whatever else the layer's form would be refused for
+        present = next((n.outputs[0] for n in past_v.consumers() if n.op_type == "Concat"), None)
+        found = layer_score_bias(present) if present is not None else None
+        if found is not None:
+            raise _alibi(i, found)
     need(
         past_k.shape is not None and len(past_k.shape) == 4,
         f"key cache is not [batch, heads, past, head]: {past_k.shape}",
@@ -138,11 +152,7 @@ def _match(graph: ir.Graph, i: int) -> AttentionLayer:
     window = sliding_window(core.masks)
     alibi = positional_bias(core.masks, h)
     if alibi is not None:
-        raise UnsupportedModel(
-            f"layer {i}",
-            f"its scores get a per-head positional bias (ALiBi: node {alibi.name!r} scales positions by per-head "
-            "slopes); PagedAttention takes no bias on the scores, so ALiBi models are not converted",
-        )
+        raise _alibi(i, f"node {alibi.name!r} scales positions by per-head slopes")
 
     scale = core.scale if core.scale is not None else 1.0 / math.sqrt(d)
     m = AttentionLayer(

@@ -18,7 +18,7 @@ from ortpa.rewriter._fold import folded_scalar
 from ortpa.rewriter._graph import const_array, consumers, int_attr, producer_op, scalar, static_dim
 from ortpa.rewriter.recognisers._match import MatchFail, consumer_ops, need, softmax_of, strip_scales
 
-__all__ = ["AttentionCore", "attention_core", "past_row_zeroing", "positional_bias", "sliding_window"]
+__all__ = ["AttentionCore", "attention_core", "past_row_zeroing", "sliding_window"]
 
 _MAX_MASK_NODES = 400  # the mask subgraph of a tiny or a 70B model is the same few dozen nodes
 
@@ -245,44 +245,3 @@ def sliding_window(masks: list[ir.Value]) -> int:
         len(windows) <= 1, f"the attention mask encodes several windows {sorted(windows)}", masks[0] if masks else None
     )
     return windows.pop() if windows else -1
-
-
-# ops a position passes through on its way to being scaled (arithmetic and layout, never a comparison)
-_POSITION_PATH = frozenset(
-    {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Slice", "Transpose", "Sub", "Add", "Mul", "Neg", "Identity"}
-)
-
-
-def _positions(value: ir.Value, depth: int = 8) -> bool:
-    """Whether ``value`` is positions: computed from a ``CumSum`` (of the attention mask) or a ``Range`` through
-    arithmetic and layout only (a mask compares positions; its booleans are not positions)."""
-    frontier = [value]
-    for _ in range(depth):
-        nodes = [v.producer() for v in frontier]
-        if any(n is not None and n.op_type in ("CumSum", "Range") for n in nodes):
-            return True
-        frontier = [
-            v for n in nodes if n is not None and n.op_type in _POSITION_PATH for v in n.inputs if v is not None
-        ]
-    return False
-
-
-def positional_bias(masks: list[ir.Value], heads: int) -> ir.Node | None:
-    """The node that scales positions by per-head slopes in what is added to the scores (ALiBi: falcon-rw, BLOOM,
-    MPT), or None.
-
-    A causal or sliding mask is 0 or a large negative everywhere: comparisons of positions, selected between
-    scalars. ALiBi adds ``slope_h * position`` instead: on the values' path, a constant of ``heads`` slopes (at
-    most one axis longer than 1) multiplying positions computed at run time (:func:`_positions`). PagedAttention
-    takes no additive bias on the scores, so such a layer cannot be converted; it is refused by name rather than
-    converted without the bias (a wrong model)."""
-    for node in _ancestors(masks):
-        if node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
-            continue
-        for operand, other in (node.inputs, reversed(node.inputs)):
-            arr = const_array(operand)
-            if arr is None or other is None or const_array(other) is not None:
-                continue
-            if arr.dtype.kind == "f" and arr.size == heads and sum(n > 1 for n in arr.shape) <= 1 and _positions(other):
-                return node
-    return None

@@ -164,7 +164,7 @@ def _full_cache(cache_class, config):
 
 
 def _cache_shapes(
-    model, batch: int, past: int, experts: str | None = None, *, fake: bool = False
+    model, batch: int, past: int, *, fake: bool = False
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Per layer (key shape, value shape) of the cache, found by running one token through the model.
 
@@ -179,7 +179,8 @@ def _cache_shapes(
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with torch.no_grad(), export_patches(model, experts), FakeTensorMode(allow_non_fake_inputs=True):
+        # the cache's shapes do not depend on how MoE experts compute; batched_mm has fake kernels in every dtype
+        with torch.no_grad(), export_patches(model, "batched_mm"), FakeTensorMode(allow_non_fake_inputs=True):
             ids = torch.zeros((batch, 1), dtype=torch.long)
             out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
             return _shapes_of(out, batch, past)
@@ -449,7 +450,7 @@ def _trace(
     model_dtype = next(model.parameters()).dtype
     n_layers = model.config.num_hidden_layers
     batch, seq, past = 2, 3, 4  # distinct sizes, all > 1, so that no dimension is specialised away
-    shapes = _cache_shapes(model, batch, past, experts, fake=placeholders is not None)
+    shapes = _cache_shapes(model, batch, past, fake=placeholders is not None)
 
     class _Wrapper(torch.nn.Module):
         """Flat past tensors in, flat present tensors out: no pytree registration of Cache classes needed."""

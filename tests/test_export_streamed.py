@@ -65,7 +65,7 @@ def _streamed_equals_whole(folder: Path, tmp_path: Path, reference_folder: Path 
     export_hf(whole_model, whole)
     new, old = _outputs(streamed), _outputs(whole)
     assert len(new) == len(old)
-    for a, b in zip(new, old):
+    for a, b in zip(new, old, strict=True):
         np.testing.assert_array_equal(a, b)
     return lines
 

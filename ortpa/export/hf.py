@@ -163,9 +163,7 @@ def _full_cache(cache_class, config):
     return cache_class() if _has_sliding_layers(config) else cache_class(config=config)
 
 
-def _cache_shapes(
-    model, batch: int, past: int, *, fake: bool = False
-) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _cache_shapes(model, batch: int, past: int, *, fake: bool = False) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Per layer (key shape, value shape) of the cache, found by running one token through the model.
 
     ``fake``: the weights are placeholders (a checkpoint's skeleton), so the forward runs in fake tensors (shapes
@@ -322,7 +320,11 @@ def _export(
         else:
             say(f"loading config from {config_or_model_dir}")
             model = build_model(
-                config_or_model_dir, random_weights=True, seed=seed, attn_implementation=attn_implementation, dtype=dtype
+                config_or_model_dir,
+                random_weights=True,
+                seed=seed,
+                attn_implementation=attn_implementation,
+                dtype=dtype,
             )
     except InvalidModel:
         raise
@@ -343,8 +345,16 @@ def _export(
     else:
         assert folder is not None
         external_data = _stream_weights(
-            traced.program.model, folder, out_path, placeholders, chosen, stored, attn_implementation,
-            external_data, say, written,
+            traced.program.model,
+            folder,
+            out_path,
+            placeholders,
+            chosen,
+            stored,
+            attn_implementation,
+            external_data,
+            say,
+            written,
         )
     cfg = model.config
     return ExportInfo(
@@ -434,9 +444,7 @@ class _Traced:
         self.applied = applied
 
 
-def _trace(
-    model, label: str, opset: int, optimize: bool, experts: str | None, seed: int, say, placeholders
-) -> _Traced:
+def _trace(model, label: str, opset: int, optimize: bool, experts: str | None, seed: int, say, placeholders) -> _Traced:
     """``model`` traced by ``torch.onnx.export`` (dynamo) with flat past/present tensors and symbolic dims.
 
     With ``placeholders`` (a checkpoint's skeleton) nothing reads a weight: the cache shapes come from a forward

@@ -265,7 +265,9 @@ def destinations(irm: Any, placeholders: Placeholders, data_path: Path) -> Strea
         name = placeholders.name_of(raw)
         if name is None:
             if value.const_value.nbytes >= _MIN_EXTERNAL_BYTES:
-                plan.computed.append((value, plan.place(value.name, value.dtype, value.shape, value.const_value.nbytes)))
+                plan.computed.append(
+                    (value, plan.place(value.name, value.dtype, value.shape, value.const_value.nbytes))
+                )
             continue
         consumers = value.consumers()
         transposes = [

@@ -229,7 +229,10 @@ def export_hf(
     random weights: its constant folding stores a transposed copy of every Linear weight next to the model's own
     (two copies in memory), while unoptimised the initializers are the parameters themselves, under their names
     (``ortpa.convert`` optimises the graph on load anyway). ``external_data``: weights in ``<out>.data`` (default: past
-    :data:`EXTERNAL_DATA_THRESHOLD`). Raises :class:`ortpa.export.errors.ExportError` when torch.onnx fails.
+    :data:`EXTERNAL_DATA_THRESHOLD`; a checkpoint's are always streamed there, and ``False`` reads them back into
+    one inline file). ``config_or_model_dir`` may also be a ``torch.nn.Module``: traced with its weights, as they
+    are in memory. ``written(done, total)``: the bytes of weights streamed so far. Raises
+    :class:`ortpa.export.errors.ExportError` when torch.onnx fails.
     ``progress`` receives one line per stage; torch's and transformers' warnings and bars show only with
     ``verbose``.
     """

@@ -54,15 +54,19 @@ def _outputs(path: Path, seed: int = 0) -> list[np.ndarray]:
     return session.run(None, feeds)
 
 
-def _streamed_equals_whole(folder: Path, tmp_path: Path, reference_folder: Path | None = None) -> list[str]:
+def _streamed_equals_whole(
+    folder: Path, tmp_path: Path, reference_folder: Path | None = None, attn_implementation: str = "sdpa"
+) -> list[str]:
     """Export ``folder`` streamed and (from ``reference_folder``, default the same) loaded whole; assert equal
     outputs; return the streamed export's progress lines."""
     lines: list[str] = []
     streamed = tmp_path / "streamed" / "model.onnx"
-    export_hf(folder, streamed, random_weights=False, progress=lines.append)
-    whole_model = build_model(reference_folder or folder, random_weights=False, dtype="float16")
+    export_hf(folder, streamed, random_weights=False, progress=lines.append, attn_implementation=attn_implementation)
+    whole_model = build_model(
+        reference_folder or folder, random_weights=False, dtype="float16", attn_implementation=attn_implementation
+    )
     whole = tmp_path / "whole" / "model.onnx"
-    export_hf(whole_model, whole)
+    export_hf(whole_model, whole, attn_implementation=attn_implementation)
     new, old = _outputs(streamed), _outputs(whole)
     assert len(new) == len(old)
     for a, b in zip(new, old, strict=True):
@@ -104,8 +108,9 @@ def test_streamed_export_of_tied_llama_equals_the_whole_export(tmp_path):
 def test_streamed_export_equals_the_whole_export(name, tmp_path):
     info = json.loads((FIXTURES / f"{name}.json").read_text())
     folder = tmp_path / "ckpt"
-    save_checkpoint(build_model(info["config"], seed=5), folder, torch.bfloat16)
-    _streamed_equals_whole(folder, tmp_path)
+    attn = info.get("attn_implementation", "sdpa")
+    save_checkpoint(build_model(info["config"], seed=5, attn_implementation=attn), folder, torch.bfloat16)
+    _streamed_equals_whole(folder, tmp_path, attn_implementation=attn)
 
 
 def test_streamed_export_of_an_fp8_moe_checkpoint_equals_the_whole_export(tmp_path):

@@ -178,7 +178,12 @@ def _cache_shapes(model, batch: int, past: int, *, fake: bool = False) -> list[t
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         # the cache's shapes do not depend on how MoE experts compute; batched_mm has fake kernels in every dtype
-        with torch.no_grad(), export_patches(model, "batched_mm"), FakeTensorMode(allow_non_fake_inputs=True):
+        with (
+            _module_state_kept(model),
+            torch.no_grad(),
+            export_patches(model, "batched_mm"),
+            FakeTensorMode(allow_non_fake_inputs=True),
+        ):
             ids = torch.zeros((batch, 1), dtype=torch.long)
             out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
             return _shapes_of(out, batch, past)
@@ -194,6 +199,29 @@ def _cache_shapes(model, batch: int, past: int, *, fake: bool = False) -> list[t
             f"a one-token forward in {model.dtype} gives non-finite logits (activations overflow it?); {WIDER}",
         )
     return _shapes_of(out, batch, past)
+
+
+@contextlib.contextmanager
+def _module_state_kept(model) -> Iterator[None]:
+    """Modules' buffers and tensor attributes as they were before the block: a forward may cache tensors on its
+    modules (LongRoPE's ``long_inv_freq``, a dynamic RoPE's ``inv_freq``), which in fake tensors would reach the
+    trace as initializers without data."""
+    import torch
+
+    saved = []
+    for module in model.modules():
+        attrs = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+        saved.append((module, dict(module._buffers), attrs))
+    try:
+        yield
+    finally:
+        for module, buffers, attrs in saved:
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in attrs]:
+                delattr(module, key)
+            for key, value in attrs.items():
+                object.__setattr__(module, key, value)
 
 
 def _shapes_of(out, batch: int, past: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -83,11 +83,16 @@ def _largest_exported(config: dict) -> int:
     return max(p.numel() * 2 for p in model.parameters())
 
 
-def run(quick: bool = False, sizes: tuple[float, ...] | None = None) -> list[dict]:
+def run(
+    quick: bool = False,
+    sizes: tuple[float, ...] | None = None,
+    families: tuple[str, ...] | None = None,
+    stored: tuple[str, ...] = ("bf16", "fp8"),
+) -> list[dict]:
     rows: list[dict] = []
     for gigabytes in sizes or (_SIZES_GB[:1] if quick else _SIZES_GB):
-        for family in CONFIGS:
-            for fp8 in (False, True):
+        for family in families or tuple(CONFIGS):
+            for fp8 in [kind == "fp8" for kind in stored]:
                 root = Path(tempfile.mkdtemp(prefix="ortpa-bench-checkpoint-"))
                 try:
                     rows += measure(family, fp8, gigabytes, root)
@@ -99,8 +104,9 @@ def run(quick: bool = False, sizes: tuple[float, ...] | None = None) -> list[dic
 if __name__ == "__main__":
     from ortpa.bench import format_table
 
-    wanted = tuple(float(a.removesuffix("GB")) for a in sys.argv[1:] if a.endswith("GB"))
-    families = [a for a in sys.argv[1:] if a in CONFIGS]
-    if families:
-        CONFIGS = {k: v for k, v in CONFIGS.items() if k in families}
-    print(format_table(run(quick="--quick" in sys.argv[1:], sizes=wanted or None)))
+    # python -m ortpa.bench.checkpoint_export [0.5GB 2GB] [llama dsv3-moe] [bf16 fp8] [--quick]
+    args = sys.argv[1:]
+    wanted = tuple(float(a.removesuffix("GB")) for a in args if a.endswith("GB"))
+    families = tuple(a for a in args if a in CONFIGS) or None
+    stored = tuple(a for a in args if a in ("bf16", "fp8")) or ("bf16", "fp8")
+    print(format_table(run(quick="--quick" in args, sizes=wanted or None, families=families, stored=stored)))

@@ -59,10 +59,14 @@ def measure(family: str, fp8: bool, gigabytes: float, root: Path) -> list[dict]:
         "import sys, time; from ortpa.cli import main; t0 = time.perf_counter(); "
         "rc = main(['convert', sys.argv[1], sys.argv[2], '--quiet']); print(time.perf_counter() - t0); sys.exit(rc)"
     )
-    seconds, peak, out = _peak_anon([sys.executable, "-c", child, str(folder), str(root / "out" / "model.onnx")], 7200)
-    seconds = float(out.splitlines()[-1]) if out else seconds
     name = f"checkpoint/{family}-{'fp8' if fp8 else 'bf16'}/{gigabytes:g}GB"
     note = f"{config['num_hidden_layers']} layers, {size / 1e9:.2f} GB on disk"
+    cmd = [sys.executable, "-c", child, str(folder), str(root / "out" / "model.onnx")]
+    try:
+        seconds, peak, out = _peak_anon(cmd, 7200)
+    except RuntimeError as exc:  # a refused conversion (e.g. verification): said in the table, the others still run
+        return [_row(name, "failed", 1, "", f"{note}: {str(exc).splitlines()[-1][-300:]}")]
+    seconds = float(out.splitlines()[-1]) if out else seconds
     target = largest / _MB + 1500
     return [
         _row(name, "peak_rss_anon", peak, "MB", f"{note}; target <= {target:.0f} MB (largest tensor + 1.5 GB)"),

@@ -106,12 +106,14 @@ def test_convert_hf_folder_then_generate_text(tmp_path, capsys):
     assert err.index("exporting") < err.index("absorbing layer 0") and "torch.float16" in err, err
     assert "stored bfloat16, exporting in float16" in err, err
     assert (out.parent / "tokenizer.json").is_file()
-    # the output folder holds the deployment only: the dense export went to a temporary folder, now removed
+    # the output folder holds the deployment only: the dense export went to a temporary folder, now removed; its
+    # weights were streamed into external data, which the converted model keeps
     assert sorted(p.name for p in out.parent.iterdir()) == [
         "config.json",
         "genai_config.json",
         "generation_config.json",
         "paged.onnx",
+        "paged.onnx.data",
         "tokenizer.json",
     ], sorted(p.name for p in out.parent.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]

@@ -13,6 +13,7 @@ and the weights' progress one line per 10 %.
 from __future__ import annotations
 
 import sys
+import time
 from typing import TextIO
 
 from tqdm import tqdm
@@ -36,11 +37,13 @@ class ConvertProgress:
         self._bar: tqdm | None = None
         self._bar_kind = ""
         self._last_tenth = -1
+        self._bytes_stage: Stage | None = None
+        self._bytes_started = time.monotonic()
 
     # -- what the conversion calls ------------------------------------------------------------------
     def __call__(self, event: ProgressEvent) -> None:
         if isinstance(event, BytesWritten):
-            self._bytes(event.done, event.total)
+            self._bytes(event.done, event.total, event.stage)
             return
         message = str(event)
         self.stage = message
@@ -58,7 +61,11 @@ class ConvertProgress:
         if isinstance(event, StageStarted) and event.stage is Stage.DONE:
             self.close()
 
-    def _bytes(self, done: int, total: int) -> None:
+    def _bytes(self, done: int, total: int, stage: Stage) -> None:
+        if stage is not self._bytes_stage or total != self.total_bytes:  # a new count: the export's, then the write's
+            self._bytes_stage, self._bytes_started, self._last_tenth = stage, time.monotonic(), -1
+            if self._bar_kind == "bytes":
+                self.close()
         self.done_bytes, self.total_bytes = done, total
         if self.tty:
             bar = self._bar if self._bar_kind == "bytes" else self._open("bytes", total, "B", scale=True)
@@ -67,7 +74,12 @@ class ConvertProgress:
         tenth = 10 * done // max(total, 1)
         if tenth != self._last_tenth:
             self._last_tenth = tenth
-            print(f"  written {done / 1e9:.2f}/{total / 1e9:.2f} GB ({10 * tenth}%)", file=self.stream, flush=True)
+            line = f"  written {done / 1e9:.2f}/{total / 1e9:.2f} GB ({10 * tenth}%)"
+            elapsed = time.monotonic() - self._bytes_started
+            if 0 < done < total and elapsed > 0:
+                rate = done / elapsed
+                line += f", {rate / 1e6:.0f} MB/s, ETA {_clock((total - done) / rate)}"
+            print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -93,3 +105,10 @@ class ConvertProgress:
         if self.stage:
             self._bar.set_description_str(self.stage, refresh=True)
         return self._bar
+
+
+def _clock(seconds: float) -> str:
+    """``h:mm:ss`` (or ``m:ss``), as tqdm shows an ETA."""
+    minutes, secs = divmod(int(seconds + 0.5), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -35,7 +35,7 @@ from ortpa.errors import ConversionError, OrtpaError, Unavailable
 from ortpa.extras import require_extra
 from ortpa.model.position_bias import refuse_position_bias
 from ortpa.model.ref import ModelRef, NoOnnxFile, companion_files, copy_companion_files, locate_model
-from ortpa.progress import Progress, Stage, report, reporter
+from ortpa.progress import BytesWritten, Progress, Stage, report, reporter
 from ortpa.rewriter import model_store, pipeline
 
 if TYPE_CHECKING:
@@ -191,6 +191,7 @@ def export_dense(
         external_data=o.external_data,
         progress=reporter(progress, Stage.EXPORT),
         verbose=o.verbose,
+        written=None if progress is None else lambda done, total: progress(BytesWritten(done, total, Stage.EXPORT)),
     )
 
 

@@ -31,11 +31,11 @@ from typing import Any
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["Fp8Spec", "dequantize_blocks", "dequantized_copy", "fp8_spec"]
+__all__ = ["DROPPED_SUFFIXES", "SCALE_SUFFIX", "Fp8Spec", "dequantize_blocks", "dequantized_copy", "fp8_spec"]
 
-_SCALE_SUFFIX = "_scale_inv"
+SCALE_SUFFIX = "_scale_inv"
 # tensors a dequantized checkpoint no longer needs: block scales and static activation scales
-_DROPPED_SUFFIXES = ("weight_scale_inv", ".activation_scale", ".input_scale")
+DROPPED_SUFFIXES = ("weight_scale_inv", ".activation_scale", ".input_scale")
 _DTYPE_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -187,13 +187,13 @@ def dequantized_copy(
             if say is not None:
                 say(f"dequantizing {shard} ({i + 1}/{len(shard_names)}) to {dtype}")
             f = reader.file(shard)
-            names = [n for n in f.keys() if not n.endswith(_DROPPED_SUFFIXES)]
+            names = [n for n in f.keys() if not n.endswith(DROPPED_SUFFIXES)]
             shapes = {n: list(f.get_slice(n).get_shape()) for n in names}
 
             def produce(name: str, shard: str = shard):
                 tensor = reader.tensor(name, shard)
                 if tensor.dtype in fp8_types:
-                    scale_name = name + _SCALE_SUFFIX
+                    scale_name = name + SCALE_SUFFIX
                     if not reader.has(scale_name, shard):
                         raise InvalidModel(str(folder), f"FP8 tensor {name} has no {scale_name} beside it")
                     try:

@@ -163,11 +163,30 @@ def _full_cache(cache_class, config):
     return cache_class() if _has_sliding_layers(config) else cache_class(config=config)
 
 
-def _cache_shapes(model, batch: int, past: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per layer (key shape, value shape) of the cache, found by running one token through the model."""
+def _cache_shapes(model, batch: int, past: int, *, fake: bool = False) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per layer (key shape, value shape) of the cache, found by running one token through the model.
+
+    ``fake``: the weights are placeholders (a checkpoint's skeleton), so the forward runs in fake tensors (shapes
+    only, nothing read); the float16 check of the activations then falls to the conversion's verification, which
+    runs the export on real prompts."""
     import torch
     from transformers import DynamicCache
 
+    from ortpa.export.patches import export_patches
+
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # the cache's shapes do not depend on how MoE experts compute; batched_mm has fake kernels in every dtype
+        with (
+            _module_state_kept(model),
+            torch.no_grad(),
+            export_patches(model, "batched_mm"),
+            FakeTensorMode(allow_non_fake_inputs=True),
+        ):
+            ids = torch.zeros((batch, 1), dtype=torch.long)
+            out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
+            return _shapes_of(out, batch, past)
     ids = torch.zeros((batch, 1), dtype=torch.long)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config))
@@ -179,6 +198,33 @@ def _cache_shapes(model, batch: int, past: int) -> list[tuple[tuple[int, ...], t
             model.name_or_path or model.config.model_type,
             f"a one-token forward in {model.dtype} gives non-finite logits (activations overflow it?); {WIDER}",
         )
+    return _shapes_of(out, batch, past)
+
+
+@contextlib.contextmanager
+def _module_state_kept(model) -> Iterator[None]:
+    """Modules' buffers and tensor attributes as they were before the block: a forward may cache tensors on its
+    modules (LongRoPE's ``long_inv_freq``, a dynamic RoPE's ``inv_freq``), which in fake tensors would reach the
+    trace as initializers without data."""
+    import torch
+
+    saved = []
+    for module in model.modules():
+        attrs = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+        saved.append((module, dict(module._buffers), attrs))
+    try:
+        yield
+    finally:
+        for module, buffers, attrs in saved:
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in attrs]:
+                delattr(module, key)
+            for key, value in attrs.items():
+                object.__setattr__(module, key, value)
+
+
+def _shapes_of(out, batch: int, past: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     shapes = []
     for layer in out.cache.layers:
         k, v = layer.keys, layer.values
@@ -200,6 +246,7 @@ def export_hf(
     external_data: bool | None = None,
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
+    written: Callable[[int, int], None] | None = None,
 ) -> ExportInfo:
     """Export a causal LM to dense ONNX with past/present KV; returns an :class:`ExportInfo`.
 
@@ -210,7 +257,10 @@ def export_hf(
     random weights: its constant folding stores a transposed copy of every Linear weight next to the model's own
     (two copies in memory), while unoptimised the initializers are the parameters themselves, under their names
     (``ortpa.convert`` optimises the graph on load anyway). ``external_data``: weights in ``<out>.data`` (default: past
-    :data:`EXTERNAL_DATA_THRESHOLD`). Raises :class:`ortpa.export.errors.ExportError` when torch.onnx fails.
+    :data:`EXTERNAL_DATA_THRESHOLD`; a checkpoint's are always streamed there, and ``False`` reads them back into
+    one inline file). ``config_or_model_dir`` may also be a ``torch.nn.Module``: traced with its weights, as they
+    are in memory. ``written(done, total)``: the bytes of weights streamed so far. Raises
+    :class:`ortpa.export.errors.ExportError` when torch.onnx fails.
     ``progress`` receives one line per stage; torch's and transformers' warnings and bars show only with
     ``verbose``.
     """
@@ -225,11 +275,12 @@ def export_hf(
             opset=opset,
             attn_implementation=attn_implementation,
             seed=seed,
-            optimize=random_weights if optimize is None else optimize,
+            optimize=random_weights and not _is_module(config_or_model_dir) if optimize is None else optimize,
             experts=experts,
             dtype=dtype,
             external_data=external_data,
             say=say,
+            written=written,
         )
 
 
@@ -272,35 +323,40 @@ def _export(
     dtype: str | None,
     external_data: bool | None,
     say: Callable[[str], None],
+    written: Callable[[int, int], None] | None,
 ) -> ExportInfo:
-    import torch
-    from transformers import DynamicCache
-
     from ortpa.errors import InvalidModel
     from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
-    from ortpa.export.errors import ExportError, summarize
-    from ortpa.export.patches import export_patches, translation_table
+    from ortpa.export.fp8 import fp8_spec
     from ortpa.export.rope_support import refuse_unrepresentable_rope
+    from ortpa.export.streamed import skeleton
 
+    in_memory = _is_module(config_or_model_dir)
+    folder = None if random_weights or in_memory else _folder(config_or_model_dir)
+    placeholders = None
     try:
         # before any weight is read: a RoPE no paged cache can hold is refused up front
-        refuse_unrepresentable_rope(_load_config(config_or_model_dir), str(config_or_model_dir))
-        if random_weights:
-            say(f"loading config from {config_or_model_dir}")
-        else:
-            stored = stored_dtype(config_or_model_dir)
+        config = config_or_model_dir.config if in_memory else _load_config(config_or_model_dir)
+        refuse_unrepresentable_rope(config, str(config_or_model_dir))
+        if in_memory:
+            model = config_or_model_dir.eval()
+        elif folder is not None:
+            stored = stored_dtype(folder)
             chosen = default_export_dtype(stored, dtype)
             why = "" if dtype is not None or chosen == stored else " (runs on CPU and CUDA; see --export-dtype)"
-            say(f"loading weights from {config_or_model_dir}: stored {stored}, exporting in {chosen}{why}")
-        model = build_model(
-            config_or_model_dir,
-            random_weights=random_weights,
-            seed=seed,
-            attn_implementation=attn_implementation,
-            dtype=dtype,
-            scratch_dir=out_path.parent,
-            progress=say,
-        )
+            say(f"reading the architecture of {config_or_model_dir}: stored {stored}, exporting in {chosen}{why}")
+            if optimize:
+                raise ValueError("optimize=True needs the weights in the trace: a checkpoint's are streamed after it")
+            model, placeholders = skeleton(folder, chosen, attn_implementation, fp8_spec(folder))
+        else:
+            say(f"loading config from {config_or_model_dir}")
+            model = build_model(
+                config_or_model_dir,
+                random_weights=True,
+                seed=seed,
+                attn_implementation=attn_implementation,
+                dtype=dtype,
+            )
     except InvalidModel:
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' loaders: missing/bad files, configs
@@ -309,10 +365,131 @@ def _export(
         raise InvalidModel(
             str(config_or_model_dir), f"could not load it as a {what}: {type(exc).__name__}: {first}"
         ) from exc
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    traced = _trace(model, str(config_or_model_dir), opset, optimize, experts, seed, say, placeholders)
+    if placeholders is None:
+        weight_bytes = _unique_bytes(model)
+        if external_data is None:
+            external_data = weight_bytes > EXTERNAL_DATA_THRESHOLD
+        say(f"writing {out_path}" + (f" (weights in {out_path.name}.data)" if external_data else ""))
+        traced.program.save(str(out_path), external_data=external_data)
+    else:
+        assert folder is not None
+        external_data = _stream_weights(
+            traced.program.model,
+            folder,
+            out_path,
+            placeholders,
+            chosen,
+            stored,
+            attn_implementation,
+            external_data,
+            say,
+            written,
+        )
+    cfg = model.config
+    return ExportInfo(
+        path=str(out_path),
+        model_type=cfg.model_type,
+        opset=opset,
+        attn_implementation=attn_implementation,
+        dtype=str(traced.dtype).removeprefix("torch."),
+        external_data=external_data,
+        num_hidden_layers=cfg.num_hidden_layers,
+        input_names=traced.input_names,
+        output_names=traced.output_names,
+        versions=versions(),
+        **traced.applied,
+    )
+
+
+def _is_module(obj: Any) -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return isinstance(obj, torch.nn.Module)
+
+
+def _folder(config_or_model_dir: Any) -> Path:
+    if isinstance(config_or_model_dir, Mapping) or not isinstance(config_or_model_dir, (str, os.PathLike)):
+        raise ValueError("random_weights=False needs a local checkpoint folder (or its config.json)")
+    path = Path(config_or_model_dir)
+    return path.parent if path.is_file() else path
+
+
+def _unique_bytes(model) -> int:
+    """The model's weights in bytes, a tensor shared by two names (tied embeddings) once."""
+    seen: dict[int, int] = {}
+    for t in model.state_dict().values():
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _stream_weights(
+    irm,
+    folder: Path,
+    out_path: Path,
+    placeholders,
+    dtype: str,
+    stored: str,
+    attn_implementation: str,
+    external_data: bool | None,
+    say: Callable[[str], None],
+    written: Callable[[int, int], None] | None,
+) -> bool:
+    """The traced graph's weights streamed from ``folder`` into ``<out>.data`` (:mod:`ortpa.export.streamed`), then
+    the graph written; ``external_data=False`` reads them back into one inline file. Returns whether external."""
+    import onnx_ir as ir
+
+    from ortpa.export.fp8 import fp8_spec
+    from ortpa.export.streamed import destinations, stream
+
+    data_path = out_path.with_name(out_path.name + ".data")
+    plan = destinations(irm, placeholders, data_path)
+    say(f"streaming {plan.nbytes / 1e6:.1f} MB of weights from {folder} into {data_path.name}")
+    float16_from = stored if dtype == "float16" and stored != "float16" else None
+    stream(
+        folder,
+        plan,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        fp8=fp8_spec(folder),
+        float16_from=float16_from,
+        written=written,
+    )
+    say(f"writing {out_path}")
+    if external_data is False:
+        ir.save(ir.external_data.load_to_model(irm), out_path)
+        data_path.unlink()
+        return False
+    ir.save(irm, out_path)
+    return True
+
+
+class _Traced:
+    """What :func:`_trace` made: the ONNX program and the names and dtype it was traced with."""
+
+    def __init__(self, program, dtype, input_names, output_names, applied) -> None:
+        self.program, self.dtype, self.input_names, self.output_names = program, dtype, input_names, output_names
+        self.applied = applied
+
+
+def _trace(model, label: str, opset: int, optimize: bool, experts: str | None, seed: int, say, placeholders) -> _Traced:
+    """``model`` traced by ``torch.onnx.export`` (dynamo) with flat past/present tensors and symbolic dims.
+
+    With ``placeholders`` (a checkpoint's skeleton) nothing reads a weight: the cache shapes come from a forward
+    in fake tensors and the tracer sees shapes only."""
+    import torch
+    from transformers import DynamicCache
+
+    from ortpa.export.errors import ExportError, summarize
+    from ortpa.export.patches import export_patches, translation_table
+
     model_dtype = next(model.parameters()).dtype
     n_layers = model.config.num_hidden_layers
     batch, seq, past = 2, 3, 4  # distinct sizes, all > 1, so that no dimension is specialised away
-    shapes = _cache_shapes(model, batch, past)
+    shapes = _cache_shapes(model, batch, past, fake=placeholders is not None)
 
     class _Wrapper(torch.nn.Module):
         """Flat past tensors in, flat present tensors out: no pytree registration of Cache classes needed."""
@@ -364,9 +541,9 @@ def _export(
         input_names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         output_names += [f"present.{i}.key", f"present.{i}.value"]
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    say(f"tracing {model.config.model_type}: {n_layers} layers, {weight_bytes / 1e6:.1f} MB of weights, {model_dtype}")
+    weight_bytes = placeholders.nbytes if placeholders is not None else _unique_bytes(model)
+    what = "weights (not read: streamed after the trace)" if placeholders is not None else "weights"
+    say(f"tracing {model.config.model_type}: {n_layers} layers, {weight_bytes / 1e6:.1f} MB of {what}, {model_dtype}")
     with torch.no_grad(), export_patches(model, experts) as applied:
         try:
             program = torch.onnx.export(
@@ -382,25 +559,8 @@ def _export(
                 verbose=False,
             )
         except Exception as exc:
-            raise ExportError(str(config_or_model_dir), summarize(exc)) from exc
-    if external_data is None:
-        external_data = weight_bytes > EXTERNAL_DATA_THRESHOLD
-    say(f"writing {out_path}" + (f" (weights in {out_path.name}.data)" if external_data else ""))
-    program.save(str(out_path), external_data=external_data)
-    cfg = model.config
-    return ExportInfo(
-        path=str(out_path),
-        model_type=cfg.model_type,
-        opset=opset,
-        attn_implementation=attn_implementation,
-        dtype=str(model_dtype).removeprefix("torch."),
-        external_data=external_data,
-        num_hidden_layers=n_layers,
-        input_names=input_names,
-        output_names=output_names,
-        versions=versions(),
-        **applied,
-    )
+            raise ExportError(label, summarize(exc)) from exc
+    return _Traced(program, model_dtype, input_names, output_names, applied)
 
 
 def fixtures_main(

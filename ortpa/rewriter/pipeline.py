@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxscript.optimizer
 
 from ortpa.errors import ConversionError
 from ortpa.model.kind import ModelKind, model_kind
@@ -26,6 +25,7 @@ from ortpa.progress import LayerStarted, Progress, Stage, report
 from ortpa.rewriter import dead_attention, kv_quant, model_store, paged_io, per_sequence
 from ortpa.rewriter._fold import fold_shape_values, register_loose_constants
 from ortpa.rewriter._graph import Builder
+from ortpa.rewriter._optimize import optimize
 from ortpa.rewriter.attention import op_constant, rewrite_attention_layer, rope_in_op_problems
 from ortpa.rewriter.derived import DERIVED_KEY
 from ortpa.rewriter.derived import dumps as derived_dumps
@@ -248,7 +248,7 @@ def rewrite(
     # an attention whose output reaches nothing still writes its layer's cache: kept through the optimizer
     pinned = dead_attention.pin(irm.graph)
     report(progress, Stage.OPTIMISE, "pre-optimising (onnxscript optimizer)")
-    onnxscript.optimizer.optimize(irm)
+    optimize(irm)  # onnxscript's optimizer, linear in the graph (ortpa.rewriter._optimize)
     register_loose_constants(irm.graph)  # what the optimizer leaves unserializable
     fold_shape_values(irm)  # what the optimizer leaves: values read from static dims of partly symbolic shapes
     recover_shapes(irm)  # shapes the optimizer could not infer (past contrib ops): the per-sequence flow reads them

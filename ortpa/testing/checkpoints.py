@@ -22,7 +22,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["fp8_reference_folder", "is_fp8_weight", "save_checkpoint", "save_fp8_checkpoint"]
+__all__ = [
+    "checkpoint_bytes",
+    "fp8_reference_folder",
+    "is_fp8_weight",
+    "save_checkpoint",
+    "save_fp8_checkpoint",
+    "write_random_checkpoint",
+]
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
@@ -124,3 +131,89 @@ def fp8_reference_folder(fp8_folder: Path, out: Path) -> Path:
                     tensors[name] = t.float()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _layout(config: dict):
+    """(transformers config, checkpoint tensor name -> shape) of ``config``, from a meta model (nothing allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cfg = dict(config)
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    layout = revert_weight_conversion(model, model.state_dict())
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {}) if hf_config.tie_word_embeddings else set()
+    return hf_config, {name: tuple(t.shape) for name, t in layout.items() if name not in tied}
+
+
+def checkpoint_bytes(config: dict, *, fp8: bool = False) -> int:
+    """What :func:`write_random_checkpoint` writes for ``config``, in bytes (scales included), without writing it."""
+    total = 0
+    for name, shape in _layout(config)[1].items():
+        n = math.prod(shape)
+        if fp8 and is_fp8_weight(name, len(shape)):
+            total += n + 4 * math.ceil(shape[0] / 128) * math.ceil(shape[1] / 128)
+        else:
+            total += 2 * n
+    return total
+
+
+def write_random_checkpoint(
+    config: dict, folder: Path, *, fp8: bool = False, shard_bytes: int = 256 * 2**20, seed: int = 0
+) -> int:
+    """A sharded bfloat16 (or FP8, as :func:`save_fp8_checkpoint` lays it out) safetensors checkpoint of ``config``
+    with random weights, written one shard at a time: never the model in memory (a shard's tensors at most), so
+    checkpoints larger than the machine's memory can be made. Names and shapes are the checkpoint layout
+    transformers saves (per-expert MoE weights). Returns the bytes written."""
+    hf_config, shapes = _layout(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = written = 0
+    weight_map: dict[str, str] = {}
+    names = sorted(shapes)
+
+    def flush() -> None:
+        nonlocal size, written
+        name = f"model-{len(shards):05d}.safetensors"
+        save_file(shards[-1], str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shards[-1], name))
+        written += size
+        shards.append({})
+        size = 0
+
+    for name in names:
+        shape = shapes[name]
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            w = rng.standard_normal(shape, dtype=np.float32) / max(shape[-1], 1) ** 0.5
+        if fp8 and is_fp8_weight(name, len(shape)):
+            q, scale = _quantize(w, (128, 128))
+            tensors = {name: torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)}
+            tensors[name + "_scale_inv"] = torch.from_numpy(scale)
+        else:
+            tensors = {name: torch.from_numpy(w).to(torch.bfloat16)}
+        for key, tensor in tensors.items():
+            shards[-1][key] = tensor
+            size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+    if shards[-1]:
+        flush()
+    files = sorted(set(weight_map.values()))
+    total = len(files)
+    renamed = {f: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, f in enumerate(files)}
+    for old, new in renamed.items():
+        (folder / old).rename(folder / new)
+    index = {"metadata": {"total_size": written}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    saved = hf_config.to_dict()
+    saved["dtype"] = "bfloat16"
+    if fp8:
+        saved["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
+        }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(saved, indent=1))
+    return written

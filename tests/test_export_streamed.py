@@ -1,0 +1,134 @@
+"""A checkpoint's export with its weights streamed after a weightless trace computes what the export of the same
+checkpoint loaded whole and traced with its weights computes (the path before issue 37): ONNX Runtime's outputs are
+compared element for element, every family from its committed fixture's config, bfloat16 and FP8 folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from support.parity import FIXTURES
+
+from ortpa.errors import InvalidModel
+from ortpa.export.hf import build_model, export_hf
+from ortpa.export.streamed import Placeholders
+from ortpa.testing.checkpoints import save_checkpoint, save_fp8_checkpoint
+
+pytestmark = pytest.mark.export
+
+_TIED_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
+
+
+def _outputs(path: Path, seed: int = 0) -> list[np.ndarray]:
+    """The model's outputs on a 5-token prompt after a 3-token past, batch 2, on CPU."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    vocab = 256
+    feeds = {}
+    for i in session.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(0, vocab, (2, 5)).astype(np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones((2, 8), np.int64)
+        elif i.name == "position_ids":
+            feeds[i.name] = np.tile(np.arange(3, 8), (2, 1)).astype(np.int64)
+        else:
+            shape = [2 if d == "batch" else 3 if d == "past" else d for d in i.shape]
+            dtype = np.float16 if i.type == "tensor(float16)" else np.float32
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
+    return session.run(None, feeds)
+
+
+def _streamed_equals_whole(
+    folder: Path, tmp_path: Path, reference_folder: Path | None = None, attn_implementation: str = "sdpa"
+) -> list[str]:
+    """Export ``folder`` streamed and (from ``reference_folder``, default the same) loaded whole; assert equal
+    outputs; return the streamed export's progress lines."""
+    lines: list[str] = []
+    streamed = tmp_path / "streamed" / "model.onnx"
+    export_hf(folder, streamed, random_weights=False, progress=lines.append, attn_implementation=attn_implementation)
+    whole_model = build_model(
+        reference_folder or folder, random_weights=False, dtype="float16", attn_implementation=attn_implementation
+    )
+    whole = tmp_path / "whole" / "model.onnx"
+    export_hf(whole_model, whole, attn_implementation=attn_implementation)
+    new, old = _outputs(streamed), _outputs(whole)
+    assert len(new) == len(old)
+    for a, b in zip(new, old, strict=True):
+        np.testing.assert_array_equal(a, b)
+    return lines
+
+
+def test_streamed_export_of_tied_llama_equals_the_whole_export(tmp_path):
+    """Tied embeddings: read by Gather and (transposed) by the logits MatMul; streamed once from the checkpoint,
+    written in both layouts; the announced size counts the shared tensor once."""
+    model = build_model(_TIED_LLAMA, seed=3)
+    folder = tmp_path / "ckpt"
+    save_checkpoint(model, folder, torch.bfloat16)
+    lines = _streamed_equals_whole(folder, tmp_path)
+    unique = {p.data_ptr(): p.numel() * 2 for p in model.parameters()}  # float16: 2 bytes a weight
+    traced = next(line for line in lines if line.startswith("tracing"))
+    assert f"{sum(unique.values()) / 1e6:.1f} MB of weights (not read" in traced, traced
+    graph = onnx.load(str(tmp_path / "streamed" / "model.onnx"), load_external_data=False).graph
+    # no Transpose of a weight left for an optimizer to fold in memory
+    initializers = {t.name for t in graph.initializer}
+    assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in initializers]
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer if t.name.endswith(".weight.T"))
+
+
+@pytest.mark.slow  # two exports per family (~30-90 s each on 2 cores)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama_sdpa_op18",
+        "qwen2_sliding_sdpa_op18",
+        "qwen3_sdpa_op18",
+        "gemma2_eager_op18",
+        "phi3_longrope_sdpa_op18",
+        "dsv2lite_moe_sdpa_op18",
+        "dsv3_moe_sdpa_op18",
+        "minicpm3_sdpa_op18",
+    ],
+)
+def test_streamed_export_equals_the_whole_export(name, tmp_path):
+    info = json.loads((FIXTURES / f"{name}.json").read_text())
+    folder = tmp_path / "ckpt"
+    attn = info.get("attn_implementation", "sdpa")
+    save_checkpoint(build_model(info["config"], seed=5, attn_implementation=attn), folder, torch.bfloat16)
+    _streamed_equals_whole(folder, tmp_path, attn_implementation=attn)
+
+
+def test_streamed_export_of_an_fp8_moe_checkpoint_equals_the_whole_export(tmp_path):
+    """DeepSeek-V3 FP8 (block scales, fused MoE experts): dequantized one tensor at a time while streaming, the
+    same bytes as the dequantized copy the whole export loads."""
+    from ortpa.export.fp8 import dequantized_copy, fp8_spec
+
+    config = json.loads((FIXTURES / "dsv3_moe_sdpa_op18.json").read_text())["config"]
+    folder = tmp_path / "ckpt"
+    assert save_fp8_checkpoint(build_model(config, seed=5), folder) > 0
+    with dequantized_copy(folder, fp8_spec(folder), "float16", scratch_parent=tmp_path) as plain:
+        _streamed_equals_whole(folder, tmp_path, reference_folder=plain)
+
+
+def test_a_view_of_a_placeholder_is_refused():
+    placeholders = Placeholders()
+    weight = placeholders.make("w", torch.empty((4, 8), dtype=torch.float16, device="meta"))
+    assert placeholders.name_of(weight) == "w"
+    assert placeholders.name_of(torch.zeros(3)) is None
+    with pytest.raises(InvalidModel, match="through a view"):
+        placeholders.name_of(weight[1:])

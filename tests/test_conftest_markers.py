@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import conftest
+import importlib.util
+from pathlib import Path
+
 import pytest
+
+# The suite's own conftest, by path: `import conftest` may find another folder's (tests/ops/native has one).
+_spec = importlib.util.spec_from_file_location("suite_conftest", Path(__file__).with_name("conftest.py"))
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 
 
 class _Item:

@@ -67,13 +67,14 @@ def _built_names(folder: Path) -> list[Path]:
 
 
 def _from_distribution() -> Path | None:
-    try:
-        files = importlib.metadata.files("ortpa") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in files:
-        if file.parent.as_posix() == "ortpa/ops/native" and file.name.startswith(_STEM + "."):
-            return Path(str(file.locate()))
+    # Every ortpa distribution on the path: a checkout's own ortpa.egg-info (left by `pip install .` and first on
+    # sys.path when tests run from the checkout) lists sources only, so the installed one must be looked at too.
+    for dist in importlib.metadata.distributions(name="ortpa"):
+        for file in dist.files or []:
+            if file.parent.as_posix() == "ortpa/ops/native" and file.name.startswith(_STEM + "."):
+                path = Path(str(file.locate()))
+                if path.is_file():
+                    return path
     return None
 
 

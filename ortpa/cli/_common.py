@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "demo": "the whole pipeline on a built-in DeepSeek-style MLA model (no downloads, no torch)",
     "convert": "convert a dense-attention ONNX model to a paged PagedAttention model",
     "validate": "check every PagedAttention node of a model against ONNX Runtime's rules",
+    "split": "split a converted model by layers into pipeline stages (a stage folder, run by Ray)",
     "generate": "greedy generation with continuous batching on a converted model",
     "serve": "serve a converted model over HTTP with OpenAI's completions and chat API",
     "parity": "run the same prompts through the dense original and the converted model; compare",

@@ -14,6 +14,7 @@ runs on its own files before opening them).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -171,9 +172,13 @@ def read_stage_folder(folder: str | os.PathLike, *, hashes: bool = False) -> Sta
     if not manifest.stages or [s.index for s in manifest.stages] != list(range(len(manifest.stages))):
         raise InvalidModel(str(path), "expected stages numbered 0, 1, ... in order")
     layers = [(s.first_layer, s.stop_layer) for s in manifest.stages]
-    if layers[0][0] != 0 or layers[-1][1] != manifest.layers or any(a[1] != b[0] for a, b in zip(layers, layers[1:])):
+    if (
+        layers[0][0] != 0
+        or layers[-1][1] != manifest.layers
+        or any(a[1] != b[0] for a, b in itertools.pairwise(layers))
+    ):
         raise InvalidModel(str(path), f"layer ranges {layers} do not tile layers 0..{manifest.layers}")
-    for a, b in zip(manifest.stages, manifest.stages[1:]):
+    for a, b in itertools.pairwise(manifest.stages):
         if a.boundary_out != b.boundary_in:
             raise InvalidModel(
                 str(path), f"stage {a.index} sends {a.boundary_out}, stage {b.index} expects {b.boundary_in}"

@@ -38,7 +38,7 @@ class _DataFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.file = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self.file = open(path, "wb")  # closed by close()
         self.size = 0
         self.digest = hashlib.sha256()
 

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError
+from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError, StageFailed
 from ortpa.model.file import LoadedModel
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
@@ -49,6 +49,7 @@ from ortpa.runtime.scheduler import (
     UnknownRequest,
 )
 from ortpa.runtime.session import PagedSession, find_cache_aliases, read_for_session
+from ortpa.runtime.stage_folder import is_stage_folder
 
 __all__ = [
     "DEFAULT_KV_BUDGET_BYTES",
@@ -131,21 +132,46 @@ class Engine:
         kv_budget_bytes: int | None = None,
         sess_options: ort.SessionOptions | None = None,
         mixed_steps: bool = True,
+        stages: str = "ray",
+        ray_address: str | None = None,
+        placement: str = "pack",
     ) -> None:
-        loaded = read_for_session(model)  # once: the session takes it as is, keeping the file's name for errors
-        proto = loaded.proto
-        caches = {a.input_name for a in find_cache_aliases(proto)}
-        self.io = model_io(proto, caches)
-        if num_blocks is None:
-            budget = DEFAULT_KV_BUDGET_BYTES if kv_budget_bytes is None else kv_budget_bytes
-            num_blocks = budget // max(1, cache_bytes_per_block(proto, caches, block_size))
-        if num_blocks < 1:
-            raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
-        self.session = PagedSession(
-            loaded, num_blocks=num_blocks, block_size=block_size, providers=providers, sess_options=sess_options
-        )
+        budget = DEFAULT_KV_BUDGET_BYTES if kv_budget_bytes is None else kv_budget_bytes
+        self.session: Any
+        if isinstance(model, (str, os.PathLike)) and is_stage_folder(model):
+            # a stage folder (`ortpa split`): this engine's scheduler and blocks drive every stage
+            from ortpa.runtime.pipeline import open_stages
+
+            self.session, facts = open_stages(
+                model,
+                num_blocks=num_blocks,
+                budget=budget,
+                block_size=block_size,
+                providers=providers,
+                sess_options=sess_options,
+                executor=stages,
+                ray_address=ray_address,
+                placement=placement,
+            )
+            self.io, max_model_len, self._all_rows = facts.io, facts.max_model_len, facts.all_rows
+        else:
+            loaded = read_for_session(model)  # once: the session takes it as is, keeping the file's name for errors
+            proto = loaded.proto
+            caches = {a.input_name for a in find_cache_aliases(proto)}
+            self.io = model_io(proto, caches)
+            if num_blocks is None:
+                num_blocks = budget // max(1, cache_bytes_per_block(proto, caches, block_size))
+            if num_blocks < 1:
+                raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
+            self.session = PagedSession(
+                loaded, num_blocks=num_blocks, block_size=block_size, providers=providers, sess_options=sess_options
+            )
+            max_model_len = rotary_table_rows(proto)
+            # one logits row per packed token ("all"): a scored prompt's rows come with any chunk; otherwise a
+            # scored prompt runs one token per chunk, so that each of its tokens is some chunk's last
+            self._all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
         self.mixed_steps = mixed_steps
-        self.kv = PagedKVCache(num_blocks, self.session.block_size)
+        self.kv = PagedKVCache(self.session.num_blocks, self.session.block_size)
         self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv,
@@ -153,11 +179,8 @@ class Engine:
             max_num_seqs=max_num_seqs,
             prefix_cache=self.prefix_cache,
             mixed_steps=mixed_steps,
-            max_model_len=rotary_table_rows(proto),
+            max_model_len=max_model_len,
         )
-        # one logits row per packed token ("all"): a scored prompt's rows come with any chunk; otherwise a scored
-        # prompt runs one token per chunk, so that each of its tokens is some chunk's last
-        self._all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generated_tokens = 0
@@ -212,7 +235,11 @@ class Engine:
         feeds = inputs.model_feeds(
             ids, attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids
         )
-        logits = self.session.run(feeds, ["logits"])["logits"]
+        try:
+            logits = self.session.run(feeds, ["logits"])["logits"]
+        except StageFailed:
+            self._lose_caches()
+            raise
         rows = self._rows_per_sequence(logits, len(plan.chunks), len(ids), inputs.last_token_indices)
         if any(c.request.prompt_scores is not None for c in plan.chunks):
             score_prompts(plan.chunks, logits, rows)
@@ -322,7 +349,20 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
 
+    def close(self) -> None:
+        """Release what the engine started (a stage folder's Ray actors); a model file's engine holds nothing."""
+        close = getattr(self.session, "close", None)
+        if close is not None:
+            close()
+
     # -- internals -----------------------------------------------------------------------------------
+    def _lose_caches(self) -> None:
+        """A stage lost its cache: end every request with state in it, and forget every cached block."""
+        for request in list(self.scheduler.running):
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def _make_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None) -> Request:
         rid = str(next(self._ids)) if request_id is None else request_id
         tokens = [int(t) for t in np.asarray(prompt_ids, dtype=np.int64).reshape(-1)]

@@ -19,6 +19,7 @@ __all__ = [
     "MODEL_HELP",
     "Parser",
     "add_common",
+    "add_pipeline_options",
     "add_providers",
     "add_revision",
     "library_logging",
@@ -61,6 +62,23 @@ def add_revision(p: argparse.ArgumentParser) -> None:
         "--revision",
         default=None,
         help="branch, tag or commit of a Hugging Face repo id given as a model (default: main); offline",
+    )
+
+
+def add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """Where a stage folder's stages run (docs/distributed.md); ignored for a model file."""
+    g = p.add_argument_group("a stage folder (`ortpa split`): each stage a Ray actor")
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (`ray start --head` prints it; 'auto' for the local one); default: start a "
+        "local Ray instance with one CPU per stage",
+    )
+    g.add_argument(
+        "--placement",
+        choices=["pack", "spread", "strict-spread"],
+        default="pack",
+        help="stages on as few nodes as fit (pack), across nodes where possible (spread), or one per node",
     )
 
 

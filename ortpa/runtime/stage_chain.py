@@ -37,7 +37,7 @@ class StageRunner:
         block_size: int,
         providers: Sequence[Any] | None = None,
         sess_options: ort.SessionOptions | None = None,
-        check_hashes: bool = False,
+        check_hashes: bool = True,
     ) -> None:
         folder = Path(folder)
         check_stage_files(folder, spec, hashes=check_hashes)

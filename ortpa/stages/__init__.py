@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ortpa.errors import SplitRefused
 from ortpa.model.file import read_model
-from ortpa.model.ref import resolve_any
+from ortpa.model.ref import companion_files, copy_companion_files, resolve_any
 from ortpa.runtime.stage_folder import StageManifest
 from ortpa.stages.partition import plan_split
 from ortpa.stages.prove import SplitProof, prove_split
@@ -45,6 +45,9 @@ def split_model(model: str | os.PathLike, out: str | os.PathLike, stages: int, *
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         manifest = write_stages(header, loaded.base_dir, plan, staging, source.name)
+        # the tokenizer and configs beside the model; not genai_config.json, which describes the unsplit file
+        companions = [(n, p) for n, p in companion_files(source.parent) if n != "genai_config.json"]
+        copy_companion_files(companions, staging)
         proof = prove_split(source, header, manifest) if verify else None
         if out.exists():
             out.rmdir()

@@ -212,8 +212,23 @@ def _stage_of(flow: _Flow, cut_nodes: list[int]) -> dict[int, int]:
     return stage
 
 
-def _node_bytes(flow: _Flow, i: int) -> int:
-    return sum(flow.sizes.get(x, 0) for x in flow.reads[i])
+def _members(flow: _Flow, stage_of: dict[int, int], stages: int) -> list[set[int]]:
+    """Each stage's nodes: its token nodes and the index work they need, recomputed from the shared inputs."""
+    members = []
+    for s in range(stages):
+        own = {i for i, st in stage_of.items() if st == s}
+        need = set(own)
+        stack = list(own)
+        while stack:
+            j = stack.pop()
+            for x in flow.reads[j]:
+                p = flow.producer.get(x)
+                if p is None or p in need or p in stage_of:
+                    continue
+                need.add(p)
+                stack.append(p)
+        members.append(need)
+    return members
 
 
 def _balance(flow: _Flow, cuts: dict[int, int | None], stages: int, label: str) -> list[int]:
@@ -229,15 +244,12 @@ def _balance(flow: _Flow, cuts: dict[int, int | None], stages: int, label: str) 
             f"cut by one token value: before layer(s) {blocked} no single value carries everything the later "
             "layers read (a second residual stream, or an early value read again later)",
         )
-    # bytes per segment between consecutive usable cuts
+    # bytes per segment between consecutive usable cuts: the weights its nodes read, index work's included
     stage_all = _stage_of(flow, [cuts[k] for k in usable])  # type: ignore[misc]
-    seg_bytes = [0] * (len(usable) + 1)
-    seen: list[set[str]] = [set() for _ in seg_bytes]
-    for i, s in stage_all.items():
-        for x in flow.reads[i]:
-            if x in flow.sizes and x not in seen[s]:
-                seen[s].add(x)
-                seg_bytes[s] += flow.sizes[x]
+    seg_bytes = [
+        sum(flow.sizes[x] for x in {x for j in need for x in flow.reads[j] if x in flow.sizes})
+        for need in _members(flow, stage_all, len(usable) + 1)
+    ]
     # linear partition of the segments into `stages` contiguous groups
     n = len(seg_bytes)
     prefix = [0]
@@ -275,20 +287,7 @@ def _build(
     outputs = [o.name for o in g.output]
     # each stage: its token nodes and the index work they need, recomputed from the shared inputs
     parts: list[StagePart] = []
-    members: list[set[int]] = []
-    for s in range(stages):
-        own = {i for i, st in stage_of.items() if st == s}
-        need = set(own)
-        stack = list(own)
-        while stack:
-            j = stack.pop()
-            for x in flow.reads[j]:
-                p = flow.producer.get(x)
-                if p is None or p in need or p in stage_of:
-                    continue
-                need.add(p)
-                stack.append(p)
-        members.append(need)
+    members = _members(flow, stage_of, stages)
     produced_in = {o: stage_of[i] for i in stage_of for o in flow.nodes[i].output if o}
     reads_from: list[set[str]] = [set() for _ in range(stages)]
     for s, need in enumerate(members):

@@ -38,9 +38,13 @@ class StageRunner:
         providers: Sequence[Any] | None = None,
         sess_options: ort.SessionOptions | None = None,
         check_hashes: bool = True,
+        threads: int | None = None,
     ) -> None:
         folder = Path(folder)
         check_stage_files(folder, spec, hashes=check_hashes)
+        if threads is not None:  # SessionOptions do not pickle: a Ray actor is given the thread count
+            sess_options = sess_options or ort.SessionOptions()
+            sess_options.intra_op_num_threads = threads
         self.spec = spec
         self.session = PagedSession(
             folder / spec.model,

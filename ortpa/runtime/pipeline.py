@@ -329,6 +329,7 @@ def open_stages(
         raise InvalidParameter("Engine", "stages", "'ray' or 'local'", executor)
     if placement not in ("pack", "spread", "strict-spread"):
         raise InvalidParameter("Engine", "placement", "'pack', 'spread' or 'strict-spread'", placement)
+    threads = getattr(sess_options, "intra_op_num_threads", 0) or None  # SessionOptions do not pickle
     pipeline = RayPipeline(
         manifest,
         num_blocks=num_blocks,
@@ -336,5 +337,6 @@ def open_stages(
         providers=providers,
         ray_address=ray_address,
         placement=placement,
+        threads=threads,
     )
     return pipeline, facts

@@ -106,3 +106,32 @@ def test_three_stages_and_a_killed_stage(cluster, toy, reference, tmp_path):
         assert engine.generate(PROMPTS, PARAMS) == reference  # the restarted stage serves new requests
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_each_stage_process_holds_its_share_of_the_weights(cluster, tmp_path):
+    """Private memory of each stage process after a step, above the same stage of a tiny model (the Python, Ray
+    and ONNX Runtime baseline): at most its own weights and cache, and the stages together about the unsplit
+    model's process. About 60 s on 2 cores."""
+    big = ToyLMConfig(vocab=16384, hidden=512, num_heads=8, kv_heads=4, num_layers=6, max_positions=256)
+    slack = 8 << 20  # allocator arenas, the larger model's activations
+    grown: dict[int, list[int]] = {}
+    for n in (1, 2, 3):
+        private = {}
+        for name, cfg in (("tiny", ToyLMConfig(num_layers=6)), ("big", big)):
+            model = tmp_path / f"{name}.onnx"
+            if not model.exists():
+                onnx.save(build_toy_lm(cfg), model, save_as_external_data=True, location=f"{name}.data")
+            folder = split_model(model, tmp_path / f"{name}{n}", n, verify=False).folder
+            engine = Engine(folder, num_blocks=64, block_size=16)
+            try:
+                engine.generate([list(range(64))], SamplingParams(max_new_tokens=2))
+                private[name] = engine.session.memory()
+                specs = engine.session.manifest.stages
+            finally:
+                engine.close()
+        grown[n] = [b["private"] - t["private"] for b, t in zip(private["big"], private["tiny"], strict=True)]
+        for spec, extra, mem in zip(specs, grown[n], private["big"], strict=True):
+            assert extra <= spec.weight_bytes + mem["cache"] + slack, (n, spec.index, extra, spec.weight_bytes)
+    for n in (2, 3):
+        assert sum(grown[n]) <= 1.2 * sum(grown[1]) + n * slack, grown

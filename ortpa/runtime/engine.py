@@ -106,6 +106,12 @@ class Engine:
     ``max_num_batched_tokens`` bounds the tokens of one step (a longer prompt is prefilled in chunks),
     ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime.
 
+    ``model`` may be a stage folder (``ortpa split``): this engine's scheduler and block manager then drive every
+    stage, each a Ray actor (``stages="ray"``: ``ray_address`` joins a cluster, else a local one starts;
+    ``placement`` is ``"pack"``, ``"spread"`` or ``"strict-spread"``) or all in this process (``stages="local"``);
+    a stage that dies raises :class:`~ortpa.errors.StageFailed` from :meth:`step` after the requests it was
+    running were ended. :meth:`close` stops the actors (docs/distributed.md).
+
     Every step mixes decodes and prompt chunks (chunked prefill), on the native kernels and on the portable
     PagedAttention alike: the portable op attends decodes and prompt chunks in separate groups, so a step
     costs about what its parts would cost apart, and decodes keep their pace while prompts arrive.

@@ -26,6 +26,8 @@ __all__ = [
     "OutOfBlocks",
     "RequestTooLarge",
     "RequestTooLong",
+    "SplitRefused",
+    "StageFailed",
     "Unavailable",
     "UnknownRequest",
     "UnknownSequence",
@@ -257,4 +259,28 @@ class KVPoolTooLarge(OrtpaError, MemoryError):
             f"{where}: the KV caches need {requested:,} bytes but the device has {available:,}"
             + (f" ({detail})" if detail else "")
             + "; use fewer blocks, or check the model's declared cache dims"
+        )
+
+
+class SplitRefused(OrtpaError, ValueError):
+    """A paged model that cannot be split into pipeline stages as asked (``ortpa split``), with the reason;
+    nothing was written."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        self.model = model
+        self.reason = reason
+        super().__init__(f"{model}: cannot split into stages: {reason}")
+
+
+class StageFailed(OrtpaError, RuntimeError):
+    """A pipeline stage's process died (or failed) during a step: the requests in flight lost the cache of its
+    layers and were ended; the stage was restarted with a fresh cache (``restarted``) for new requests."""
+
+    def __init__(self, stage: int, reason: str, restarted: bool) -> None:
+        self.stage = stage
+        self.reason = reason
+        self.restarted = restarted
+        super().__init__(
+            f"pipeline stage {stage} failed: {reason}; the requests in flight were ended (their cache for the "
+            f"stage's layers is lost)" + ("; the stage was restarted with a fresh cache" if restarted else "")
         )

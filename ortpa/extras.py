@@ -17,6 +17,7 @@ __all__ = ["EXTRAS", "extra_providing", "require_extra"]
 EXTRAS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers", "tokenizers", "safetensors"),
     "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2", "tokenizers", "llguidance"),
+    "pipeline": ("ray",),
     "text": ("tokenizers",),
     "test": ("pytest", "hypothesis", "openai", "jsonschema"),
 }

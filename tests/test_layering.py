@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ortpa.cli", "ortpa.__main__", "ortpa.demo", "ortpa.bench"),
     ("ortpa.serve",),
     ("ortpa.conversion",),  # the one conversion path: export, rewrite, checks, verification, deployment files
-    ("ortpa.deploy",),
+    ("ortpa.deploy", "ortpa.stages"),
     ("ortpa.parity",),
     ("ortpa.rewriter", "ortpa.export"),
     ("ortpa.runtime", "ortpa.formats"),

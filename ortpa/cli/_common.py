@@ -19,6 +19,7 @@ __all__ = [
     "MODEL_HELP",
     "Parser",
     "add_common",
+    "add_pipeline_options",
     "add_providers",
     "add_revision",
     "library_logging",
@@ -39,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "demo": "the whole pipeline on a built-in DeepSeek-style MLA model (no downloads, no torch)",
     "convert": "convert a dense-attention ONNX model to a paged PagedAttention model",
     "validate": "check every PagedAttention node of a model against ONNX Runtime's rules",
+    "split": "split a converted model by layers into pipeline stages (a stage folder, run by Ray)",
     "generate": "greedy generation with continuous batching on a converted model",
     "serve": "serve a converted model over HTTP with OpenAI's completions and chat API",
     "parity": "run the same prompts through the dense original and the converted model; compare",
@@ -61,6 +63,23 @@ def add_revision(p: argparse.ArgumentParser) -> None:
         "--revision",
         default=None,
         help="branch, tag or commit of a Hugging Face repo id given as a model (default: main); offline",
+    )
+
+
+def add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """Where a stage folder's stages run (docs/distributed.md); ignored for a model file."""
+    g = p.add_argument_group("a stage folder (`ortpa split`): each stage a Ray actor")
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (`ray start --head` prints it; 'auto' for the local one); default: $RAY_ADDRESS, "
+        "else start a new local Ray instance with one CPU per stage",
+    )
+    g.add_argument(
+        "--placement",
+        choices=["pack", "spread", "strict-spread"],
+        default="pack",
+        help="stages on as few nodes as fit (pack), across nodes where possible (spread), or one per node",
     )
 
 

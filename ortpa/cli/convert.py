@@ -61,6 +61,16 @@ def options_from_args(args: argparse.Namespace):
     )
 
 
+def _split_after(args: argparse.Namespace) -> None:
+    """``--stages N``: the converted model split into ``<output>.stages`` by the code of ``ortpa split``."""
+    from ortpa.cli.split import print_split
+    from ortpa.stages import split_model
+
+    result = split_model(args.output, f"{args.output}.stages", args.stages, verify=not args.no_verify)
+    if not args.quiet and not args.json:
+        print_split(result, False)
+
+
 def run(args: argparse.Namespace) -> int:
     from ortpa.conversion import convert_file
 
@@ -71,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.close()
+    if args.stages:
+        _split_after(args)
     if args.json:
         print(
             json.dumps(
@@ -220,6 +232,13 @@ def register(sub) -> None:
         "nothing is written on a mismatch; skip it only for a model too large for this machine's memory to run",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON (with the verification's figures)")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also split the converted model into N pipeline stages, in the folder OUTPUT.stages (as `ortpa split`)",
+    )
     p.add_argument(
         "--portable",
         action="store_true",

@@ -5,20 +5,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
-from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision, prompt_ids
+from ortpa.cli._common import (
+    COMMANDS,
+    EXIT_OK,
+    MODEL_HELP,
+    add_common,
+    add_pipeline_options,
+    add_revision,
+    prompt_ids,
+)
 from ortpa.errors import InvalidModel, InvalidRequest
 
 __all__ = ["register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from ortpa.model.ref import locate_model
+    from ortpa.model.ref import ModelRef, locate_model
     from ortpa.providers import providers_for
     from ortpa.runtime.engine import Engine
     from ortpa.runtime.sampling import SamplingParams
+    from ortpa.runtime.stage_folder import is_stage_folder
 
-    ref = locate_model(args.model, args.revision)
+    if is_stage_folder(args.model):  # a stage folder (`ortpa split`): its tokenizer files are in it
+        ref = ModelRef(Path(args.model) / "stages.json", Path(args.model))
+    else:
+        ref = locate_model(args.model, args.revision)
     if not ref.path.exists():  # said before anything looks for a tokenizer beside it
         raise InvalidModel(os.fspath(args.model), "no such file or folder")
     tokenizer = None
@@ -34,12 +47,17 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"--prompt: expected text the tokenizer encodes to tokens, got {args.prompt!r}")
         stop = eos_token_ids(ref.path, where)
     engine = Engine(
-        ref.path,
+        ref.folder if ref.path.name == "stages.json" else ref.path,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         providers=providers_for(args.provider) if args.provider else None,
+        ray_address=args.ray_address,
+        placement=args.placement,
     )
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop))
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop))
+    finally:
+        engine.close()
     if tokenizer is not None:
         texts = [tokenizer.decode([t for t in out if t not in stop]) for out in outputs]
         if args.json:
@@ -67,7 +85,7 @@ def register(sub) -> None:
         '  ortpa generate paged.onnx --prompt "The capital of France is" --max-new-tokens 16',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a converted (paged) ONNX model" + MODEL_HELP)
+    p.add_argument("model", help="a converted (paged) ONNX model, or a stage folder (`ortpa split`)" + MODEL_HELP)
     add_revision(p)
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument(
@@ -86,6 +104,7 @@ def register(sub) -> None:
     p.add_argument("--provider", choices=["cpu", "cuda"], default=None, help="default: CUDA if present, else CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from a memory budget)")
+    add_pipeline_options(p)
     p.add_argument(
         "--json",
         action="store_true",

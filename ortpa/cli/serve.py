@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_revision
+from ortpa.cli._common import COMMANDS, EXIT_OK, MODEL_HELP, add_common, add_pipeline_options, add_revision
 from ortpa.errors import InvalidParameter, Unavailable
 from ortpa.serve.limits import ServeLimits
 
@@ -67,6 +67,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
         max_num_seqs=args.max_num_seqs,
         provider=args.provider,
         threads=args.threads,
+        ray_address=args.ray_address,
+        placement=args.placement,
     )
     if args.max_model_len is not None:
         served.limit_context(args.max_model_len)
@@ -79,21 +81,24 @@ def _serve(args: argparse.Namespace, sock) -> int:
             file=sys.stderr,
             flush=True,
         )
-    run_server(
-        served,
-        sock=sock,
-        api_key=args.api_key,
-        max_queue=args.max_queue,
-        limits=ServeLimits(
-            max_body_bytes=args.max_body_bytes,
-            max_prompt_bytes=args.max_prompt_bytes,
-            max_n=args.max_n,
-            max_concurrent_per_key=args.max_concurrent_per_key,
-        ),
-        drain_s=args.drain_timeout,
-        log_level=log_level,
-        access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
-    )
+    try:
+        run_server(
+            served,
+            sock=sock,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            limits=ServeLimits(
+                max_body_bytes=args.max_body_bytes,
+                max_prompt_bytes=args.max_prompt_bytes,
+                max_n=args.max_n,
+                max_concurrent_per_key=args.max_concurrent_per_key,
+            ),
+            drain_s=args.drain_timeout,
+            log_level=log_level,
+            access_log=not (args.no_access_log or args.quiet),  # --quiet: errors only
+        )
+    finally:
+        served.engine.close()  # after the drain: a stage folder's Ray actors stop with the server
     return EXIT_OK
 
 
@@ -164,6 +169,7 @@ def register(sub) -> None:
     )
     p.add_argument("--block-size", type=_positive(int), default=16)
     p.add_argument("--max-num-seqs", type=_positive(int), default=64, help="requests running at once")
+    add_pipeline_options(p)
     p.add_argument(
         "--max-queue",
         type=_bounded(int, 0),

@@ -111,6 +111,10 @@ def serving_source(
 ) -> str:
     """The converted model ``ortpa serve`` opens for ``model``: itself, or its cache entry (made if missing)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a repo id resolves in the local cache; nothing is fetched
+    from ortpa.runtime.stage_folder import is_stage_folder
+
+    if is_stage_folder(model):  # a stage folder is served as it is (docs/distributed.md)
+        return model
     source, converted = _source(model, revision)
     if converted:
         return model if revision is None else str(source)

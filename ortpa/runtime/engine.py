@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import ConcurrentUse, OrtpaError
+from ortpa.errors import ConcurrentUse, OrtpaError, StageFailed
 from ortpa.model.file import LoadedModel
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
@@ -51,6 +51,7 @@ from ortpa.runtime.scheduler import (
     UnknownRequest,
 )
 from ortpa.runtime.session import PagedSession, find_cache_aliases, read_for_session
+from ortpa.runtime.stage_folder import is_stage_folder
 
 __all__ = [
     "DEFAULT_KV_BUDGET_BYTES",
@@ -108,6 +109,12 @@ class Engine:
     ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime;
     ``paged_attention`` forces a PagedAttention path (:class:`InferenceSession`).
 
+    ``model`` may be a stage folder (``ortpa split``): this engine's scheduler and block manager then drive every
+    stage, each a Ray actor (``stages="ray"``: ``ray_address`` joins a cluster, else a local one starts;
+    ``placement`` is ``"pack"``, ``"spread"`` or ``"strict-spread"``) or all in this process (``stages="local"``);
+    a stage that dies raises :class:`~ortpa.errors.StageFailed` from :meth:`step` after the requests it was
+    running were ended. :meth:`close` stops the actors (docs/distributed.md).
+
     Every step mixes decodes and prompt chunks (chunked prefill), on the native kernels and on the portable
     PagedAttention alike: the portable op attends decodes and prompt chunks in separate groups, so a step
     costs about what its parts would cost apart, and decodes keep their pace while prompts arrive.
@@ -135,26 +142,50 @@ class Engine:
         sess_options: ort.SessionOptions | None = None,
         mixed_steps: bool = True,
         paged_attention: str | None = None,
+        stages: str = "ray",
+        ray_address: str | None = None,
+        placement: str = "pack",
     ) -> None:
-        loaded = read_for_session(model)  # once: the session takes it as is, keeping the file's name for errors
-        proto = loaded.proto
-        caches = {a.input_name for a in find_cache_aliases(proto)}
-        self.io = model_io(proto, caches)
-        if num_blocks is None:
-            budget = DEFAULT_KV_BUDGET_BYTES if kv_budget_bytes is None else kv_budget_bytes
-            num_blocks = budget // max(1, cache_bytes_per_block(proto, caches, block_size))
-        if num_blocks < 1:
-            raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
-        self.session = PagedSession(
-            loaded,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            providers=providers,
-            sess_options=sess_options,
-            paged_attention=paged_attention,
-        )
+        budget = DEFAULT_KV_BUDGET_BYTES if kv_budget_bytes is None else kv_budget_bytes
+        self.session: Any
+        if isinstance(model, (str, os.PathLike)) and is_stage_folder(model):
+            # a stage folder (`ortpa split`): this engine's scheduler and blocks drive every stage
+            from ortpa.runtime.pipeline import open_stages
+
+            self.session, facts = open_stages(
+                model,
+                num_blocks=num_blocks,
+                budget=budget,
+                block_size=block_size,
+                providers=providers,
+                sess_options=sess_options,
+                executor=stages,
+                ray_address=ray_address,
+                placement=placement,
+                paged_attention=paged_attention,
+            )
+            self.io, max_model_len, all_rows = facts.io, facts.max_model_len, facts.all_rows
+        else:
+            loaded = read_for_session(model)  # once: the session takes it as is, keeping the file's name for errors
+            proto = loaded.proto
+            caches = {a.input_name for a in find_cache_aliases(proto)}
+            self.io = model_io(proto, caches)
+            if num_blocks is None:
+                num_blocks = budget // max(1, cache_bytes_per_block(proto, caches, block_size))
+            if num_blocks < 1:
+                raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
+            self.session = PagedSession(
+                loaded,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                providers=providers,
+                sess_options=sess_options,
+                paged_attention=paged_attention,
+            )
+            max_model_len = rotary_table_rows(proto)
+            all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
         self.mixed_steps = mixed_steps
-        self.kv = PagedKVCache(num_blocks, self.session.block_size)
+        self.kv = PagedKVCache(self.session.num_blocks, self.session.block_size)
         self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv,
@@ -162,11 +193,10 @@ class Engine:
             max_num_seqs=max_num_seqs,
             prefix_cache=self.prefix_cache,
             mixed_steps=mixed_steps,
-            max_model_len=rotary_table_rows(proto),
+            max_model_len=max_model_len,
         )
         # one logits row per packed token ("all"), or the rows a step names ("indices"): a scored prompt's rows come
         # with any chunk; otherwise ("last") a scored prompt runs one token per chunk, each token some chunk's last
-        all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
         self._rows_mode: RowsMode = "all" if all_rows else "indices" if self.io.logits_indices else "last"
         self._ids = itertools.count()
         self._prompt_tokens = 0
@@ -225,7 +255,11 @@ class Engine:
         asked = step_rows(plan.chunks, self._rows_mode)
         if asked.indices is not None:  # an input with a default: ONNX Runtime binds those as OrtValues only
             feeds["logits_indices"] = ort.OrtValue.ortvalue_from_numpy(asked.indices)
-        logits = self.session.run(feeds, ["logits"])["logits"]
+        try:
+            logits = self.session.run(feeds, ["logits"])["logits"]
+        except StageFailed:
+            self._lose_caches()
+            raise
         if asked.indices is None and logits.ndim == 2 and logits.shape[0] == len(ids) != asked.total:
             asked = step_rows(plan.chunks, "all")  # a model without ortpa's metadata giving every token's row
         asked.check(logits)
@@ -338,7 +372,20 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
 
+    def close(self) -> None:
+        """Release what the engine started (a stage folder's Ray actors); a model file's engine holds nothing."""
+        close = getattr(self.session, "close", None)
+        if close is not None:
+            close()
+
     # -- internals -----------------------------------------------------------------------------------
+    def _lose_caches(self) -> None:
+        """A stage lost its cache: end every request with state in it, and forget every cached block."""
+        for request in list(self.scheduler.running):
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def _make_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str | None) -> Request:
         rid = str(next(self._ids)) if request_id is None else request_id
         tokens = [int(t) for t in np.asarray(prompt_ids, dtype=np.int64).reshape(-1)]

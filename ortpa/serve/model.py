@@ -51,6 +51,8 @@ class ServingModel:
         max_num_seqs: int = 64,
         provider: str | None = None,
         threads: int | None = None,
+        ray_address: str | None = None,
+        placement: str = "pack",
     ) -> ServingModel:
         """Open ``model`` (a file, a folder, or a repo id in the local cache) and what lies beside it.
 
@@ -60,11 +62,14 @@ class ServingModel:
         (default: its own, one per core; 1 is faster on a machine whose cores are busy with other work).
         """
         from ortpa.model.folder import eos_token_ids, find_asset, load_tokenizer
-        from ortpa.model.ref import locate_model
+        from ortpa.model.ref import ModelRef, locate_model
         from ortpa.providers import providers_for
         from ortpa.runtime.engine import Engine
+        from ortpa.runtime.stage_folder import MANIFEST, is_stage_folder
 
-        ref = locate_model(model, revision)
+        # a stage folder (`ortpa split`: docs/distributed.md) holds its tokenizer files beside its manifest
+        staged = is_stage_folder(model)
+        ref = ModelRef(Path(model) / MANIFEST, Path(model)) if staged else locate_model(model, revision)
         where = Path(tokenizer) if tokenizer is not None else (ref.folder or Path(ref.path).parent)
         if find_asset(ref.path, "tokenizer.json", where) is None:
             raise InvalidModel(
@@ -80,13 +85,15 @@ class ServingModel:
             sess_options = ort.SessionOptions()
             sess_options.intra_op_num_threads = threads
         engine = Engine(
-            ref.path,
+            ref.folder if staged else ref.path,
             num_blocks=num_blocks,
             kv_budget_bytes=kv_budget_bytes,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             providers=providers_for(provider) if provider else None,
             sess_options=sess_options,
+            ray_address=ray_address,
+            placement=placement,
         )
         max_len = engine.scheduler.max_model_len or _config_context(where)
         return cls(

@@ -75,7 +75,7 @@ def run(quick: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "toy.onnx"
         onnx.save(build_toy_lm(CONFIG), model)
-        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
         try:
             for n in (1, 2, 3):
                 folder = split_model(model, Path(tmp) / f"s{n}", n, verify=False).folder

@@ -23,7 +23,9 @@ def ray_app(model_folder):
     finally:
         sys.path.remove(str(ROOT / "examples"))
     path = f"{ROOT}:{ROOT / 'examples'}"
+    # address="local": a cluster another test started on this machine would be joined, and refuse num_cpus
     ray.init(
+        address="local",
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

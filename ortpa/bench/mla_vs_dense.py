@@ -224,9 +224,11 @@ def run(quick: bool = False) -> list[dict]:
     (cache_dtype,) = {s.cache(n).dtype for s in paged.values() for n in s.cache_names}
 
     dims = f"V2-Lite attention: {c.heads} heads, L {c.kv_lora_rank}, nope {c.qk_nope}, rope {c.qk_rope}, v {c.v_head}"
-    env = f"{THREADS} ORT thread, CPU time, median of {repeats} interleaved; {dtype_name(cache_dtype)} cache, block {BS}"
+    env = f"{THREADS} ORT thread, CPU time, median of {repeats} interleaved; {dtype_name(cache_dtype)} cache"
+    env += f", block {BS}"
     rows: list[dict] = []
-    for kind, cases in (("prefill", [_case(n, 0, rng) for n in prefill]), ("decode", [_case(1, n, rng) for n in decode])):
+    shapes = (("prefill", [_case(n, 0, rng) for n in prefill]), ("decode", [_case(1, n, rng) for n in decode]))
+    for kind, cases in shapes:
         for case in cases:
             fns = {"dense": _dense_fn(dense, case), **{k: _paged_fn(s, case) for k, s in paged.items()}}
             ms, out = _timed(fns, repeats, time.process_time)

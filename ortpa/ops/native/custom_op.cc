@@ -50,11 +50,24 @@ OrtStatus* KernelComputeV2(void* kernel, OrtKernelContext* context) {
 
 void KernelDestroy(void* kernel) { delete static_cast<Instance*>(kernel); }
 
+// ONNX Runtime ignores (and never releases) the status this returns, so an error here is dropped, not returned: an
+// output whose shape was not declared stays unknown until the kernel runs, which checks every call.
+OrtStatus* InferOutputShape(const OrtCustomOp* op, OrtShapeInferContext* context) {
+  const OpDef& def = Def(op);
+  if (def.shapes == nullptr || def.api == nullptr) return nullptr;
+  try {
+    def.shapes(ort::Api(def.api), context);
+  } catch (...) {
+  }
+  return nullptr;
+}
+
 }  // namespace
 
-OpDef::OpDef(std::string op_name, std::vector<Port> op_inputs, std::vector<Port> op_outputs, KernelFactory op_factory)
+OpDef::OpDef(std::string op_name, std::vector<Port> op_inputs, std::vector<Port> op_outputs, KernelFactory op_factory,
+             ShapeInference op_shapes)
     : OrtCustomOp{}, name(std::move(op_name)), inputs(std::move(op_inputs)), outputs(std::move(op_outputs)),
-      factory(op_factory) {
+      factory(op_factory), shapes(op_shapes) {
   version = ort::kCustomOpVersion;
   GetName = [](const OrtCustomOp* op) { return Def(op).name.c_str(); };
   GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
@@ -73,8 +86,10 @@ OpDef::OpDef(std::string op_name, std::vector<Port> op_inputs, std::vector<Port>
   CreateKernelV2 = &ortpa::native::CreateKernelV2;
   KernelComputeV2 = &ortpa::native::KernelComputeV2;
   KernelDestroy = &ortpa::native::KernelDestroy;
-  // InferOutputShapeFn, GetStartVersion, GetEndVersion stay null: the registry infers output types from the fixed
-  // port types, and the op is valid from opset 1 of its domain.
+  // output types come from the fixed port types; shapes from the op's own rule where it has one (ONNX Runtime then
+  // knows them when the session opens, for every node downstream). GetStartVersion, GetEndVersion stay null: the
+  // op is valid from opset 1 of its domain.
+  InferOutputShapeFn = &InferOutputShape;
 }
 
 }  // namespace ortpa::native

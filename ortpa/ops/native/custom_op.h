@@ -21,6 +21,10 @@ class Kernel {
 
 struct OpDef;
 using KernelFactory = std::unique_ptr<Kernel> (*)(const OpDef& def, const ort::Api& api, const OrtKernelInfo* info);
+// Output shape inference at session creation (OrtCustomOp::InferOutputShapeFn): declares the shapes it can, may
+// throw (the glue drops the error: ONNX Runtime ignores the status this callback returns, and the kernel checks
+// every call anyway).
+using ShapeInference = void (*)(const ort::Api& api, const OrtShapeInferContext* context);
 
 struct Port {
   int type;            // an OrtElementType; kOrtUndefined = any type
@@ -30,11 +34,15 @@ struct Port {
 
 // OrtCustomOp must be the first base: ONNX Runtime hands the callbacks the OrtCustomOp* it was given.
 struct OpDef : OrtCustomOp {
-  OpDef(std::string op_name, std::vector<Port> op_inputs, std::vector<Port> op_outputs, KernelFactory op_factory);
+  OpDef(std::string op_name, std::vector<Port> op_inputs, std::vector<Port> op_outputs, KernelFactory op_factory,
+        ShapeInference op_shapes = nullptr);
   std::string name;
   std::vector<Port> inputs;
   std::vector<Port> outputs;
   KernelFactory factory;
+  ShapeInference shapes;
+  // the table RegisterCustomOps got (shape inference gets none from ONNX Runtime); set before the op is added
+  const OrtApi* api = nullptr;
 };
 
 }  // namespace ortpa::native

@@ -22,6 +22,7 @@ struct OrtKernelContext;
 struct OrtValue;
 struct OrtTensorTypeAndShapeInfo;
 struct OrtShapeInferContext;
+struct OrtOpAttr;
 
 // OrtApiBase: what ONNX Runtime passes to RegisterCustomOps.
 struct OrtApiBase {
@@ -63,6 +64,13 @@ enum OrtMemType : int {
   kOrtMemTypeDefault = 0,
 };
 
+// OrtOpAttrType (the values ReadOpAttr reads here)
+enum OrtOpAttrType : int {
+  kOrtOpAttrInt = 1,
+  kOrtOpAttrFloat = 3,
+  kOrtOpAttrString = 5,
+};
+
 // OrtCustomOp as of custom-op version 17: ONNX Runtime reads the members past GetInputMemoryType only when
 // `version` says they exist (variadic: 14, CreateKernelV2/KernelComputeV2: 16, InferOutputShapeFn and the
 // opset range: 17), so this layout with version = kOrtpaCustomOpVersion is complete; the later members
@@ -96,7 +104,8 @@ struct OrtCustomOp {
 namespace ortpa::ort {
 
 // The OrtApi version ortpa asks for: the release that added the newest entry used below
-// (KernelContext_ParallelFor, ONNX Runtime 1.17). GetApi returns null on an older runtime.
+// (KernelContext_ParallelFor, ONNX Runtime 1.17, index 274; the shape-inference entries 267-272 sit before it).
+// GetApi returns null on an older runtime.
 constexpr uint32_t kApiVersion = 17;
 // The OrtCustomOp layout above.
 constexpr uint32_t kCustomOpVersion = 17;
@@ -110,9 +119,13 @@ constexpr size_t CreateCustomOpDomain = 26;
 constexpr size_t CustomOpDomain_Add = 27;
 constexpr size_t AddCustomOpDomain = 28;
 constexpr size_t GetTensorMutableData = 51;
+constexpr size_t CreateTensorTypeAndShapeInfo = 57;
+constexpr size_t SetTensorElementType = 58;
+constexpr size_t SetDimensions = 59;
 constexpr size_t GetTensorElementType = 60;
 constexpr size_t GetDimensionsCount = 61;
 constexpr size_t GetDimensions = 62;
+constexpr size_t GetSymbolicDimensions = 63;
 constexpr size_t GetTensorTypeAndShape = 65;
 constexpr size_t KernelInfoGetAttribute_float = 85;
 constexpr size_t KernelInfoGetAttribute_int64 = 86;
@@ -124,6 +137,13 @@ constexpr size_t KernelContext_GetOutput = 91;
 constexpr size_t ReleaseStatus = 93;
 constexpr size_t ReleaseTensorTypeAndShapeInfo = 99;
 constexpr size_t KernelInfo_GetNodeName = 244;
+// output shape inference (OrtCustomOp::InferOutputShapeFn): the context owns the infos it hands out
+constexpr size_t ShapeInferContext_GetInputCount = 267;
+constexpr size_t ShapeInferContext_GetInputTypeShape = 268;
+constexpr size_t ShapeInferContext_GetAttribute = 269;
+constexpr size_t ShapeInferContext_SetOutputTypeShape = 270;
+constexpr size_t SetSymbolicDimensions = 271;
+constexpr size_t ReadOpAttr = 272;
 constexpr size_t KernelContext_ParallelFor = 274;
 }  // namespace entry
 
@@ -134,6 +154,11 @@ using CreateCustomOpDomainFn = OrtStatus* (*)(const char* domain, OrtCustomOpDom
 using CustomOpDomain_AddFn = OrtStatus* (*)(OrtCustomOpDomain* domain, const OrtCustomOp* op);
 using AddCustomOpDomainFn = OrtStatus* (*)(OrtSessionOptions* options, OrtCustomOpDomain* domain);
 using GetTensorMutableDataFn = OrtStatus* (*)(OrtValue* value, void** out);
+using CreateTensorTypeAndShapeInfoFn = OrtStatus* (*)(OrtTensorTypeAndShapeInfo** out);
+using SetTensorElementTypeFn = OrtStatus* (*)(OrtTensorTypeAndShapeInfo* info, int type);
+using SetDimensionsFn = OrtStatus* (*)(OrtTensorTypeAndShapeInfo* info, const int64_t* dims, size_t count);
+using GetSymbolicDimensionsFn = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, const char** names,
+                                               size_t count);
 using GetTensorElementTypeFn = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, int* out);
 using GetDimensionsCountFn = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, size_t* out);
 using GetDimensionsFn = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t count);
@@ -149,6 +174,15 @@ using KernelContext_GetOutputFn = OrtStatus* (*)(OrtKernelContext* context, size
 using ReleaseStatusFn = void (*)(OrtStatus* status);
 using ReleaseTensorTypeAndShapeInfoFn = void (*)(OrtTensorTypeAndShapeInfo* info);
 using KernelInfo_GetNodeNameFn = OrtStatus* (*)(const OrtKernelInfo* info, char* out, size_t* size);
+using ShapeInferContext_GetInputCountFn = OrtStatus* (*)(const OrtShapeInferContext* context, size_t* out);
+using ShapeInferContext_GetInputTypeShapeFn = OrtStatus* (*)(const OrtShapeInferContext* context, size_t index,
+                                                             OrtTensorTypeAndShapeInfo** info);
+using ShapeInferContext_GetAttributeFn = OrtStatus* (*)(const OrtShapeInferContext* context, const char* name,
+                                                        const OrtOpAttr** attr);
+using ShapeInferContext_SetOutputTypeShapeFn = OrtStatus* (*)(const OrtShapeInferContext* context, size_t index,
+                                                              const OrtTensorTypeAndShapeInfo* info);
+using SetSymbolicDimensionsFn = OrtStatus* (*)(OrtTensorTypeAndShapeInfo* info, const char** names, size_t count);
+using ReadOpAttrFn = OrtStatus* (*)(const OrtOpAttr* attr, int type, void* data, size_t len, size_t* out);
 using KernelContext_ParallelForFn = OrtStatus* (*)(const OrtKernelContext* context, void (*fn)(void*, size_t),
                                                    size_t total, size_t num_batch, void* usr_data);
 

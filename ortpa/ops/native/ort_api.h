@@ -28,6 +28,15 @@ struct TensorInfo {
   std::vector<int64_t> shape;
 };
 
+// A tensor's element type and shape as shape inference sees it: a dimension is a value (`names[d]` empty), a
+// symbol (`names[d]`, `shape[d]` = -1) or unknown (-1 and no name).
+struct SymbolicInfo {
+  int element_type = kOrtUndefined;
+  std::vector<int64_t> shape;
+  std::vector<std::string> names;
+  bool Known(size_t d) const { return shape[d] >= 0 || !names[d].empty(); }
+};
+
 class Api {
  public:
   explicit Api(const OrtApi* api) : api_(api) {}
@@ -119,6 +128,85 @@ class Api {
     return out;
   }
 
+  // -- output shape inference (OrtCustomOp::InferOutputShapeFn); the context owns the infos it hands out --
+  size_t InferInputCount(const OrtShapeInferContext* context) const {
+    size_t count = 0;
+    Check(Entry<ShapeInferContext_GetInputCountFn>(api_, entry::ShapeInferContext_GetInputCount)(context, &count),
+          "ShapeInferContext_GetInputCount");
+    return count;
+  }
+  // false for an input past the node's last one
+  bool InferInput(const OrtShapeInferContext* context, size_t index, SymbolicInfo* out) const {
+    if (index >= InferInputCount(context)) return false;
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    Check(Entry<ShapeInferContext_GetInputTypeShapeFn>(api_, entry::ShapeInferContext_GetInputTypeShape)(
+              context, index, &info),
+          "ShapeInferContext_GetInputTypeShape");
+    size_t rank = 0;
+    Check(Entry<GetTensorElementTypeFn>(api_, entry::GetTensorElementType)(info, &out->element_type),
+          "GetTensorElementType");
+    Check(Entry<GetDimensionsCountFn>(api_, entry::GetDimensionsCount)(info, &rank), "GetDimensionsCount");
+    out->shape.assign(rank, 0);
+    std::vector<const char*> names(rank, nullptr);
+    if (rank > 0) {
+      Check(Entry<GetDimensionsFn>(api_, entry::GetDimensions)(info, out->shape.data(), rank), "GetDimensions");
+      Check(Entry<GetSymbolicDimensionsFn>(api_, entry::GetSymbolicDimensions)(info, names.data(), rank),
+            "GetSymbolicDimensions");
+    }
+    out->names.clear();
+    for (const char* name : names) out->names.emplace_back(name != nullptr ? name : "");
+    return true;
+  }
+  // An attribute of the node being inferred, or `fallback` when it does not set it.
+  int64_t InferAttrInt(const OrtShapeInferContext* context, const char* name, int64_t fallback) const {
+    const OrtOpAttr* attr = InferAttr(context, name);
+    int64_t value = 0;
+    size_t size = 0;
+    if (attr == nullptr || Absent(Entry<ReadOpAttrFn>(api_, entry::ReadOpAttr)(attr, kOrtOpAttrInt, &value,
+                                                                                sizeof(value), &size))) {
+      return fallback;
+    }
+    return value;
+  }
+  std::string InferAttrString(const OrtShapeInferContext* context, const char* name,
+                              const std::string& fallback) const {
+    const OrtOpAttr* attr = InferAttr(context, name);
+    if (attr == nullptr) return fallback;
+    auto read = Entry<ReadOpAttrFn>(api_, entry::ReadOpAttr);
+    // a zero-length read fails and says the size: with the terminating NUL in the sources read (docs/native.md),
+    // without it in onnxruntime 1.31; one byte more either way, and the string ends at the first NUL
+    size_t size = 0;
+    char probe = 0;
+    OrtStatus* status = read(attr, kOrtOpAttrString, &probe, 0, &size);
+    if (status != nullptr) Entry<ReleaseStatusFn>(api_, entry::ReleaseStatus)(status);
+    std::vector<char> buffer(size + 1, '\0');
+    if (Absent(read(attr, kOrtOpAttrString, buffer.data(), buffer.size(), &size))) return fallback;
+    buffer.back() = '\0';
+    return std::string(buffer.data());
+  }
+  // Declares output `index`'s shape (its element type comes from the op's fixed output type). Every dimension
+  // must be known: a value or a symbol (ONNX Runtime would write an unknown one as the value -1).
+  void SetInferredOutput(const OrtShapeInferContext* context, size_t index, const SymbolicInfo& tensor) const {
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    Check(Entry<CreateTensorTypeAndShapeInfoFn>(api_, entry::CreateTensorTypeAndShapeInfo)(&info),
+          "CreateTensorTypeAndShapeInfo");
+    std::vector<const char*> names;
+    for (const std::string& name : tensor.names) names.push_back(name.c_str());
+    OrtStatus* status = Entry<SetTensorElementTypeFn>(api_, entry::SetTensorElementType)(info, tensor.element_type);
+    if (status == nullptr) {
+      status = Entry<SetDimensionsFn>(api_, entry::SetDimensions)(info, tensor.shape.data(), tensor.shape.size());
+    }
+    if (status == nullptr) {
+      status = Entry<SetSymbolicDimensionsFn>(api_, entry::SetSymbolicDimensions)(info, names.data(), names.size());
+    }
+    if (status == nullptr) {
+      status = Entry<ShapeInferContext_SetOutputTypeShapeFn>(api_, entry::ShapeInferContext_SetOutputTypeShape)(
+          context, index, info);
+    }
+    Entry<ReleaseTensorTypeAndShapeInfoFn>(api_, entry::ReleaseTensorTypeAndShapeInfo)(info);
+    Check(status, "ShapeInferContext_SetOutputTypeShape");
+  }
+
   void* Data(const OrtValue* value) const {
     void* data = nullptr;
     // GetTensorMutableData takes a non-const value; ortpa writes only through outputs and the aliased caches
@@ -134,6 +222,12 @@ class Api {
   }
 
  private:
+  const OrtOpAttr* InferAttr(const OrtShapeInferContext* context, const char* name) const {
+    const OrtOpAttr* attr = nullptr;
+    auto get = Entry<ShapeInferContext_GetAttributeFn>(api_, entry::ShapeInferContext_GetAttribute);
+    return Absent(get(context, name, &attr)) ? nullptr : attr;
+  }
+
   bool Absent(OrtStatus* status) const {
     if (status == nullptr) return false;
     Entry<ReleaseStatusFn>(api_, entry::ReleaseStatus)(status);

@@ -184,6 +184,39 @@ std::unique_ptr<Kernel> Make(const OpDef&, const ort::Api& api, const OrtKernelI
   return std::make_unique<PagedAttentionKernel>(api, info);
 }
 
+// Output 0's shape when the session opens, by ONNX Runtime's rule for the op (reference section 2.3, as
+// ortpa.ops.shape_inference writes it for onnx): [tokens, num_heads * v_head_size], tokens as the query's first
+// dimension (a value or a symbol), the width from the query's (packed QKV: its query heads' share; LATENT:
+// num_heads * v_head_size). Where a dimension cannot be known here the shape stays undeclared, as before. The
+// cache outputs are left alone: the context cannot say whether the node has them (ONNX Runtime does not bound
+// the output index), and they are the cache inputs' tensors anyway.
+// An absent optional input reaches shape inference as a tensor of undefined element type (onnxruntime 1.31).
+bool Present(const ort::Api& api, const OrtShapeInferContext* context, size_t index) {
+  ort::SymbolicInfo info;
+  return api.InferInput(context, index, &info) && info.element_type != kOrtUndefined;
+}
+
+void InferShapes(const ort::Api& api, const OrtShapeInferContext* context) {
+  ort::SymbolicInfo query;
+  if (!api.InferInput(context, kQuery, &query) || query.shape.size() != 2 || !query.Known(0)) return;
+  const int64_t num_heads = api.InferAttrInt(context, "num_heads", 0);
+  const int64_t kv_heads = api.InferAttrInt(context, "kv_num_heads", 0);
+  const int64_t v_head = api.InferAttrInt(context, "v_head_size", 0);
+  const bool latent = api.InferAttrString(context, "kv_cache_layout", "SEPARATE") == "LATENT";
+  const int64_t hidden = query.shape[1];
+  if (hidden < 0 || num_heads <= 0 || kv_heads < 0) return;
+  const bool separate_kv = Present(api, context, kKey) && Present(api, context, kValue);
+  int64_t width = hidden;
+  if (!latent && !separate_kv) {  // packed QKV: [tokens, (num_heads + 2 * kv_num_heads) * head_size]
+    if (hidden % (num_heads + 2 * kv_heads) != 0) return;  // a call the kernel refuses when it runs
+    width = hidden / (num_heads + 2 * kv_heads) * num_heads;
+  } else if (latent && v_head > 0) {
+    width = num_heads * v_head;
+  }
+  ort::SymbolicInfo output{query.element_type, {query.shape[0], width}, {query.names[0], ""}};
+  api.SetInferredOutput(context, 0, output);
+}
+
 OpDef* Define(int t, int c) {
   const int s = kOrtInt32;
   const Port req_t{t, kOrtRequired}, opt_t{t, kOrtOptional}, opt_s{s, kOrtOptional};
@@ -192,7 +225,7 @@ OpDef* Define(int t, int c) {
                            {s, kOrtRequired}, {s, kOrtRequired}, opt_t, opt_t, opt_s, opt_t, opt_t, opt_t,
                            opt_scale, opt_scale, {s, kOrtOptional, kOrtMemTypeCPUInput}};
   std::vector<Port> outputs{req_t, {c, kOrtOptional}, {c, kOrtOptional}};
-  return new OpDef("PagedAttention", std::move(inputs), std::move(outputs), &Make);
+  return new OpDef("PagedAttention", std::move(inputs), std::move(outputs), &Make, &InferShapes);
 }
 
 }  // namespace

@@ -35,6 +35,7 @@ void AddDomain(const ort::Api& api, Domains& out, const char* name, const std::v
   api.Check(ort::Entry<ort::CreateCustomOpDomainFn>(api.raw(), ort::entry::CreateCustomOpDomain)(name, &domain),
             "CreateCustomOpDomain");
   for (OpDef* op : ops) {
+    op->api = api.raw();
     api.Check(ort::Entry<ort::CustomOpDomain_AddFn>(api.raw(), ort::entry::CustomOpDomain_Add)(domain, op),
               "CustomOpDomain_Add");
   }

@@ -83,6 +83,10 @@ class PortableConfig:
     # cos_cache / sin_cache are initializers of a size worth folding: the layer builds its float32 table of every
     # row from them alone, which ONNX Runtime folds into a constant when it opens the session
     rope_table_folded: bool = False
+    # no ``If``: both groups are computed at every step, each padded to at least one member (a dummy sequence
+    # with no key when the group is empty) and one key, so that no kernel sees an empty batch; for compilers
+    # that refuse ``If`` bodies (OpenVINO's CPU plug-in), at the cost of the skipped group's kernels
+    if_free: bool = False
 
     @property
     def opset_imports(self) -> dict[str, int]:
@@ -108,6 +112,7 @@ class PlanConfig:
     is_causal: bool
     slot_mapping: bool
     opset: int
+    if_free: bool = False  # see PortableConfig.if_free
 
     @classmethod
     def of(cls, cfg: PortableConfig) -> PlanConfig:
@@ -117,6 +122,7 @@ class PlanConfig:
             is_causal=cfg.is_causal,
             slot_mapping="slot_mapping" in cfg.present_inputs,
             opset=cfg.opset,
+            if_free=cfg.if_free,
         )
 
     @property

@@ -259,6 +259,15 @@ class _Body(GraphTracer):
         """
         op, pl = self.op, self.plan
         width = self.c.num_heads * self.c.v_head_size
+        zero = self.constant(np.zeros((1, width), np.float32))
+        if self.c.if_free:
+            # both groups at every step, each with at least one member (a dummy with no token when the group is
+            # empty, whose query is the zero row T appended here: nothing is gathered from an empty tensor)
+            n, h = self.c.num_heads, self.c.head_size
+            q = op.Concat(q, op.Cast(self.constant(np.zeros((1, n, h), np.float32)), to=self.t_dtype), axis=0)
+            o_dec = self.attend_group(q, k_cache, v_cache, "d_", one_query=True)
+            o_pre = self.attend_group(q, k_cache, v_cache, "p_", one_query=False)
+            return op.Cast(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), to=self.t_dtype)
         # each group runs under an If on one of its members attending a key, so that no kernel is called on an
         # empty batch or key range (older MultiHeadAttention kernels divide by zero there); a skipped decode
         # group is D zero rows (D may be 0), which its tokens never read (the plan's out_row: the zero row)
@@ -282,7 +291,6 @@ class _Body(GraphTracer):
             lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)],
             lambda: [self.constant(empty)],
         )  # [P * max_q, N * vh]
-        zero = self.constant(np.zeros((1, self.c.num_heads * self.c.v_head_size), np.float32))
         return op.Cast(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), to=self.t_dtype)
 
     def attend_group(self, q, k_cache, v_cache, g_: str, *, one_query: bool):
@@ -419,6 +427,8 @@ class _Body(GraphTracer):
         pl = self.plan
         if g_ == "d_":
             return self.op.MatMul(p, values)
+        if self.c.if_free:  # no If: the zeroing pass at every step
+            return self.op.MatMul(p, self.op.Where(pl[g_ + "row_ok"], values, 0.0))
         return self.branch(
             pl[g_ + "rows_ok"],
             f"{g_}pv",

@@ -14,7 +14,7 @@ latent row per token, not a key and a value row of the full width.
 
 The metadata says what was done: ``ortpa.portable`` = JSON ``{"lowered": true, "nodes": n, "kv_cache_layout":
 ..., "split_latent": ..., "head_size": H, "cache_head_size": ..., "kv_num_heads": ..., "num_heads": ...,
-"configs": [the PagedAttention attributes of each distinct node configuration]}``, and
+"configs": [the PagedAttention attributes of each distinct node configuration], "if_free": ...}``, and
 ``ortpa.portable.min_onnxruntime`` = the oldest ONNX Runtime release that runs the file (:func:`min_onnxruntime`):
 a runtime that is not ortpa reads it from the model's metadata before its first run (``docs/converted_model.md``).
 """
@@ -79,6 +79,7 @@ class PortableInfo:
     head_size: int  # the op's head size (the latent width for LATENT)
     cache_head_size: int  # the last dimension of each cache input as written (H/2 when split)
     configs: tuple[dict, ...]
+    if_free: bool = False  # no If in the graph (lower_graph's ``if_free``)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -103,21 +104,29 @@ def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
     return weightless(proto)
 
 
-def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_session: bool = True) -> PortableInfo:
+def lower_file(
+    path: str | os.PathLike, *, split_latent: bool = True, check_session: bool = True, if_free: bool = False
+) -> PortableInfo:
     """Lower every PagedAttention node of the model file ``path`` in place (atomically); what was done. For a paged
     file made elsewhere (``ortpa convert --portable`` lowers its graph before the file is published)."""
     path = Path(path)
     proto = onnx.load(str(path), load_external_data=False)
-    info = lower_graph(proto, str(path), split_latent=split_latent, check_session=check_session)
+    info = lower_graph(proto, str(path), split_latent=split_latent, check_session=check_session, if_free=if_free)
     _replace(proto, path)
     return info
 
 
 def lower_graph(
-    proto: onnx.ModelProto, where: str, *, split_latent: bool = True, check_session: bool = True
+    proto: onnx.ModelProto,
+    where: str,
+    *,
+    split_latent: bool = True,
+    check_session: bool = True,
+    if_free: bool = False,
 ) -> PortableInfo:
     """Lower every PagedAttention node of ``proto`` (its graph; weights may stay external) in place; what was done.
-    ``where`` names the model in messages.
+    ``where`` names the model in messages. ``if_free``: the form without ``If`` (both attention groups at every
+    step, padded so that nothing is empty), which compilers that refuse ``If`` bodies (the OpenVINO EP) accept.
 
     Raises :class:`~ortpa.errors.ConversionError` when a node cannot be lowered (float8 or packed int4 caches,
     symbolic head sizes), when ``split_latent`` meets an odd latent width or a quantized latent cache, or when ONNX
@@ -141,7 +150,7 @@ def lower_graph(
     def make_call(i: int, node: onnx.NodeProto) -> LayerCall:
         node_name = node.name or f"{OP_TYPE}_{i}"
         try:
-            call = layer_call(node, types, fn_opset, folded, constants=constants)
+            call = layer_call(node, types, fn_opset, folded, constants=constants, if_free=if_free)
         except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
             raise ConversionError(f"--portable cannot lower node {node_name}: {exc}") from None
         if call.cfg.latent and split_latent:
@@ -165,6 +174,7 @@ def lower_graph(
         head_size=first.head_size,
         cache_head_size=first.head_size // 2 if split else first.head_size,
         configs=tuple(configs.values()),
+        if_free=if_free,
     )
     props = {p.key: p.value for p in proto.metadata_props}
     props.update({METADATA_KEY: info.to_json(), MIN_ONNXRUNTIME_KEY: min_onnxruntime(fn_opset)})

@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-from ortpa.ops.portable.config import ORT_DOMAIN, PLAN_OUTPUTS, PortableConfig
+from ortpa.ops.portable.config import INDEX_TYPE, ORT_DOMAIN, PLAN_OUTPUT_TYPES, PLAN_OUTPUTS, PortableConfig
 from ortpa.ops.portable.tracer import FUNCTION_DOMAIN, GraphTracer
 
 __all__ = ["build_function"]
@@ -48,8 +48,10 @@ _I64 = ir.DataType.INT64
 def build_function(cfg: PortableConfig) -> ir.Function:
     """One layer's attention: inputs are the node's present inputs then :data:`PLAN_OUTPUTS` (``plan.``-prefixed)."""
     extra = ("extra.index", "extra.rows") if cfg.extra_write else ()
-    inputs = [ir.val(name) for name in cfg.present_inputs] + [ir.val(f"plan.{n}") for n in PLAN_OUTPUTS]
-    inputs += [ir.val(name) for name in extra]
+    # typed inputs: every traced value's type is known, so no CastLike (config.PLAN_OUTPUT_TYPES)
+    inputs = [ir.val(name, _input_type(cfg, name)) for name in cfg.present_inputs]
+    inputs += [ir.val(f"plan.{n}", PLAN_OUTPUT_TYPES[n]) for n in PLAN_OUTPUTS]
+    inputs += [ir.val(name, _input_type(cfg, name)) for name in extra]
 
     def trace(op, *vals):
         x = dict(zip(cfg.present_inputs, vals, strict=False))
@@ -61,6 +63,19 @@ def build_function(cfg: PortableConfig) -> ir.Function:
     return onnxscript.build_function(
         trace, inputs, domain=FUNCTION_DOMAIN, name=cfg.function_name(), opset_imports=cfg.opset_imports
     )
+
+
+def _input_type(cfg: PortableConfig, name: str) -> ir.DataType:
+    """The element type of the layer function's input ``name`` (an op input or a folded write's)."""
+    if name in ("key_cache", "value_cache", "extra.rows"):
+        return ir.DataType(cfg.cache_dtype)
+    if name in ("cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping"):
+        return INDEX_TYPE
+    if name in ("k_scale", "v_scale"):
+        return _F32
+    if name == "extra.index":
+        return _I64
+    return ir.DataType(cfg.act_dtype)  # the op's T: query, key, value, cos / sin, head_sink, norm weights
 
 
 class _Body(GraphTracer):

@@ -14,7 +14,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-from ortpa.ops.portable.config import PlanConfig
+from ortpa.ops.portable.config import INDEX_TYPE, PlanConfig
 from ortpa.ops.portable.tracer import FUNCTION_DOMAIN, GraphTracer
 
 __all__ = ["build_plan_function"]
@@ -26,7 +26,8 @@ _INT64_MAX = 2**63 - 1
 
 def build_plan_function(plan: PlanConfig) -> ir.Function:
     """The index work of one step (sanitization, write set, groups, masks, output rows): :data:`PLAN_OUTPUTS`."""
-    inputs = [ir.val(name) for name in plan.inputs]
+    # typed index inputs (the op's S): every traced value's type is known, no CastLike (config.PLAN_OUTPUT_TYPES)
+    inputs = [ir.val(name, INDEX_TYPE if name not in ("query", "key_cache") else None) for name in plan.inputs]
 
     def trace(op, *vals):
         x = dict(zip(plan.inputs, vals, strict=True))
@@ -105,7 +106,7 @@ class _Plan(GraphTracer):
         d_any = op.ReduceSum(dec["mask"], [1], keepdims=0)  # [D] attended keys (0 when max_kv == 0)
         seq_ok = op.Cast(op.Not(is_dec), to=ir.DataType.INT32)
         if self.p.if_free:  # the group's members may include the dummy sequence B: scatter into B + 1 entries
-            seq_ok = op.Pad(seq_ok, self.ints([0, 1]))
+            seq_ok = op.Pad(seq_ok, self.pads([0, 1]))
         seq_ok = op.ScatterElements(seq_ok, dec["sel"], d_any)
         has_keys = op.And(op.Greater(op.Gather(self.kvlen, self.seq), 0), op.Greater(op.Gather(seq_ok, self.seq), 0))
         zero_row = op.Add(op.Mul(pre["count"], pre["max_q"]), dec["count"])  # [1]
@@ -177,10 +178,10 @@ class _Plan(GraphTracer):
         append to the queries. The block table also gets an unmapped column, so that a group's first key (a group
         attends at least one) has a page even when the table has no column."""
         op = self.op
-        pad = self.ints([0, 1])
+        pad = self.pads([0, 1])
         self.g_kvlen, self.g_past, self.g_q_len = (op.Pad(v, pad) for v in (self.kvlen, self.past, self.q_len))
         self.g_c_lo = op.Pad(self.c_lo, pad, self.scalar(self.T))
-        self.g_bt = op.Pad(self.bt, self.ints([0, 0, 1, 1]), op.Constant(value_int=-1))
+        self.g_bt = op.Pad(self.bt, self.pads([0, 0, 1, 1]), op.Constant(value_int=-1))
 
     # ------------------------------------------------------------------ §3.4(c) the write set
     def slots(self):
@@ -234,15 +235,16 @@ class _Plan(GraphTracer):
         op = self.op
         sel = op.Reshape(op.NonZero(member), self.ints([-1]))
         if self.p.if_free:  # at least one member: the dummy sequence B when there is none (dummy_sequence)
-            sel = op.Slice(op.Pad(sel, self.ints([0, 1]), self.scalar(self.dim(self.kvlen, 0))), [0], op.Max(self.dim(sel, 0), 1))
+            sel = op.Slice(op.Pad(sel, self.pads([0, 1]), self.scalar(self.dim(self.kvlen, 0))), [0], op.Max(self.dim(sel, 0), 1))
             seqs = (self.g_kvlen, self.g_past, self.g_c_lo, self.g_bt, self.g_q_len)
         else:
             seqs = (self.kvlen, self.past, self.c_lo, self.bt, self.q_len)
         count = self.dim(sel, 0)
         kvlen, past, c_lo = (op.Gather(v, sel) for v in seqs[:3])
         bt = op.Gather(seqs[3], sel, axis=0)
-        zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
-        maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
+        # ReduceMax of an empty group: 0, never the reduction's identity. A padded 0, not a Concat with one:
+        # OpenVINO's CPU plug-in gives ReduceMax(Concat(x, [0])) the Concat's shape, not [1]
+        maxkv = op.ReduceMax(op.Pad(kvlen, self.pads([0, 1])), [0], keepdims=1)
         if self.p.if_free:  # at least one key: no kernel sees an empty key range
             maxkv = op.Max(maxkv, 1)
         j = op.Range(0, self.scalar(maxkv), 1)  # kv position
@@ -271,7 +273,7 @@ class _Plan(GraphTracer):
         row_ok = op.Unsqueeze(live, [1, 3])  # [S, 1, max_kv, 1] against the gathered [S, kvh, max_kv, H]
         unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
         rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
-        maxq = op.ReduceMax(op.Concat(op.Gather(seqs[4], sel), zero, axis=0), [0], keepdims=1)
+        maxq = op.ReduceMax(op.Pad(op.Gather(seqs[4], sel), self.pads([0, 1])), [0], keepdims=1)
         # padding rows read a real token, never gathered back (if-free: the layers' zero row T is one too)
         last_tok = self.T if self.p.if_free else op.Sub(self.T, 1)
         if self.p.if_free:  # at least one query row
@@ -313,8 +315,8 @@ class _Plan(GraphTracer):
             allowed = op.And(live, near)
         # a -1 column keeps the key axis non-empty when no decode has a key (ONNX Runtime before 1.21 fails a
         # ReduceMax over an empty axis; later ones give INT64_MIN); -1 is clamped to slot 0
-        none = op.Sub(op.Mul(op.Unsqueeze(past, [1]), 0), 1)  # [S, 1] of -1
-        some = op.Max(op.ReduceMax(op.Concat(op.Where(allowed, slot_j, -1), none, axis=1), [1], keepdims=1), 0)
+        none = op.Constant(value_int=-1)
+        some = op.Max(op.ReduceMax(op.Pad(op.Where(allowed, slot_j, -1), self.pads([0, 0, 0, 1]), none), [1], keepdims=1), 0)
         row = self.kv_rows(op.Where(live, slot_j, some))
         return {
             "query": c_lo,

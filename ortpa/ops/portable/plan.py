@@ -62,12 +62,14 @@ class _Plan(GraphTracer):
         # an empty key range (com.microsoft::MultiHeadAttention before ONNX Runtime 1.29 divides by zero on an
         # empty batch: SIGFPE). A member without a key reads the zero row (out_row) anyway. (If-free: both groups
         # always run, each with at least one member and one key, the flags unread.)
-        has_kv = op.Greater(self.kvlen, 0)
-        any_pre = op.Greater(op.ReduceSum(op.Cast(op.And(is_pre, has_kv), to=_I64), keepdims=0), 0)
-        any_dec = op.Greater(op.ReduceSum(op.Cast(dec["mask"], to=_I64), keepdims=0), 0)
         if self.p.if_free:
+            # no If reads the flags: constants, not three kernels each that OpenVINO leaves to the CPU EP
+            any_pre, any_dec = (op.Constant(value=ir.tensor(True)) for _ in range(2))  # two outputs, two values
             pre = dict(zip(_PREFILL_KEYS, self.prefill_group(is_pre), strict=True))
         else:
+            has_kv = op.Greater(self.kvlen, 0)
+            any_pre = op.Greater(op.ReduceSum(op.Cast(op.And(is_pre, has_kv), to=_I64), keepdims=0), 0)
+            any_dec = op.Greater(op.ReduceSum(dec["mask"], keepdims=0), 0)
             # a decode-only step skips the prefill group's ~40 index kernels; the layers then never read them
             kvh = self.p.kv_num_heads
             empty = [
@@ -104,7 +106,7 @@ class _Plan(GraphTracer):
         # (MultiHeadAttention, whose fully masked rows are NaN) relies on it; the other paths give 0 there anyway.
         # Such tokens read the zero row the layers append after both groups (a Gather, no Where per layer).
         d_any = op.ReduceSum(dec["mask"], [1], keepdims=0)  # [D] attended keys (0 when max_kv == 0)
-        seq_ok = op.Cast(op.Not(is_dec), to=ir.DataType.INT32)
+        seq_ok = op.Cast(op.Not(is_dec), to=_I64)
         if self.p.if_free:  # the group's members may include the dummy sequence B: scatter into B + 1 entries
             seq_ok = op.Pad(seq_ok, self.pads([0, 1]))
         seq_ok = op.ScatterElements(seq_ok, dec["sel"], d_any)
@@ -180,7 +182,7 @@ class _Plan(GraphTracer):
         op = self.op
         pad = self.pads([0, 1])
         self.g_kvlen, self.g_past, self.g_q_len = (op.Pad(v, pad) for v in (self.kvlen, self.past, self.q_len))
-        self.g_c_lo = op.Pad(self.c_lo, pad, self.scalar(self.T))
+        self.g_c_lo = op.Concat(self.c_lo, self.T, axis=0)  # not a Pad by a computed value: OpenVINO leaves it
         self.g_bt = op.Pad(self.bt, self.pads([0, 0, 1, 1]), op.Constant(value_int=-1))
 
     # ------------------------------------------------------------------ §3.4(c) the write set
@@ -235,7 +237,7 @@ class _Plan(GraphTracer):
         op = self.op
         sel = op.Reshape(op.NonZero(member), self.ints([-1]))
         if self.p.if_free:  # at least one member: the dummy sequence B when there is none (dummy_sequence)
-            sel = op.Slice(op.Pad(sel, self.pads([0, 1]), self.scalar(self.dim(self.kvlen, 0))), [0], op.Max(self.dim(sel, 0), 1))
+            sel = op.Slice(op.Concat(sel, self.dim(self.kvlen, 0), axis=0), [0], op.Max(self.dim(sel, 0), 1))
             seqs = (self.g_kvlen, self.g_past, self.g_c_lo, self.g_bt, self.g_q_len)
         else:
             seqs = (self.kvlen, self.past, self.c_lo, self.bt, self.q_len)
@@ -271,8 +273,11 @@ class _Plan(GraphTracer):
         slot = op.Where(inside, slot_j, last_slot)
         row = self.kv_rows(slot)
         row_ok = op.Unsqueeze(live, [1, 3])  # [S, 1, max_kv, 1] against the gathered [S, kvh, max_kv, H]
-        unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
-        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
+        if self.p.if_free:  # the layers zero them at every step (no If reads rows_ok)
+            rows_ok = op.Constant(value=ir.tensor(True))
+        else:
+            unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
+            rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
         maxq = op.ReduceMax(op.Pad(op.Gather(seqs[4], sel), self.pads([0, 1])), [0], keepdims=1)
         # padding rows read a real token, never gathered back (if-free: the layers' zero row T is one too)
         last_tok = self.T if self.p.if_free else op.Sub(self.T, 1)
@@ -323,7 +328,7 @@ class _Plan(GraphTracer):
             "row": row,
             "allowed": op.Unsqueeze(allowed, [1, 2]),  # [S, 1, 1, max_kv] against the scores [S, kvh, G, max_kv]
             "count": count,
-            "mask": op.Cast(allowed, to=ir.DataType.INT32),
+            "mask": op.Cast(allowed, to=_I64),
             "sel": sel,
         }
 

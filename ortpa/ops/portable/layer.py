@@ -355,7 +355,10 @@ class _Body(GraphTracer):
         if "head_sink" in self.x:
             sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints(sink_shape))
             m = op.Max(m, sink)
-        m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
+        if c.if_free:  # OpenVINO has no IsInf: a kernel left to the CPU EP inside its subgraphs makes them cyclic
+            m = op.Max(m, float(np.finfo(np.float32).min))  # fully masked row: exp(-inf - min) = 0 all the same
+        else:
+            m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
         e = op.Exp(op.Sub(s, m))
         den = op.ReduceSum(e, [axis], keepdims=1)
         if sink is not None:

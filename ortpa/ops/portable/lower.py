@@ -198,7 +198,7 @@ def portable_config(
         k_quant=p.k_quant_type,
         v_quant="NONE" if p.is_latent else p.v_quant_type,
         opset=opset,
-        fused_decode=fused and unfused is None,
+        fused_decode=fused and unfused is None and not if_free,
         rope_table_folded=rotary and _foldable_rope(node, types, constants, p.rotary_dim),
         if_free=if_free,
     )

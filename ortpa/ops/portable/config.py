@@ -56,11 +56,7 @@ PLAN_INPUTS = ("query", "key_cache", "cumulative_sequence_length", "past_seqlens
 # apart into subgraphs of their own). Activations and caches are typed per configuration (the layer's tracer).
 _BOOL_OUTPUTS = frozenset({"any_prefill", "any_decode", "d_allowed", "p_row_ok", "p_allowed", "p_rows_ok"})
 PLAN_OUTPUT_TYPES: dict[str, ir.DataType] = {
-    name: ir.DataType.BOOL
-    if name in _BOOL_OUTPUTS
-    else ir.DataType.FLOAT
-    if name == "d_bias"
-    else ir.DataType.INT64
+    name: ir.DataType.BOOL if name in _BOOL_OUTPUTS else ir.DataType.FLOAT if name == "d_bias" else ir.DataType.INT64
     for name in PLAN_OUTPUTS
 }
 INDEX_TYPE = ir.DataType.INT32  # cumulative_sequence_length, past_seqlens, block_table, slot_mapping (the op's S)

@@ -321,7 +321,9 @@ class _Plan(GraphTracer):
         # a -1 column keeps the key axis non-empty when no decode has a key (ONNX Runtime before 1.21 fails a
         # ReduceMax over an empty axis; later ones give INT64_MIN); -1 is clamped to slot 0
         none = op.Constant(value_int=-1)
-        some = op.Max(op.ReduceMax(op.Pad(op.Where(allowed, slot_j, -1), self.pads([0, 0, 0, 1]), none), [1], keepdims=1), 0)
+        some = op.Max(
+            op.ReduceMax(op.Pad(op.Where(allowed, slot_j, -1), self.pads([0, 0, 0, 1]), none), [1], keepdims=1), 0
+        )
         row = self.kv_rows(op.Where(live, slot_j, some))
         return {
             "query": c_lo,

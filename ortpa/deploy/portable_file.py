@@ -14,7 +14,8 @@ latent row per token, not a key and a value row of the full width.
 
 The metadata says what was done: ``ortpa.portable`` = JSON ``{"lowered": true, "nodes": n, "kv_cache_layout":
 ..., "split_latent": ..., "head_size": H, "cache_head_size": ..., "kv_num_heads": ..., "num_heads": ...,
-"configs": [the PagedAttention attributes of each distinct node configuration], "if_free": ...}``, and
+"configs": [the PagedAttention attributes of each distinct node configuration], "if_free": ..., "dropped_inputs":
+[...]}``, and
 ``ortpa.portable.min_onnxruntime`` = the oldest ONNX Runtime release that runs the file (:func:`min_onnxruntime`):
 a runtime that is not ortpa reads it from the model's metadata before its first run (``docs/converted_model.md``).
 """
@@ -80,6 +81,7 @@ class PortableInfo:
     cache_head_size: int  # the last dimension of each cache input as written (H/2 when split)
     configs: tuple[dict, ...]
     if_free: bool = False  # no If in the graph (lower_graph's ``if_free``)
+    dropped_inputs: tuple[str, ...] = ()  # graph inputs nothing read after the lowering (if_free only)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -95,6 +97,7 @@ def portable_info(model: onnx.ModelProto) -> PortableInfo | None:
     d = json.loads(meta[METADATA_KEY])
     d.pop("lowered", None)
     d["configs"] = tuple(d.get("configs", ()))
+    d["dropped_inputs"] = tuple(d.get("dropped_inputs", ()))
     return PortableInfo(**d)
 
 
@@ -165,6 +168,7 @@ def lower_graph(
     split = any(c.cfg.split_latent for c in calls)
     _insert_after(graph.input, new_inputs)
     _insert_after(graph.output, new_outputs)
+    dropped = _drop_unread_inputs(graph) if if_free else ()
     info = PortableInfo(
         nodes=len(calls),
         kv_cache_layout="LATENT" if first.latent else "SEPARATE",
@@ -175,6 +179,7 @@ def lower_graph(
         cache_head_size=first.head_size // 2 if split else first.head_size,
         configs=tuple(configs.values()),
         if_free=if_free,
+        dropped_inputs=dropped,
     )
     props = {p.key: p.value for p in proto.metadata_props}
     props.update({METADATA_KEY: info.to_json(), MIN_ONNXRUNTIME_KEY: min_onnxruntime(fn_opset)})
@@ -228,6 +233,23 @@ def _split_latent(
     )
     call.inputs.insert(ki + 1, value_in)
     call.outputs = [node.output[0], key_out, value_out]
+
+
+def _drop_unread_inputs(graph: onnx.GraphProto) -> tuple[str, ...]:
+    """Remove the graph inputs no node reads (``attention_metadata``: the lowering ignores it); their names.
+
+    The OpenVINO EP (onnxruntime-openvino 1.24) binds a compiled graph's inputs by position after OpenVINO has
+    dropped those nothing reads, so one unread input hands every later input the wrong tensor (an error at the
+    first run). A runtime feeds only the inputs the file declares (docs/converted_model.md)."""
+    read = {i for node in graph.node for i in node.input} | {o.name for o in graph.output}
+    for node in graph.node:  # values a subgraph reads from the main graph
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                read |= {i for n in sub.node for i in n.input}
+    unread = [vi for vi in graph.input if vi.name not in read]
+    for vi in unread:
+        graph.input.remove(vi)
+    return tuple(vi.name for vi in unread)
 
 
 def _value_name(key_name: str) -> str:

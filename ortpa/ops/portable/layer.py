@@ -7,7 +7,8 @@ one layer,
 whose formal inputs are the node's present inputs (schema order) followed by the plan's outputs
 (:data:`PLAN_OUTPUTS`) and whose outputs are the node's present outputs. Both are traced with onnxscript's graph
 builder into ``onnx_ir.Function`` s; no loops, no custom ops (``If`` skips an empty prefill group and the zeroing
-of padded values when there is none). Together they follow the oracle (``ortpa.ops.oracle``) step by step:
+of padded values when there is none; ``PortableConfig.if_free``: no ``If``, both groups at every step on the plan's
+padded groups, standard-op decodes). Together they follow the oracle (``ortpa.ops.oracle``) step by step:
 
 1. (plan) sanitize ``block_table`` / ``cumulative_sequence_length`` / ``past_seqlens`` (reference §3.4(a));
 2. (layer) prologue: split packed QKV, QK RMSNorm in float32 rounded to T, RoPE in T arithmetic on Q and K

@@ -6,6 +6,8 @@ token count and the cache dims: sanitization (reference §3.4(a)), the de-duplic
 decode and prefill groups' gather rows and masks, and each token's output row (§3.4(d)/(e)). The lowering
 (:mod:`ortpa.ops.portable`) calls it once before the first layer; the layer functions
 (:mod:`ortpa.ops.portable.layer`) take its :data:`~ortpa.ops.portable.config.PLAN_OUTPUTS` as extra inputs.
+With ``PlanConfig.if_free`` the prefill group's index work runs at every step (no ``If``), each group padded to at
+least one member (a dummy sequence, :meth:`_Plan.dummy_sequence`) and one key, and the flags are constants.
 """
 
 from __future__ import annotations

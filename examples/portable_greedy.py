@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+from pathlib import Path
 
 # --- loop: begin
 import numpy as np
 import onnxruntime as ort
 
 
-def open_portable(path, providers=("CPUExecutionProvider",)):
+def open_portable(path, providers=("CPUExecutionProvider",), options=None):
     """Open the file; refuse a runtime older than the one its metadata names (never run into a known crash)."""
-    session = ort.InferenceSession(str(path), providers=list(providers))
+    session = ort.InferenceSession(str(path), options, providers=list(providers))
     meta = session.get_modelmeta().custom_metadata_map
     need = meta.get("ortpa.portable.min_onnxruntime")
     have = ort.__version__.split("+")[0]
@@ -72,10 +74,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--provider", action="append", help="execution provider (repeatable; default: CPU)")
+    ap.add_argument("--placement", action="store_true", help="also report which provider ran which kernels")
     args = ap.parse_args(argv)
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
-    session = open_portable(args.model, args.provider or ["CPUExecutionProvider"])
-    print(json.dumps({"outputs": greedy(session, prompts, args.max_new_tokens, args.block_size)}))
+    options = ort.SessionOptions()
+    options.enable_profiling = args.placement
+    if args.placement:
+        options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "profile")
+    session = open_portable(args.model, args.provider or ["CPUExecutionProvider"], options)
+    result = {"outputs": greedy(session, prompts, args.max_new_tokens, args.block_size)}
+    if args.placement:
+        result["placement"] = placement(session.end_profiling())
+    print(json.dumps(result))
+
+
+def placement(profile: str) -> dict:
+    """Kernels each provider ran in the first step (ONNX Runtime's profile): a compiling provider (OpenVINO) runs
+    its subgraphs as one kernel each, the CPU EP what was left to it, op by op."""
+    events = [e for e in json.loads(Path(profile).read_text()) if e.get("cat") == "Node" and "provider" in e["args"]]
+    first = {}
+    for e in events:  # every step runs the same kernels: count one step's
+        first.setdefault(e["name"], e["args"])
+    counts: dict[str, dict[str, int]] = {}
+    for a in first.values():
+        per = counts.setdefault(a["provider"], {})
+        per[a["op_name"]] = per.get(a["op_name"], 0) + 1
+    return counts
 
 
 if __name__ == "__main__":

@@ -6,16 +6,18 @@ For each release a venv ``DIR/ort-<release>`` (created with ``pip install onnxru
 missing; pip caches the wheels, so only the first run needs the package index) runs, with no ortpa:
 
 * ``examples/portable_greedy.py`` (the loop of ``docs/converted_model.md``) over the ``--portable`` files of a
-  GQA and an MLA fixture: its tokens must equal ortpa's own ``Engine.generate`` on the same file;
+  GQA and an MLA fixture, each in the default and the ``--if-free`` form: its tokens must equal ortpa's own
+  ``Engine.generate`` on the same file;
 * one-node lowered PagedAttention models over every kind of step (prompt chunks only, ragged decodes, both,
   no token at all, an invalid sequence, an unmapped page; GQA through the fused decode and LATENT through the
-  standard ops): outputs within the float16 tolerance of ortpa's NumPy oracle.
+  standard ops; both forms): outputs within the float16 tolerance of ortpa's NumPy oracle.
 
 A release below the files' ``ortpa.portable.min_onnxruntime`` (``--below``) must refuse them with a message
 (exit status 1), never crash. ``--node-dir`` (onnxruntime-node installed there, ``npm install --ignore-scripts``)
-runs ``examples/node/greedy.js``; ``--openvino`` runs the loop on onnxruntime-openvino's OpenVINO EP (reported,
-not judged: see docs/portable.md). Exit status 0 when every judged row holds. The machine needs the package index
-only to create missing venvs or the npm folder.
+runs ``examples/node/greedy.js``; ``--openvino`` runs the loop on onnxruntime-openvino's OpenVINO EP: the
+``--if-free`` files must give ortpa's tokens, the default files (whose ``If`` branches OpenVINO refuses) are
+reported; each run says which kernels the OpenVINO EP took (docs/portable.md). Exit status 0 when every judged
+row holds. The machine needs the package index only to create missing venvs or the npm folder.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ BELOW = "1.19.2"  # the newest release before the floor (ortpa.deploy.portable_f
 OPENVINO = "1.24.1"  # onnxruntime-openvino
 NODE = "1.31.1"  # onnxruntime-node
 MODELS = {"gqa": "llama_sdpa_op18", "mla": "dsv3_sdpa_op18"}  # default-domain opset 18: every listed release
+# each fixture in both portable forms: the default (If-skipped groups) and --if-free (what the OpenVINO EP compiles)
+FORMS = {"": False, "_if_free": True}
 PROMPTS = [[1, 2, 3], list(range(7, 27))]  # ragged: a prefill step of two lengths, then ragged decodes
 NEW_TOKENS = 8
 # (q_lens, pasts, unmapped page of sequence 0) of each step kind the one-node cases run
@@ -94,7 +98,9 @@ def make_cases(folder: Path) -> list[str]:
         "gqa": (32, dict(num_heads=8, kv_num_heads=2)),  # fused decode (MultiHeadAttention)
         "latent": (48, dict(num_heads=4, kv_num_heads=1, kv_cache_layout="LATENT", v_head_size=32)),
     }
-    for layout, (h, attrs) in layouts.items():
+    for layout, (h, attrs), (suffix, if_free) in (
+        (layout, spec, form) for layout, spec in layouts.items() for form in FORMS.items()
+    ):
         for step, (q_lens, pasts, unmapped) in STEPS.items():
             rng = np.random.default_rng(len(names))
             n, kvh = attrs["num_heads"], attrs["kv_num_heads"]
@@ -115,9 +121,9 @@ def make_cases(folder: Path) -> list[str]:
                 x["value"] = rng.standard_normal((t, kvh * h)).astype(np.float16)
                 x["value_cache"] = rng.standard_normal((blocks.size, bs, kvh, h)).astype(np.float16)
             a = dict(attrs, scale=float(1 / np.sqrt(h)))
-            model = lower_to_portable(paged_attention_model(x, a))
+            model = lower_to_portable(paged_attention_model(x, a), if_free=if_free)
             out, k_out, v_out = paged_attention(**{f: x.get(f) for f in PAGED_ATTENTION.input_names}, **a)
-            name = f"{layout}_{step}"
+            name = f"{layout}{suffix}_{step}"
             (folder / f"{name}.onnx").write_bytes(model.SerializeToString())
             expected = {"expected.output": out, "expected.key_cache_out": k_out}
             if v_out is not None:
@@ -137,11 +143,13 @@ def convert_models(work: Path) -> dict[str, tuple[Path, list[list[int]]]]:
 
     models = {}
     for key, fixture in MODELS.items():
-        out = work / key / "model.onnx"
-        if not out.exists():
-            ortpa.convert_file(ROOT / "tests" / "fixtures" / f"{fixture}.onnx", out, portable=True)
-        tokens = Engine(out, num_blocks=16).generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
-        models[key] = (out, tokens)
+        for suffix, if_free in FORMS.items():
+            out = work / f"{key}{suffix}" / "model.onnx"
+            if not out.exists():
+                src = ROOT / "tests" / "fixtures" / f"{fixture}.onnx"
+                ortpa.convert_file(src, out, portable=True, if_free=if_free)
+            tokens = Engine(out, num_blocks=16).generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+            models[f"{key}{suffix}"] = (out, tokens)
     return models
 
 
@@ -169,8 +177,12 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[int, str, str]:
 def tokens_row(rc: int, out: str, err: str, want: list[list[int]]) -> dict:
     if rc != 0:  # a negative status is a signal: the crash this matrix exists to catch
         return {"ok": False, "status": rc, "error": (err.strip().splitlines() or [""])[-1][:300]}
-    got = json.loads(out.strip().splitlines()[-1])["outputs"]
-    return {"ok": got == want, "status": rc, "tokens": got}
+    last = json.loads(out.strip().splitlines()[-1])
+    return {"ok": last["outputs"] == want, "status": rc, "tokens": last["outputs"], **_placement(last)}
+
+
+def _placement(result: dict) -> dict:
+    return {"placement": result["placement"]} if "placement" in result else {}
 
 
 def _cell(c: dict | None) -> str:
@@ -249,20 +261,27 @@ def main(argv: list[str] | None = None) -> int:
         row["ok"] = all(row[k]["ok"] for k in models)
         rows.append(row)
     if args.openvino:
+        # judged on the If-free files; the default files are reported (OpenVINO refuses their If branches)
         python = venv(args.venvs / "openvino", f"onnxruntime-openvino=={args.openvino}")
-        row = {"runtime": f"onnxruntime-openvino {args.openvino}, OpenVINO EP", "judged": False}
+        row = {"runtime": f"onnxruntime-openvino {args.openvino}, OpenVINO EP", "judged": True}
         providers = ["--provider", "OpenVINOExecutionProvider", "--provider", "CPUExecutionProvider"]
         for key, (path, want) in models.items():
-            row[key] = tokens_row(*run([str(python), *loop_args(path), *providers]), want)
-        row["ok"] = all(row[k]["ok"] for k in models)
+            row[key] = tokens_row(*run([str(python), *loop_args(path), *providers, "--placement"]), want)
+            row[key]["judged"] = key.endswith("_if_free")
+        row["ok"] = all(row[k]["ok"] for k in models if k.endswith("_if_free"))
         rows.append(row)
 
     total = round(time.perf_counter() - start, 1)
-    print(f"| runtime | GQA tokens | MLA tokens | one-node cases ({len(cases)}) | seconds |")
-    print("|---|---|---|---|---|")
+    heads = " | ".join(f"{k} tokens" for k in models)
+    print(f"| runtime | {heads} | one-node cases ({len(cases)}) | seconds |")
+    print("|---|" + "---|" * (len(models) + 2))
     for r in rows:
         cells = [_cell(r.get(k)) for k in (*models, "cases")]
         print(f"| {r['runtime']} | {' | '.join(cells)} | {r.get('seconds', '')} |")
+    for r in rows:
+        for k in models:
+            if isinstance(r.get(k), dict) and "placement" in r[k]:
+                print(f"{r['runtime']}, {k}: {r[k]['placement']}")
     print(f"total {total} s")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "seconds": total}, indent=1))

@@ -14,6 +14,7 @@ prints a table):
 * ``linearity``: time per 1k context tokens at 8192 over the same at 2048, batch 1 (1.0 = linear).
 * ``pool_ratio``: the portable step with 4096 allocated blocks over 64 blocks at the same context (target ~1:
   the aliased ScatterND never copies the pool), and the unaliased 4096-block step for contrast.
+* ``if_free_ratio/<step>``: the If-free form over the default form (see :func:`if_free_rows`).
 * ``mixed_ms`` / ``mixed_ratio``: one step holding a 256-token prompt chunk (its context ending at 2048) and 15
   decodes at context 2048, against the same work run as one prefill step plus one decode step (target: the
   mixed step <= 1.3x the sum). The three steps are timed interleaved, so load from other processes hits them
@@ -33,10 +34,10 @@ from onnx import TensorProto, helper
 from ortpa.bench import format_table
 from ortpa.bench._timing import aliased_step, interleaved_ms, median_ms
 from ortpa.bench._timing import row as _row
-from ortpa.ops.portable import portable_single_node_model
+from ortpa.ops.portable import lower_to_portable, paged_attention_model, portable_single_node_model
 from ortpa.providers import CPU
 
-__all__ = ["run"]
+__all__ = ["if_free_rows", "run"]
 
 N, KVH, H, BS = 32, 8, 128, 16
 
@@ -214,6 +215,32 @@ def run(quick: bool = False) -> list[dict]:
     ratio = ms["mixed"] / (ms["prefill"] + ms["decode"])
     rows.append(_row("mixed_ratio/mixed_vs_separate", "step_time_ratio", ratio, "x", "mixed over prefill + decode; "
                      "target <= 1.3"))  # fmt: skip
+    rows += if_free_rows(rng, repeats)
+    return rows
+
+
+def if_free_rows(rng: np.random.Generator, repeats: int) -> list[dict]:
+    """``if_free_ratio/<step>``: the If-free form (``convert --portable --if-free``) over the default form, one ORT
+    thread each, CPU time, interleaved: a decode-only step (its dummy prefill member runs too, and the decodes take
+    the standard ops instead of MultiHeadAttention), a 256-token prompt chunk alone (its dummy decode runs too),
+    and both in one step."""
+    attrs = {"num_heads": N, "kv_num_heads": KVH}
+    ctx, chunk, decodes = 1024, 256, 4
+    steps = _mixed_inputs(decodes, ctx, chunk, rng)
+    probe = _paged_inputs(1, 16, 8, rng)
+    forms = {
+        "default": lower_to_portable(paged_attention_model(probe, attrs)),
+        "if_free": lower_to_portable(paged_attention_model(probe, attrs), if_free=True),
+    }
+    sessions = {form: _session(model, 1) for form, model in forms.items()}
+    rows = []
+    for step, x in (("decode", steps["decode"]), ("prefill", steps["prefill"]), ("mixed", steps["mixed"])):
+        fns = {form: aliased_step(sess, x, alias=True) for form, sess in sessions.items()}
+        ms = interleaved_ms(fns, repeats, time.process_time)
+        what = {"decode": f"{decodes} decodes", "prefill": f"a {chunk}-token chunk", "mixed": "both"}[step]
+        note = (f"{what} at context {ctx}, GQA {N}/{KVH}x{H} fp16, 1 ORT thread, CPU time; if-free "
+                f"{ms['if_free']:.2f} ms, default {ms['default']:.2f} ms")  # fmt: skip
+        rows.append(_row(f"if_free_ratio/{step}", "step_time_ratio", ms["if_free"] / ms["default"], "x", note))
     return rows
 
 

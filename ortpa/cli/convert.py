@@ -54,6 +54,7 @@ def options_from_args(args: argparse.Namespace):
         providers=args.providers,
         verify=not args.no_verify,
         portable=args.portable,
+        if_free=args.if_free,
         genai=_genai_options(args),
         revision=args.revision,
         export=export_options(args, dtype=args.export_dtype),
@@ -245,6 +246,12 @@ def register(sub) -> None:
         help="lower every PagedAttention node to standard ONNX ops (model-local functions) after validating it: "
         "plain ONNX Runtime runs the file on any execution provider, onnxruntime-genai's Engine on CPU; MLA "
         "(LATENT) caches are split into a key and a value half. Default: the native op (CUDA, WebGPU)",
+    )
+    p.add_argument(
+        "--if-free",
+        action="store_true",
+        help="with --portable: the form without If (both attention groups at every step, padded so that nothing "
+        "is empty), which the OpenVINO execution provider compiles; 1.2-1.7x slower on the CPU EP",
     )
     p.add_argument(
         "--keep-dense",

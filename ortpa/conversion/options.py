@@ -44,6 +44,8 @@ class ConvertOptions:
       steps on seeded prompts; one rule for every model, docs/verification.md). Skip only for a model this
       machine cannot run.
     * ``portable``: lower every PagedAttention node to standard ONNX ops (any execution provider, genai on CPU).
+    * ``if_free``: with ``portable``, the form without ``If`` (both attention groups at every step, padded so that
+      nothing is empty): the OpenVINO EP compiles it; slower on the CPU EP (docs/portable.md).
     * ``genai``: ``genai_config.json``'s ``engine.dynamic_batching`` settings.
     * ``revision``: branch, tag or commit when the model is a Hugging Face repo id in the local cache.
     * ``export``: how a Hugging Face checkpoint folder (config.json, weights, no ONNX file) is exported first;
@@ -55,6 +57,7 @@ class ConvertOptions:
     verify: bool = True
     verify_steps: int = DEFAULT_STEPS
     portable: bool = False
+    if_free: bool = False
     genai: GenaiOptions = field(default_factory=GenaiOptions)
     revision: str | None = None
     export: ExportOptions = field(default_factory=ExportOptions)
@@ -86,5 +89,7 @@ class ConvertOptions:
                 "--portable cannot honour --kv-cache-dtype float8e4m3fn: ONNX Gather/ScatterND have no float8 form; "
                 "use float16, bfloat16 or int8"
             )
+        if self.if_free and not self.portable:
+            raise ConversionError("--if-free is a form of --portable: expected --portable with it, found it alone")
         if self.verify_steps < 1:
             raise ConversionError(f"verify_steps: expected >= 1, found {self.verify_steps}")

@@ -224,7 +224,7 @@ def _deploy(
     portable = None
     if opts.portable:
         report(progress, Stage.LOWER, "lowering PagedAttention to standard ONNX ops (--portable)")
-        portable = lower_graph(header, stage.out.name)
+        portable = lower_graph(header, stage.out.name, if_free=opts.if_free)
         changed = True
     if changed:  # the graph only: the weights stay in the staged .data (an inline model is small)
         onnx.save(header, str(stage.model))

@@ -14,7 +14,8 @@ latent row per token, not a key and a value row of the full width.
 
 The metadata says what was done: ``ortpa.portable`` = JSON ``{"lowered": true, "nodes": n, "kv_cache_layout":
 ..., "split_latent": ..., "head_size": H, "cache_head_size": ..., "kv_num_heads": ..., "num_heads": ...,
-"configs": [the PagedAttention attributes of each distinct node configuration]}``, and
+"configs": [the PagedAttention attributes of each distinct node configuration], "if_free": ..., "dropped_inputs":
+[...]}``, and
 ``ortpa.portable.min_onnxruntime`` = the oldest ONNX Runtime release that runs the file (:func:`min_onnxruntime`):
 a runtime that is not ortpa reads it from the model's metadata before its first run (``docs/converted_model.md``).
 """
@@ -79,6 +80,8 @@ class PortableInfo:
     head_size: int  # the op's head size (the latent width for LATENT)
     cache_head_size: int  # the last dimension of each cache input as written (H/2 when split)
     configs: tuple[dict, ...]
+    if_free: bool = False  # no If in the graph (lower_graph's ``if_free``)
+    dropped_inputs: tuple[str, ...] = ()  # graph inputs nothing read after the lowering (if_free only)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -94,6 +97,7 @@ def portable_info(model: onnx.ModelProto) -> PortableInfo | None:
     d = json.loads(meta[METADATA_KEY])
     d.pop("lowered", None)
     d["configs"] = tuple(d.get("configs", ()))
+    d["dropped_inputs"] = tuple(d.get("dropped_inputs", ()))
     return PortableInfo(**d)
 
 
@@ -103,21 +107,29 @@ def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
     return weightless(proto)
 
 
-def lower_file(path: str | os.PathLike, *, split_latent: bool = True, check_session: bool = True) -> PortableInfo:
+def lower_file(
+    path: str | os.PathLike, *, split_latent: bool = True, check_session: bool = True, if_free: bool = False
+) -> PortableInfo:
     """Lower every PagedAttention node of the model file ``path`` in place (atomically); what was done. For a paged
     file made elsewhere (``ortpa convert --portable`` lowers its graph before the file is published)."""
     path = Path(path)
     proto = onnx.load(str(path), load_external_data=False)
-    info = lower_graph(proto, str(path), split_latent=split_latent, check_session=check_session)
+    info = lower_graph(proto, str(path), split_latent=split_latent, check_session=check_session, if_free=if_free)
     _replace(proto, path)
     return info
 
 
 def lower_graph(
-    proto: onnx.ModelProto, where: str, *, split_latent: bool = True, check_session: bool = True
+    proto: onnx.ModelProto,
+    where: str,
+    *,
+    split_latent: bool = True,
+    check_session: bool = True,
+    if_free: bool = False,
 ) -> PortableInfo:
     """Lower every PagedAttention node of ``proto`` (its graph; weights may stay external) in place; what was done.
-    ``where`` names the model in messages.
+    ``where`` names the model in messages. ``if_free``: the form without ``If`` (both attention groups at every
+    step, padded so that nothing is empty), which compilers that refuse ``If`` bodies (the OpenVINO EP) accept.
 
     Raises :class:`~ortpa.errors.ConversionError` when a node cannot be lowered (float8 or packed int4 caches,
     symbolic head sizes), when ``split_latent`` meets an odd latent width or a quantized latent cache, or when ONNX
@@ -141,7 +153,7 @@ def lower_graph(
     def make_call(i: int, node: onnx.NodeProto) -> LayerCall:
         node_name = node.name or f"{OP_TYPE}_{i}"
         try:
-            call = layer_call(node, types, fn_opset, folded, constants=constants)
+            call = layer_call(node, types, fn_opset, folded, constants=constants, if_free=if_free)
         except Exception as exc:  # InvalidArgument / NotImplementedByBackend: one line, with the node
             raise ConversionError(f"--portable cannot lower node {node_name}: {exc}") from None
         if call.cfg.latent and split_latent:
@@ -156,6 +168,7 @@ def lower_graph(
     split = any(c.cfg.split_latent for c in calls)
     _insert_after(graph.input, new_inputs)
     _insert_after(graph.output, new_outputs)
+    dropped = _drop_unread_inputs(graph) if if_free else ()
     info = PortableInfo(
         nodes=len(calls),
         kv_cache_layout="LATENT" if first.latent else "SEPARATE",
@@ -165,6 +178,8 @@ def lower_graph(
         head_size=first.head_size,
         cache_head_size=first.head_size // 2 if split else first.head_size,
         configs=tuple(configs.values()),
+        if_free=if_free,
+        dropped_inputs=dropped,
     )
     props = {p.key: p.value for p in proto.metadata_props}
     props.update({METADATA_KEY: info.to_json(), MIN_ONNXRUNTIME_KEY: min_onnxruntime(fn_opset)})
@@ -218,6 +233,23 @@ def _split_latent(
     )
     call.inputs.insert(ki + 1, value_in)
     call.outputs = [node.output[0], key_out, value_out]
+
+
+def _drop_unread_inputs(graph: onnx.GraphProto) -> tuple[str, ...]:
+    """Remove the graph inputs no node reads (``attention_metadata``: the lowering ignores it); their names.
+
+    The OpenVINO EP (onnxruntime-openvino 1.24) binds a compiled graph's inputs by position after OpenVINO has
+    dropped those nothing reads, so one unread input hands every later input the wrong tensor (an error at the
+    first run). A runtime feeds only the inputs the file declares (docs/converted_model.md)."""
+    read = {i for node in graph.node for i in node.input} | {o.name for o in graph.output}
+    for node in graph.node:  # values a subgraph reads from the main graph
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                read |= {i for n in sub.node for i in n.input}
+    unread = [vi for vi in graph.input if vi.name not in read]
+    for vi in unread:
+        graph.input.remove(vi)
+    return tuple(vi.name for vi in unread)
 
 
 def _value_name(key_name: str) -> str:

@@ -56,7 +56,9 @@ def prefill_split(graph: ir.Graph, io: packed.PagedIO, key_cache: ir.Value) -> P
     # the fresh sequences' grid [S, M]: token c_lo[s] + i, clamped onto a real token in the padding
     sel = b.op("Reshape", [b.op("NonZero", [fresh_seq]), b.ints([-1])])
     sel_len = b.op("Gather", [q_len, sel])
-    max_q = b.op("ReduceMax", [b.op("Concat", [sel_len, zero], {"axis": 0}), zero], {"keepdims": 1})
+    # over a padded 0 (no fresh sequence: 0), not a Concat with one: OpenVINO's CPU plug-in gives
+    # ReduceMax(Concat(x, [0])) the Concat's shape
+    max_q = b.op("ReduceMax", [b.op("Pad", [sel_len, b.ints([0, 1])]), zero], {"keepdims": 1})
     i = b.op("Range", [b.initializer(np.array(0, np.int64), "zero"), b.op("Squeeze", [max_q, zero]),
                        b.initializer(np.array(1, np.int64), "one")])  # fmt: skip
     count = b.op("Shape", [io.input_ids])

@@ -151,12 +151,13 @@ def _asked_rows(graph: ir.Graph, b: Builder, io: PagedIO) -> ir.Value:
     graph.inputs.append(asked)
     graph.register_initializer(asked)
     last = last_token_index(b, io)
-    n = b.op("Size", [asked], hint="logits_indices_count")
+    # counts as Shape ([1]), not Size (a scalar): the OpenVINO EP leaves Size to the CPU EP, which splits its subgraphs
+    n = b.op("Shape", [asked], hint="logits_indices_count")
     zero = b.initializer(np.array(0, np.int64), "zero")
     none = b.op("Cast", [b.op("Equal", [n, zero])], {"to": ir.DataType.INT64})
-    end = b.op("Add", [n, b.op("Mul", [none, b.op("Size", [last])])])  # n if fed, else one row per sequence
+    end = b.op("Add", [n, b.op("Mul", [none, b.op("Shape", [last])])])  # n if fed, else one row per sequence
     both = b.op("Concat", [asked, last], {"axis": 0})
-    return b.op("Slice", [both, b.ints([0]), b.op("Reshape", [end, b.ints([1])]), b.ints([0])], hint="logits_rows")
+    return b.op("Slice", [both, b.ints([0]), end, b.ints([0])], hint="logits_rows")
 
 
 def _fold_cache_shapes(graph: ir.Graph, dense: ir.Value) -> None:

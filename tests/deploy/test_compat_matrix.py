@@ -1,6 +1,7 @@
 """The compatibility matrix (``scripts/compat_matrix.py``, issue 40): every listed ONNX Runtime release and
-onnxruntime-node run the ``--portable`` files of a GQA and an MLA model with ortpa's own tokens, one-node cases of
-every kind of step agree with the oracle, and a release below the files' floor refuses them with a message.
+onnxruntime-node run the ``--portable`` files of a GQA and an MLA model (default and ``--if-free`` form) with
+ortpa's own tokens, one-node cases of every kind of step agree with the oracle, a release below the files' floor
+refuses them with a message, and the OpenVINO EP runs the ``--if-free`` files with ortpa's tokens.
 
 Behind the ``compat`` marker (``ORTPA_COMPAT=1``): it creates a venv per release (and an npm folder) the first
 time, which needs the package index; ``ORTPA_COMPAT_VENVS`` says where (default ``/tmp/ortpa-compat``). Measured:
@@ -32,4 +33,10 @@ def test_every_release_runs_the_portable_files_with_ortpa_tokens(tmp_path) -> No
     assert {f"onnxruntime {v}" for v in listed} <= releases
     assert any(r["runtime"].startswith("onnxruntime-node") for r in judged)
     below = [r for r in judged if "below the floor" in r["runtime"]]
-    assert below and all(r[k]["status"] == 1 for r in below for k in ("gqa", "mla"))  # refused, not crashed
+    forms = ("gqa", "mla", "gqa_if_free", "mla_if_free")
+    assert below and all(r[k]["status"] == 1 for r in below for k in forms)  # refused, not crashed
+    # the OpenVINO EP runs the If-free files with ortpa's tokens, every kernel in its own compiled subgraphs
+    (openvino,) = [r for r in judged if "OpenVINO EP" in r["runtime"]]
+    for key in ("gqa_if_free", "mla_if_free"):
+        assert openvino[key]["ok"], openvino[key]
+        assert set(openvino[key]["placement"]) == {"OpenVINOExecutionProvider"}, openvino[key]["placement"]

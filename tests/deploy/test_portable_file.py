@@ -150,3 +150,36 @@ def test_a_deployment_without_any_eos_says_so(tmp_path, capsys):
     assert main(["convert", str(FIXTURES / "formats" / "onnxexporter_llama.onnx"), str(out), "--portable"]) == 0
     assert "no eos_token_id found" in capsys.readouterr().err
     assert "eos_token_id" not in json.loads((out.parent / "genai_config.json").read_text())["model"]
+
+
+def _functions_have_if(proto: onnx.ModelProto) -> bool:
+    return any(n.op_type == "If" for f in proto.functions for n in f.node)
+
+
+def test_if_free_file_gives_the_default_forms_tokens_without_any_if(native_llama, tmp_path):
+    """``--if-free`` (what the OpenVINO EP compiles): no If, the unread ``attention_metadata`` input dropped (the
+    OpenVINO EP binds inputs by position after OpenVINO drops unread ones), both recorded in the metadata; ortpa's
+    Engine gives the default form's tokens on it."""
+    prompts, params = [[5, 6, 7], list(range(10, 30))], SamplingParams(max_new_tokens=6)
+    files = {}
+    for form in ("default", "if_free"):
+        files[form] = tmp_path / form / "model.onnx"
+        files[form].parent.mkdir()
+        shutil.copyfile(native_llama, files[form])
+        lower_file(files[form], if_free=form == "if_free")
+    default, if_free = (onnx.load(str(files[f]), load_external_data=False) for f in ("default", "if_free"))
+    assert _functions_have_if(default) and not _functions_have_if(if_free)
+    info = portable_info(if_free)
+    assert info.if_free and info.dropped_inputs == ("attention_metadata",) and not portable_info(default).if_free
+    names = [i.name for i in default.graph.input]
+    assert [i.name for i in if_free.graph.input] == [n for n in names if n != "attention_metadata"]
+    tokens = {f: Engine(files[f], num_blocks=16).generate(prompts, params) for f in files}
+    assert tokens["if_free"] == tokens["default"]
+
+
+def test_if_free_without_portable_is_refused(tmp_path, capsys):
+    out = tmp_path / "out" / "model.onnx"
+    assert main(["convert", str(LLAMA), str(out), "--if-free", "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "--if-free is a form of --portable" in err and "\n" not in err, err
+    assert not out.exists()

@@ -10,7 +10,18 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_OPSET", "ORT_DOMAIN", "PLAN_INPUTS", "PLAN_OUTPUTS", "PlanConfig", "PortableConfig"]
+import onnx_ir as ir
+
+__all__ = [
+    "DEFAULT_OPSET",
+    "INDEX_TYPE",
+    "ORT_DOMAIN",
+    "PLAN_INPUTS",
+    "PLAN_OUTPUTS",
+    "PLAN_OUTPUT_TYPES",
+    "PlanConfig",
+    "PortableConfig",
+]
 
 DEFAULT_OPSET = 21  # the default-domain opset of functions built outside a model (one-node models, tools)
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MultiHeadAttention), version 1 in every release
@@ -39,6 +50,16 @@ PLAN_OUTPUTS = (
 )
 # inputs of the plan function, in this order; slot_mapping only when the node passes it
 PLAN_INPUTS = ("query", "key_cache", "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping")
+# Element types (ONNX TensorProto codes) of the plan's outputs and of the op's index inputs (its type S), declared
+# on the functions' formal inputs: the tracer then knows every value's type, so a Python constant becomes a
+# constant of that type, not a CastLike the function's reader must resolve (OpenVINO's reader takes such nodes
+# apart into subgraphs of their own). Activations and caches are typed per configuration (the layer's tracer).
+_BOOL_OUTPUTS = frozenset({"any_prefill", "any_decode", "d_allowed", "p_row_ok", "p_allowed", "p_rows_ok"})
+PLAN_OUTPUT_TYPES: dict[str, ir.DataType] = {
+    name: ir.DataType.BOOL if name in _BOOL_OUTPUTS else ir.DataType.FLOAT if name == "d_bias" else ir.DataType.INT64
+    for name in PLAN_OUTPUTS
+}
+INDEX_TYPE = ir.DataType.INT32  # cumulative_sequence_length, past_seqlens, block_table, slot_mapping (the op's S)
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,10 @@ class PortableConfig:
     # cos_cache / sin_cache are initializers of a size worth folding: the layer builds its float32 table of every
     # row from them alone, which ONNX Runtime folds into a constant when it opens the session
     rope_table_folded: bool = False
+    # no ``If``: both groups are computed at every step, each padded to at least one member (a dummy sequence
+    # with no key when the group is empty) and one key, so that no kernel sees an empty batch; for compilers
+    # that refuse ``If`` bodies (OpenVINO's CPU plug-in), at the cost of the skipped group's kernels
+    if_free: bool = False
 
     @property
     def opset_imports(self) -> dict[str, int]:
@@ -108,6 +133,7 @@ class PlanConfig:
     is_causal: bool
     slot_mapping: bool
     opset: int
+    if_free: bool = False  # see PortableConfig.if_free
 
     @classmethod
     def of(cls, cfg: PortableConfig) -> PlanConfig:
@@ -117,6 +143,7 @@ class PlanConfig:
             is_causal=cfg.is_causal,
             slot_mapping="slot_mapping" in cfg.present_inputs,
             opset=cfg.opset,
+            if_free=cfg.if_free,
         )
 
     @property

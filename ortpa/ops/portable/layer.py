@@ -7,7 +7,8 @@ one layer,
 whose formal inputs are the node's present inputs (schema order) followed by the plan's outputs
 (:data:`PLAN_OUTPUTS`) and whose outputs are the node's present outputs. Both are traced with onnxscript's graph
 builder into ``onnx_ir.Function`` s; no loops, no custom ops (``If`` skips an empty prefill group and the zeroing
-of padded values when there is none). Together they follow the oracle (``ortpa.ops.oracle``) step by step:
+of padded values when there is none; ``PortableConfig.if_free``: no ``If``, both groups at every step on the plan's
+padded groups, standard-op decodes). Together they follow the oracle (``ortpa.ops.oracle``) step by step:
 
 1. (plan) sanitize ``block_table`` / ``cumulative_sequence_length`` / ``past_seqlens`` (reference §3.4(a));
 2. (layer) prologue: split packed QKV, QK RMSNorm in float32 rounded to T, RoPE in T arithmetic on Q and K
@@ -36,7 +37,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-from ortpa.ops.portable.config import ORT_DOMAIN, PLAN_OUTPUTS, PortableConfig
+from ortpa.ops.portable.config import INDEX_TYPE, ORT_DOMAIN, PLAN_OUTPUT_TYPES, PLAN_OUTPUTS, PortableConfig
 from ortpa.ops.portable.tracer import FUNCTION_DOMAIN, GraphTracer
 
 __all__ = ["build_function"]
@@ -48,8 +49,10 @@ _I64 = ir.DataType.INT64
 def build_function(cfg: PortableConfig) -> ir.Function:
     """One layer's attention: inputs are the node's present inputs then :data:`PLAN_OUTPUTS` (``plan.``-prefixed)."""
     extra = ("extra.index", "extra.rows") if cfg.extra_write else ()
-    inputs = [ir.val(name) for name in cfg.present_inputs] + [ir.val(f"plan.{n}") for n in PLAN_OUTPUTS]
-    inputs += [ir.val(name) for name in extra]
+    # typed inputs: every traced value's type is known, so no CastLike (config.PLAN_OUTPUT_TYPES)
+    inputs = [ir.val(name, _input_type(cfg, name)) for name in cfg.present_inputs]
+    inputs += [ir.val(f"plan.{n}", PLAN_OUTPUT_TYPES[n]) for n in PLAN_OUTPUTS]
+    inputs += [ir.val(name, _input_type(cfg, name)) for name in extra]
 
     def trace(op, *vals):
         x = dict(zip(cfg.present_inputs, vals, strict=False))
@@ -61,6 +64,19 @@ def build_function(cfg: PortableConfig) -> ir.Function:
     return onnxscript.build_function(
         trace, inputs, domain=FUNCTION_DOMAIN, name=cfg.function_name(), opset_imports=cfg.opset_imports
     )
+
+
+def _input_type(cfg: PortableConfig, name: str) -> ir.DataType:
+    """The element type of the layer function's input ``name`` (an op input or a folded write's)."""
+    if name in ("key_cache", "value_cache", "extra.rows"):
+        return ir.DataType(cfg.cache_dtype)
+    if name in ("cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping"):
+        return INDEX_TYPE
+    if name in ("k_scale", "v_scale"):
+        return _F32
+    if name == "extra.index":
+        return _I64
+    return ir.DataType(cfg.act_dtype)  # the op's T: query, key, value, cos / sin, head_sink, norm weights
 
 
 class _Body(GraphTracer):
@@ -259,6 +275,15 @@ class _Body(GraphTracer):
         """
         op, pl = self.op, self.plan
         width = self.c.num_heads * self.c.v_head_size
+        zero = self.constant(np.zeros((1, width), np.float32))
+        if self.c.if_free:
+            # both groups at every step, each with at least one member (a dummy with no token when the group is
+            # empty, whose query is the zero row T appended here: nothing is gathered from an empty tensor)
+            n, h = self.c.num_heads, self.c.head_size
+            q = op.Concat(q, op.Cast(self.constant(np.zeros((1, n, h), np.float32)), to=self.t_dtype), axis=0)
+            o_dec = self.attend_group(q, k_cache, v_cache, "d_", one_query=True)
+            o_pre = self.attend_group(q, k_cache, v_cache, "p_", one_query=False)
+            return op.Cast(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), to=self.t_dtype)
         # each group runs under an If on one of its members attending a key, so that no kernel is called on an
         # empty batch or key range (older MultiHeadAttention kernels divide by zero there); a skipped decode
         # group is D zero rows (D may be 0), which its tokens never read (the plan's out_row: the zero row)
@@ -282,7 +307,6 @@ class _Body(GraphTracer):
             lambda: [self.attend_group(q, k_cache, v_cache, "p_", one_query=False)],
             lambda: [self.constant(empty)],
         )  # [P * max_q, N * vh]
-        zero = self.constant(np.zeros((1, self.c.num_heads * self.c.v_head_size), np.float32))
         return op.Cast(op.Gather(op.Concat(o_dec, o_pre, zero, axis=0), pl["out_row"]), to=self.t_dtype)
 
     def attend_group(self, q, k_cache, v_cache, g_: str, *, one_query: bool):
@@ -332,7 +356,10 @@ class _Body(GraphTracer):
         if "head_sink" in self.x:
             sink = op.Reshape(self.f32(self.x["head_sink"]), self.ints(sink_shape))
             m = op.Max(m, sink)
-        m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
+        if c.if_free:  # OpenVINO has no IsInf: a kernel left to the CPU EP inside its subgraphs makes them cyclic
+            m = op.Max(m, float(np.finfo(np.float32).min))  # fully masked row: exp(-inf - min) = 0 all the same
+        else:
+            m = op.Where(op.IsInf(m), 0.0, m)  # fully masked row without a sink
         e = op.Exp(op.Sub(s, m))
         den = op.ReduceSum(e, [axis], keepdims=1)
         if sink is not None:
@@ -419,6 +446,8 @@ class _Body(GraphTracer):
         pl = self.plan
         if g_ == "d_":
             return self.op.MatMul(p, values)
+        if self.c.if_free:  # no If: the zeroing pass at every step
+            return self.op.MatMul(p, self.op.Where(pl[g_ + "row_ok"], values, 0.0))
         return self.branch(
             pl[g_ + "rows_ok"],
             f"{g_}pv",

@@ -117,13 +117,14 @@ def portable_config(
     *,
     fused: bool = True,
     constants: Collection[str] = (),
+    if_free: bool = False,
 ) -> PortableConfig:
     """Validate ``node`` from declared types (ONNX Runtime's rules) and derive the function's configuration.
 
     ``fused``: let decodes attend through ONNX Runtime's ``com.microsoft::MultiHeadAttention`` where it computes
     the op's semantics (:func:`fused_decode_reason`); ``False`` keeps every kernel a standard ONNX op.
     ``constants``: names of the model's constant values (:func:`_constant_values`); RoPE tables among them are
-    folded (see :func:`_foldable_rope`)."""
+    folded (see :func:`_foldable_rope`). ``if_free``: no ``If`` in the functions (``PortableConfig.if_free``)."""
     where = node.name or None
     names = list(node.input) + [""] * (len(PAGED_ATTENTION.inputs) - len(node.input))
     inputs = {f.name: _tensor_info(types.get(names[f.index])) for f in PAGED_ATTENTION.inputs if names[f.index] != ""}
@@ -197,8 +198,9 @@ def portable_config(
         k_quant=p.k_quant_type,
         v_quant="NONE" if p.is_latent else p.v_quant_type,
         opset=opset,
-        fused_decode=fused and unfused is None,
+        fused_decode=fused and unfused is None and not if_free,
         rope_table_folded=rotary and _foldable_rope(node, types, constants, p.rotary_dim),
+        if_free=if_free,
     )
 
 
@@ -242,13 +244,14 @@ def layer_call(
     fused: bool = True,
     constants: Collection[str] = (),
     configure: Callable[[PortableConfig], PortableConfig] | None = None,
+    if_free: bool = False,
 ) -> LayerCall:
     """``node`` as a call of its layer function: its present inputs in schema order, its present outputs
-    (``fused``, ``constants``: see :func:`portable_config`). ``folded``
+    (``fused``, ``constants``, ``if_free``: see :func:`portable_config`). ``folded``
     (:func:`ortpa.ops.trailing_write.trailing_writes`): a LATENT node whose ``key_cache_out`` gets more rows by a
     ``ScatterND`` writes them itself, and its call outputs that ``ScatterND``'s output. ``configure`` maps the
     validated configuration to the one the function is built with (see :func:`lower_to_portable`)."""
-    cfg = portable_config(node, types, opset, fused=fused, constants=constants)
+    cfg = portable_config(node, types, opset, fused=fused, constants=constants, if_free=if_free)
     if configure is not None:
         cfg = configure(cfg)
     inputs = [node.input[_INDEX[name]] for name in cfg.present_inputs]
@@ -317,6 +320,7 @@ def lower_to_portable(
     types: Mapping[str, onnx.TypeProto] | None = None,
     fused: bool = True,
     configure: Callable[[PortableConfig], PortableConfig] | None = None,
+    if_free: bool = False,
 ) -> onnx.ModelProto:
     """A copy of ``model`` whose (selected) PagedAttention nodes call portable local functions.
 
@@ -327,7 +331,9 @@ def lower_to_portable(
     ``com.microsoft::MultiHeadAttention`` where it computes the op's semantics (see :func:`portable_config`);
     ``False`` emits standard ONNX ops only. ``configure`` maps each node's validated configuration to
     the one its function is built with (verification's float32 twin, :mod:`ortpa.parity.twin`: T and caches in
-    float32, which the op's own type rules do not allow and the portable graph computes anyway).
+    float32, which the op's own type rules do not allow and the portable graph computes anyway). ``if_free``:
+    no ``If`` anywhere (``PortableConfig.if_free``: both groups at every step, padded so nothing is empty), for
+    compilers that refuse ``If`` bodies such as OpenVINO's.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -350,7 +356,9 @@ def lower_to_portable(
     def make_call(_: int, node: onnx.NodeProto) -> LayerCall | None:
         if wanted is not None and node.name not in wanted:
             return None
-        return layer_call(node, types, fn_opset, folded, fused=fused, constants=constants, configure=configure)
+        return layer_call(
+            node, types, fn_opset, folded, fused=fused, constants=constants, configure=configure, if_free=if_free
+        )
 
     lower_nodes(out, make_call, types)
     if wanted is not None:

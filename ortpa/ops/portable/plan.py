@@ -6,6 +6,8 @@ token count and the cache dims: sanitization (reference §3.4(a)), the de-duplic
 decode and prefill groups' gather rows and masks, and each token's output row (§3.4(d)/(e)). The lowering
 (:mod:`ortpa.ops.portable`) calls it once before the first layer; the layer functions
 (:mod:`ortpa.ops.portable.layer`) take its :data:`~ortpa.ops.portable.config.PLAN_OUTPUTS` as extra inputs.
+With ``PlanConfig.if_free`` the prefill group's index work runs at every step (no ``If``), each group padded to at
+least one member (a dummy sequence, :meth:`_Plan.dummy_sequence`) and one key, and the flags are constants.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxscript
 
-from ortpa.ops.portable.config import PlanConfig
+from ortpa.ops.portable.config import INDEX_TYPE, PlanConfig
 from ortpa.ops.portable.tracer import FUNCTION_DOMAIN, GraphTracer
 
 __all__ = ["build_plan_function"]
@@ -26,7 +28,8 @@ _INT64_MAX = 2**63 - 1
 
 def build_plan_function(plan: PlanConfig) -> ir.Function:
     """The index work of one step (sanitization, write set, groups, masks, output rows): :data:`PLAN_OUTPUTS`."""
-    inputs = [ir.val(name) for name in plan.inputs]
+    # typed index inputs (the op's S): every traced value's type is known, no CastLike (config.PLAN_OUTPUT_TYPES)
+    inputs = [ir.val(name, INDEX_TYPE if name not in ("query", "key_cache") else None) for name in plan.inputs]
 
     def trace(op, *vals):
         x = dict(zip(plan.inputs, vals, strict=True))
@@ -54,36 +57,44 @@ class _Plan(GraphTracer):
         rows, index = self.write_set()
         is_dec = op.Equal(self.q_len, 1)
         is_pre = op.Greater(self.q_len, 1)
+        if self.p.if_free:
+            self.dummy_sequence()
         dec = self.group(is_dec, one_query=True)
         # A group runs only when one of its members attends a key: no kernel is ever called on an empty batch or
         # an empty key range (com.microsoft::MultiHeadAttention before ONNX Runtime 1.29 divides by zero on an
-        # empty batch: SIGFPE). A member without a key reads the zero row (out_row) anyway.
-        has_kv = op.Greater(self.kvlen, 0)
-        any_pre = op.Greater(op.ReduceSum(op.Cast(op.And(is_pre, has_kv), to=_I64), keepdims=0), 0)
-        any_dec = op.Greater(op.ReduceSum(op.Cast(dec["mask"], to=_I64), keepdims=0), 0)
-        # a decode-only step skips the prefill group's ~40 index kernels; the layers then never read them
-        kvh = self.p.kv_num_heads
-        empty = [
-            np.zeros((0, 0), np.int64),  # query
-            np.zeros((0, kvh, 0), np.int64),  # row
-            np.zeros((0, 1, 0, 1), np.bool_),  # row_ok
-            np.zeros((0, 1, 0, 1, 0), np.bool_),  # allowed
-            np.array(True),  # rows_ok
-            *(np.zeros(1, np.int64) for _ in range(3)),  # count, max_q, max_kv
-        ]
-        pre = dict(
-            zip(
-                _PREFILL_KEYS,
-                self.branch(
-                    any_pre,
-                    "prefill_plan",
-                    lambda: self.prefill_group(is_pre),
-                    lambda: [self.constant(a) for a in empty],
-                    count=len(_PREFILL_KEYS),
-                ),
-                strict=True,
+        # empty batch: SIGFPE). A member without a key reads the zero row (out_row) anyway. (If-free: both groups
+        # always run, each with at least one member and one key, the flags unread.)
+        if self.p.if_free:
+            # no If reads the flags: constants, not three kernels each that OpenVINO leaves to the CPU EP
+            any_pre, any_dec = (op.Constant(value=ir.tensor(True)) for _ in range(2))  # two outputs, two values
+            pre = dict(zip(_PREFILL_KEYS, self.prefill_group(is_pre), strict=True))
+        else:
+            has_kv = op.Greater(self.kvlen, 0)
+            any_pre = op.Greater(op.ReduceSum(op.Cast(op.And(is_pre, has_kv), to=_I64), keepdims=0), 0)
+            any_dec = op.Greater(op.ReduceSum(dec["mask"], keepdims=0), 0)
+            # a decode-only step skips the prefill group's ~40 index kernels; the layers then never read them
+            kvh = self.p.kv_num_heads
+            empty = [
+                np.zeros((0, 0), np.int64),  # query
+                np.zeros((0, kvh, 0), np.int64),  # row
+                np.zeros((0, 1, 0, 1), np.bool_),  # row_ok
+                np.zeros((0, 1, 0, 1, 0), np.bool_),  # allowed
+                np.array(True),  # rows_ok
+                *(np.zeros(1, np.int64) for _ in range(3)),  # count, max_q, max_kv
+            ]
+            pre = dict(
+                zip(
+                    _PREFILL_KEYS,
+                    self.branch(
+                        any_pre,
+                        "prefill_plan",
+                        lambda: self.prefill_group(is_pre),
+                        lambda: [self.constant(a) for a in empty],
+                        count=len(_PREFILL_KEYS),
+                    ),
+                    strict=True,
+                )
             )
-        )
 
         # each sequence's first row in Concat(o_dec, o_pre): its rank within its group, times the group's max_q
         rank_dec = op.CumSum(op.Cast(is_dec, to=_I64), op.Constant(value_int=0))  # rank + 1 where is_dec
@@ -97,7 +108,10 @@ class _Plan(GraphTracer):
         # (MultiHeadAttention, whose fully masked rows are NaN) relies on it; the other paths give 0 there anyway.
         # Such tokens read the zero row the layers append after both groups (a Gather, no Where per layer).
         d_any = op.ReduceSum(dec["mask"], [1], keepdims=0)  # [D] attended keys (0 when max_kv == 0)
-        seq_ok = op.ScatterElements(op.Cast(op.Not(is_dec), to=ir.DataType.INT32), dec["sel"], d_any)
+        seq_ok = op.Cast(op.Not(is_dec), to=_I64)
+        if self.p.if_free:  # the group's members may include the dummy sequence B: scatter into B + 1 entries
+            seq_ok = op.Pad(seq_ok, self.pads([0, 1]))
+        seq_ok = op.ScatterElements(seq_ok, dec["sel"], d_any)
         has_keys = op.And(op.Greater(op.Gather(self.kvlen, self.seq), 0), op.Greater(op.Gather(seq_ok, self.seq), 0))
         zero_row = op.Add(op.Mul(pre["count"], pre["max_q"]), dec["count"])  # [1]
         out_row = op.Where(has_keys, out_row, zero_row)
@@ -162,6 +176,17 @@ class _Plan(GraphTracer):
         self.pos = op.Add(op.Gather(self.past, self.seq), self.s_in)
         self.live = op.Gather(valid, self.seq)
 
+    def dummy_sequence(self) -> None:
+        """(If-free) the per-sequence values with one more sequence, ``B``, that a group takes as its only member
+        when it has none: no token, no key, an unmapped block table row, its query the zero row ``T`` the layers
+        append to the queries. The block table also gets an unmapped column, so that a group's first key (a group
+        attends at least one) has a page even when the table has no column."""
+        op = self.op
+        pad = self.pads([0, 1])
+        self.g_kvlen, self.g_past, self.g_q_len = (op.Pad(v, pad) for v in (self.kvlen, self.past, self.q_len))
+        self.g_c_lo = op.Concat(self.c_lo, self.T, axis=0)  # not a Pad by a computed value: OpenVINO leaves it
+        self.g_bt = op.Pad(self.bt, self.pads([0, 0, 1, 1]), op.Constant(value_int=-1))
+
     # ------------------------------------------------------------------ §3.4(c) the write set
     def slots(self):
         op = self.op
@@ -213,11 +238,19 @@ class _Plan(GraphTracer):
         """
         op = self.op
         sel = op.Reshape(op.NonZero(member), self.ints([-1]))
+        if self.p.if_free:  # at least one member: the dummy sequence B when there is none (dummy_sequence)
+            sel = op.Slice(op.Concat(sel, self.dim(self.kvlen, 0), axis=0), [0], op.Max(self.dim(sel, 0), 1))
+            seqs = (self.g_kvlen, self.g_past, self.g_c_lo, self.g_bt, self.g_q_len)
+        else:
+            seqs = (self.kvlen, self.past, self.c_lo, self.bt, self.q_len)
         count = self.dim(sel, 0)
-        kvlen, past, c_lo = op.Gather(self.kvlen, sel), op.Gather(self.past, sel), op.Gather(self.c_lo, sel)
-        bt = op.Gather(self.bt, sel, axis=0)
-        zero = self.ints([0])  # ReduceMax of an empty group: 0, never the reduction's identity
-        maxkv = op.ReduceMax(op.Concat(kvlen, zero, axis=0), [0], keepdims=1)
+        kvlen, past, c_lo = (op.Gather(v, sel) for v in seqs[:3])
+        bt = op.Gather(seqs[3], sel, axis=0)
+        # ReduceMax of an empty group: 0, never the reduction's identity. A padded 0, not a Concat with one:
+        # OpenVINO's CPU plug-in gives ReduceMax(Concat(x, [0])) the Concat's shape, not [1]
+        maxkv = op.ReduceMax(op.Pad(kvlen, self.pads([0, 1])), [0], keepdims=1)
+        if self.p.if_free:  # at least one key: no kernel sees an empty key range
+            maxkv = op.Max(maxkv, 1)
         j = op.Range(0, self.scalar(maxkv), 1)  # kv position
 
         # kv rows through the sanitized block table; one gathered row per (s, kv head, j): no transposes of KV
@@ -242,12 +275,19 @@ class _Plan(GraphTracer):
         slot = op.Where(inside, slot_j, last_slot)
         row = self.kv_rows(slot)
         row_ok = op.Unsqueeze(live, [1, 3])  # [S, 1, max_kv, 1] against the gathered [S, kvh, max_kv, H]
-        unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
-        rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
-        maxq = op.ReduceMax(op.Concat(op.Gather(self.q_len, sel), zero, axis=0), [0], keepdims=1)
+        if self.p.if_free:  # the layers zero them at every step (no If reads rows_ok)
+            rows_ok = op.Constant(value=ir.tensor(True))
+        else:
+            unsafe = op.Or(op.And(inside, op.Not(mapped)), op.And(op.Not(inside), op.Not(last_ok)))
+            rows_ok = op.Not(op.Greater(op.ReduceSum(op.Cast(unsafe, to=_I64), keepdims=0), 0))
+        maxq = op.ReduceMax(op.Pad(op.Gather(seqs[4], sel), self.pads([0, 1])), [0], keepdims=1)
+        # padding rows read a real token, never gathered back (if-free: the layers' zero row T is one too)
+        last_tok = self.T if self.p.if_free else op.Sub(self.T, 1)
+        if self.p.if_free:  # at least one query row
+            maxq = op.Max(maxq, 1)
         i = op.Range(0, self.scalar(maxq), 1)  # query index within a sequence
         tok = op.Add(op.Unsqueeze(c_lo, [1]), op.Unsqueeze(i, [0]))
-        tok = op.Max(op.Min(tok, op.Sub(self.T, 1)), 0)  # padding rows read a real token, never gathered back
+        tok = op.Max(op.Min(tok, last_tok), 0)
         allowed = op.Unsqueeze(self.mask(i, j, mapped, past, kvlen), [1, 3])  # [S, 1, max_kv, 1, max_q]
         return {
             "query": tok,
@@ -282,15 +322,17 @@ class _Plan(GraphTracer):
             allowed = op.And(live, near)
         # a -1 column keeps the key axis non-empty when no decode has a key (ONNX Runtime before 1.21 fails a
         # ReduceMax over an empty axis; later ones give INT64_MIN); -1 is clamped to slot 0
-        none = op.Sub(op.Mul(op.Unsqueeze(past, [1]), 0), 1)  # [S, 1] of -1
-        some = op.Max(op.ReduceMax(op.Concat(op.Where(allowed, slot_j, -1), none, axis=1), [1], keepdims=1), 0)
+        none = op.Constant(value_int=-1)
+        some = op.Max(
+            op.ReduceMax(op.Pad(op.Where(allowed, slot_j, -1), self.pads([0, 0, 0, 1]), none), [1], keepdims=1), 0
+        )
         row = self.kv_rows(op.Where(live, slot_j, some))
         return {
             "query": c_lo,
             "row": row,
             "allowed": op.Unsqueeze(allowed, [1, 2]),  # [S, 1, 1, max_kv] against the scores [S, kvh, G, max_kv]
             "count": count,
-            "mask": op.Cast(allowed, to=ir.DataType.INT32),
+            "mask": op.Cast(allowed, to=_I64),
             "sel": sel,
         }
 

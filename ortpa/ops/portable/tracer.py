@@ -28,7 +28,10 @@ class GraphTracer:
         return self.op.Cast(v, to=_F32)
 
     def dim(self, v, axis: int):
-        return self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
+        out = self.op.Shape(v, start=axis, end=axis + 1)  # 1-D [1] int64
+        if out.type is None:  # ``v`` untyped (the plan's query and cache): say what Shape gives, so no CastLike
+            out.type, out.shape = ir.TensorType(_I64), ir.Shape([1])
+        return out
 
     def scalar(self, v):
         """A ``[1]`` tensor as a scalar. Squeeze with its axes as a Constant of the current (sub)graph: without
@@ -38,6 +41,11 @@ class GraphTracer:
 
     def ints(self, values: list[int]):
         return self.op.Constant(value_ints=values)
+
+    def pads(self, values: list[int]):
+        """Pad's ``pads`` as a ``value`` tensor: the shape inference of older ONNX Runtime releases (1.24) reads a
+        ``value_ints`` Constant as a tensor without dims and refuses it as ``pads`` ("must be a 1D tensor")."""
+        return self.constant(np.array(values, np.int64))
 
     def branch(self, condition, name: str, then_trace, else_trace, count: int = 1, shapes=None) -> list:
         """``If(condition)`` over two traced branches (each returns a list of ``count`` values); the branches

@@ -133,19 +133,21 @@ def place_layers(folder: str | Path, stages: int) -> Placement:
 
 
 def _linear_partition(weights: list[int], parts: int) -> list[int]:
-    """The first index of each of ``parts`` contiguous groups of ``weights`` minimising the largest group's sum."""
+    """The first index of each of ``parts`` contiguous groups of ``weights`` minimising the largest group's sum, and
+    among those the sum of the groups' squares (the stages after a heavy first one still share their layers)."""
     n = len(weights)
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    inf = (float("inf"), float("inf"))
+    best: list[list[tuple[float, float]]] = [[inf] * (n + 1) for _ in range(parts + 1)]
     back = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
+    best[0][0] = (0, 0)
     for s in range(1, parts + 1):
         for j in range(s, n + 1):
             for i in range(s - 1, j):
-                cost = max(best[s - 1][i], prefix[j] - prefix[i])
+                seg = prefix[j] - prefix[i]
+                cost = (max(best[s - 1][i][0], seg), best[s - 1][i][1] + seg * seg)
                 if cost < best[s][j]:
                     best[s][j], back[s][j] = cost, i
     starts, j = [], n

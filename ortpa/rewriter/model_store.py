@@ -242,8 +242,8 @@ def write_in_place(irm: ir.Model, path: Path, progress: Progress | None = None) 
                 if isinstance(tensor, ir.ExternalTensor) and Path(tensor.base_dir).resolve() == folder:
                     continue
                 raw = tensor.tobytes()
-                f.write(b"\0" * (-size % 64))
-                offset = size + (-size % 64)
+                f.write(b"\0" * (-size % 4096))  # page-aligned, as the export streams weights
+                offset = size + (-size % 4096)
                 f.write(raw)
                 size = offset + len(raw)
                 value.const_value = ir.ExternalTensor(

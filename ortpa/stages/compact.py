@@ -24,7 +24,7 @@ __all__ = ["SLACK", "compact_stages", "unread_bytes"]
 
 SLACK = 0.01  # a data file is rewritten when more than this share of it is read by no tensor (padding included)
 _CHUNK = 16 << 20
-_ALIGN = 64
+_ALIGN = 4096  # page-aligned, as the export streams them: ONNX Runtime can memory-map each tensor
 
 
 def _external(tensor: onnx.TensorProto) -> dict[str, str]:

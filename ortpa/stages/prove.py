@@ -8,8 +8,11 @@ casts, but ONNX Runtime may fuse across what is now a cut), the model's longest 
 every greedy token must be the unsplit model's, or a tie under the same bound. The arithmetic of that bound is the
 coarsest the stages hand each other (:func:`handoff_arithmetic`): a float16 model hands on float16 hidden states,
 rounded at every cut where the unsplit model may keep a fused sum wider, so its stages agree with it to float16's
-structure bound, not float32's. Both run on :func:`ortpa.parity.locate.lean_options` (no weight prepacking: the
-weights are read memory-mapped, not copied), as verification runs.
+structure bound, not float32's. Both run on the session options verification runs a model of that arithmetic with:
+:func:`ortpa.parity.locate.lean_options` (no weight prepacking: the weights are read memory-mapped, not copied), and
+for a half model :func:`ortpa.parity.reference.half_options` (ONNX Runtime's inserted float32 casts of the weights
+neither folded at creation nor all run first: one float32 copy alive at a time; measured on a 0.62 GB float16
+Llama's proof: 1551 MB of private memory with lean options alone, see docs/large_models.md).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import onnx
 from ortpa.errors import SplitRefused
 from ortpa.parity.greedy import paged_greedy
 from ortpa.parity.locate import lean_options
+from ortpa.parity.reference import half_options
 from ortpa.parity.twin import accumulation_length
 from ortpa.providers import CPU
 from ortpa.runtime.session import PagedSession
@@ -61,13 +65,22 @@ def prove_split(source: Path, header: onnx.ModelProto, manifest: StageManifest, 
     vocab = next(o for o in header.graph.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(0, max(2, vocab or 2), size=n)] for n in PROOF_PROMPT_LENGTHS]
+    half = handoff_arithmetic(manifest) != "float32"
     unsplit = PagedSession(
-        source, num_blocks=_NUM_BLOCKS, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=lean_options()
+        source,
+        num_blocks=_NUM_BLOCKS,
+        block_size=_BLOCK_SIZE,
+        providers=[CPU],
+        sess_options=half_options() if half else lean_options(),
     )
     reference = paged_greedy(unsplit, prompts, PROOF_STEPS, block_size=_BLOCK_SIZE)
     del unsplit  # one model in memory at a time
     chain = StageChain(
-        manifest, num_blocks=_NUM_BLOCKS, block_size=_BLOCK_SIZE, providers=[CPU], sess_options=lean_options()
+        manifest,
+        num_blocks=_NUM_BLOCKS,
+        block_size=_BLOCK_SIZE,
+        providers=[CPU],
+        sess_options=half_options() if half else lean_options(),
     )
     run = paged_greedy(chain, prompts, PROOF_STEPS, block_size=_BLOCK_SIZE, follow=reference.tokens)  # type: ignore[arg-type]
     del chain

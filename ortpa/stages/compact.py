@@ -22,7 +22,7 @@ from ortpa.runtime.stage_folder import MANIFEST, StageFile, StageManifest, sha25
 
 __all__ = ["SLACK", "compact_stages", "unread_bytes"]
 
-SLACK = 0.01  # a data file is rewritten when more than this share of it is read by no tensor (padding included)
+SLACK = 0.01  # a data file is rewritten when more than this share of it is read by no tensor (page padding excluded)
 _CHUNK = 16 << 20
 _ALIGN = 4096  # page-aligned, as the export streams them: ONNX Runtime can memory-map each tensor
 
@@ -40,19 +40,23 @@ def _referenced(model: onnx.ModelProto, data_name: str) -> list[onnx.TensorProto
 
 
 def unread_bytes(folder: Path, model_name: str) -> tuple[int, int]:
-    """(bytes of ``<model_name>.data``, bytes of it no initializer of the stage reads)."""
+    """(bytes of ``<model_name>.data``, bytes of it no initializer of the stage reads, the padding after each
+    tensor up to the next page not counted)."""
     data = folder / f"{model_name}.data"
     if not data.exists():
         return 0, 0
     model = onnx.load(str(folder / model_name), load_external_data=False)
-    ranges = {(int(_external(t).get("offset", 0)), int(_external(t)["length"])) for t in _referenced(model, data.name)}
     size = data.stat().st_size
+    # each tensor with the padding up to the next page (what a page-aligned writer leaves), capped at the file's end
+    ranges = set()
+    for t in _referenced(model, data.name):
+        offset, length = int(_external(t).get("offset", 0)), int(_external(t)["length"])
+        ranges.add((offset, min(size, offset + length + (-(offset + length) % _ALIGN))))
     read = 0
     end = 0
-    for offset, length in sorted(ranges):  # overlapping ranges (one tensor read under two names) count once
-        start = max(offset, end)
-        read += max(0, offset + length - start)
-        end = max(end, offset + length)
+    for start, stop in sorted(ranges):  # overlapping ranges (one tensor read under two names) count once
+        read += max(0, stop - max(start, end))
+        end = max(end, stop)
     return size, size - read
 
 

@@ -11,18 +11,28 @@ against the target: the largest tensor + 1.5 GB.
 
 Rows ``checkpoint/<family>-<dtype>/<size>``: ``peak_rss_anon`` (MB), ``convert_seconds``, ``seconds_per_gb`` (of
 the checkpoint's bytes) and ``largest_tensor`` (MB, as exported).
+
+Then, at the smallest size and in bfloat16, ``ortpa convert HF_DIR OUT --stages N`` (``stages``, default 2; 0: not
+run; ``plain=False``: only these), the stage folder written during the export
+(:mod:`ortpa.conversion.staged`), rows ``checkpoint-stages<N>/<family>-<dtype>/<size>``: ``peak_rss_anon``,
+``convert_seconds``, ``peak_disk`` (MB allocated under the output's folder, staging included, sampled every 0.1 s)
+against ``stage_files`` (MB of the published stage folder), and ``unsplit_files`` (files other than the stage folder
+left in the output's folder: 0).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from ortpa.bench._timing import row as _row
 
-__all__ = ["CONFIGS", "EXTRAS", "run"]
+__all__ = ["CONFIGS", "EXTRAS", "measure", "measure_stages", "run"]
 
 EXTRAS = ("export",)
 _MB = 1e6
@@ -76,6 +86,68 @@ def measure(family: str, fp8: bool, gigabytes: float, root: Path) -> list[dict]:
     ]
 
 
+def _allocated(folder: Path) -> int:
+    """Bytes the file system holds for everything under ``folder`` (files vanishing mid-walk skipped)."""
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def measure_stages(family: str, fp8: bool, gigabytes: float, root: Path, stages: int) -> list[dict]:
+    """``ortpa convert HF_DIR OUT --stages N``: memory, time and disk (see the module docstring)."""
+    from ortpa.bench.convert import _peak_anon
+    from ortpa.testing.checkpoints import write_random_checkpoint
+
+    config = {**CONFIGS[family], "num_hidden_layers": _layers_for(CONFIGS[family], gigabytes, fp8)}
+    folder = root / "ckpt"
+    size = write_random_checkpoint(config, folder, fp8=fp8)
+    largest = _largest_exported(config)
+    out = root / "out"
+    out.mkdir()
+    child = (
+        "import sys, time; from ortpa.cli import main; t0 = time.perf_counter(); "
+        f"rc = main(['convert', sys.argv[1], sys.argv[2], '--quiet', '--stages', '{stages}']); "
+        "print(time.perf_counter() - t0); sys.exit(rc)"
+    )
+    name = f"checkpoint-stages{stages}/{family}-{'fp8' if fp8 else 'bf16'}/{gigabytes:g}GB"
+    note = f"{config['num_hidden_layers']} layers, {size / 1e9:.2f} GB on disk"
+    peak_disk = 0
+    done = threading.Event()
+
+    def sample_disk() -> None:
+        nonlocal peak_disk
+        while not done.is_set():
+            peak_disk = max(peak_disk, _allocated(out))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample_disk, daemon=True)
+    sampler.start()
+    try:
+        seconds, peak, printed = _peak_anon([sys.executable, "-c", child, str(folder), str(out / "model.onnx")], 7200)
+    except RuntimeError as exc:
+        return [_row(name, "failed", 1, "", f"{note}: {str(exc).splitlines()[-1][-300:]}")]
+    finally:
+        done.set()
+        sampler.join()
+    seconds = float(printed.splitlines()[-1]) if printed else seconds
+    published = out / "model.onnx.stages"
+    stage_bytes = sum(p.stat().st_size for p in published.iterdir() if p.name.startswith("stage_"))
+    others = [p.name for p in out.iterdir() if p != published]
+    target = largest / _MB + 1500
+    return [
+        _row(name, "peak_rss_anon", peak, "MB", f"{note}; target <= {target:.0f} MB (largest tensor + 1.5 GB)"),
+        _row(name, "convert_seconds", seconds, "s", f"{note}; export into stages, rewrite, check, verify, proof"),
+        _row(name, "peak_disk", peak_disk / _MB, "MB", "allocated under the output's folder, staging included"),
+        _row(name, "stage_files", stage_bytes / _MB, "MB", "the published stage folder's models and data"),
+        _row(name, "unsplit_files", len(others), "", ", ".join(others) or "none: no unsplit model written"),
+    ]
+
+
 def _largest_exported(config: dict) -> int:
     """The largest parameter of the model in float16 (what the export streams), in bytes."""
     import torch
@@ -92,9 +164,12 @@ def run(
     sizes: tuple[float, ...] | None = None,
     families: tuple[str, ...] | None = None,
     stored: tuple[str, ...] = ("bf16", "fp8"),
+    stages: int = 2,
+    plain: bool = True,
 ) -> list[dict]:
     rows: list[dict] = []
-    for gigabytes in sizes or (_SIZES_GB[:1] if quick else _SIZES_GB):
+    chosen = sizes or (_SIZES_GB[:1] if quick else _SIZES_GB)
+    for gigabytes in chosen if plain else ():
         for family in families or tuple(CONFIGS):
             for fp8 in [kind == "fp8" for kind in stored]:
                 root = Path(tempfile.mkdtemp(prefix="ortpa-bench-checkpoint-"))
@@ -102,6 +177,13 @@ def run(
                     rows += measure(family, fp8, gigabytes, root)
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
+    if stages and "bf16" in stored:
+        for family in families or tuple(CONFIGS):
+            root = Path(tempfile.mkdtemp(prefix="ortpa-bench-checkpoint-"))
+            try:
+                rows += measure_stages(family, False, min(chosen), root, stages)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
     return rows
 
 
@@ -109,8 +191,21 @@ if __name__ == "__main__":
     from ortpa.bench import format_table
 
     # python -m ortpa.bench.checkpoint_export [0.5GB 2GB] [llama dsv3-moe] [bf16 fp8] [--quick]
+    #     [--stages N] [--only-stages]
     args = sys.argv[1:]
+    staged = int(args[args.index("--stages") + 1]) if "--stages" in args else 2
     wanted = tuple(float(a.removesuffix("GB")) for a in args if a.endswith("GB"))
     families = tuple(a for a in args if a in CONFIGS) or None
     stored = tuple(a for a in args if a in ("bf16", "fp8")) or ("bf16", "fp8")
-    print(format_table(run(quick="--quick" in args, sizes=wanted or None, families=families, stored=stored)))
+    print(
+        format_table(
+            run(
+                quick="--quick" in args,
+                sizes=wanted or None,
+                families=families,
+                stored=stored,
+                stages=staged,
+                plain="--only-stages" not in args,
+            )
+        )
+    )

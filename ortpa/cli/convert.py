@@ -72,10 +72,51 @@ def _split_after(args: argparse.Namespace) -> None:
         print_split(result, False)
 
 
+def _is_checkpoint(model: str) -> bool:
+    """A local folder with config.json and no ONNX model: a Hugging Face checkpoint, exported by convert."""
+    folder = Path(model)
+    return folder.is_dir() and (folder / "config.json").is_file() and not any(folder.glob("*.onnx"))
+
+
+def _stages_from_checkpoint(args: argparse.Namespace, options) -> int:
+    """``--stages N`` on a checkpoint: the stage folder OUTPUT.stages written during the export, and no OUTPUT."""
+    from ortpa.cli.split import print_split
+    from ortpa.conversion.staged import convert_to_stages
+    from ortpa.stages import SplitResult
+
+    progress = _convert_progress(args)
+    try:
+        result = convert_to_stages(args.input, f"{args.output}.stages", args.stages, options, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    split = SplitResult(result.folder, result.manifest, result.proof)
+    if args.json:
+        v = result.verification
+        print(
+            json.dumps(
+                {
+                    "input": args.input,
+                    "folder": str(result.folder),
+                    "first_layers": list(result.placement.first_layers),
+                    "stage_bytes": [s.weight_bytes for s in result.manifest.stages],
+                    "copied": list(result.copied),
+                    "verification": v.summary() if v else None,
+                    "proof": None if result.proof is None else result.proof.__dict__,
+                }
+            )
+        )
+    elif not args.quiet:
+        print_split(split, False)
+    return EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
     from ortpa.conversion import convert_file
 
     options = options_from_args(args)
+    if args.stages and _is_checkpoint(args.input):
+        return _stages_from_checkpoint(args, options)
     progress = _convert_progress(args)
     try:
         result = convert_file(args.input, args.output, options, progress=progress)
@@ -238,7 +279,10 @@ def register(sub) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="also split the converted model into N pipeline stages, in the folder OUTPUT.stages (as `ortpa split`)",
+        help="also split the converted model into N pipeline stages, in the folder OUTPUT.stages (as `ortpa split`). "
+        "From a Hugging Face checkpoint folder, the stages are written during the export and OUTPUT itself is not: "
+        "the model never exists as one file (each weight goes straight to its stage's data file); not with "
+        "--portable or --keep-dense",
     )
     p.add_argument(
         "--portable",

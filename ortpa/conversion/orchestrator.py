@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -173,9 +174,11 @@ def export_dense(
     *,
     random_weights: bool = False,
     progress: Progress | None = None,
+    layout: Callable[[str, bool], Path | None] | None = None,
 ) -> ExportInfo:
     """A Hugging Face model (local folder, or a config with ``random_weights``) -> the dense ONNX model at
-    ``out_path`` (``ortpa export``, and the first step of converting a checkpoint). Needs the ``export`` extra."""
+    ``out_path`` (``ortpa export``, and the first step of converting a checkpoint). Needs the ``export`` extra.
+    ``layout``: the data file each checkpoint parameter is streamed into (:func:`ortpa.export.hf.export_hf`)."""
     require_extra("export", "exporting a Hugging Face model")
     from ortpa.export.hf import export_hf
 
@@ -192,6 +195,7 @@ def export_dense(
         progress=reporter(progress, Stage.EXPORT),
         verbose=o.verbose,
         written=None if progress is None else lambda done, total: progress(BytesWritten(done, total, Stage.EXPORT)),
+        layout=layout,
     )
 
 

@@ -247,6 +247,7 @@ def export_hf(
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
     written: Callable[[int, int], None] | None = None,
+    layout: Callable[[str, bool], Path | None] | None = None,
 ) -> ExportInfo:
     """Export a causal LM to dense ONNX with past/present KV; returns an :class:`ExportInfo`.
 
@@ -262,7 +263,9 @@ def export_hf(
     are in memory. ``written(done, total)``: the bytes of weights streamed so far. Raises
     :class:`ortpa.export.errors.ExportError` when torch.onnx fails.
     ``progress`` receives one line per stage; torch's and transformers' warnings and bars show only with
-    ``verbose``.
+    ``verbose``. ``layout(parameter name, read transposed)``: for a checkpoint, the data file (in ``out_path``'s
+    folder) each parameter is streamed into instead of ``<out>.data`` (:data:`ortpa.export.streamed.Layout`; a
+    stage's own file when the export writes pipeline stages); the model always has external data then.
     """
     say = progress or (lambda message: None)
     with contextlib.ExitStack() as stack:
@@ -281,6 +284,7 @@ def export_hf(
             external_data=external_data,
             say=say,
             written=written,
+            layout=layout,
         )
 
 
@@ -324,6 +328,7 @@ def _export(
     external_data: bool | None,
     say: Callable[[str], None],
     written: Callable[[int, int], None] | None,
+    layout: Callable[[str, bool], Path | None] | None = None,
 ) -> ExportInfo:
     from ortpa.errors import InvalidModel
     from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
@@ -367,6 +372,8 @@ def _export(
         ) from exc
     out_path.parent.mkdir(parents=True, exist_ok=True)
     traced = _trace(model, str(config_or_model_dir), opset, optimize, experts, seed, say, placeholders)
+    if layout is not None and placeholders is None:
+        raise ValueError("layout= places a checkpoint's streamed weights: expected a checkpoint folder")
     if placeholders is None:
         weight_bytes = _unique_bytes(model)
         if external_data is None:
@@ -386,6 +393,7 @@ def _export(
             external_data,
             say,
             written,
+            layout,
         )
     cfg = model.config
     return ExportInfo(
@@ -437,17 +445,20 @@ def _stream_weights(
     external_data: bool | None,
     say: Callable[[str], None],
     written: Callable[[int, int], None] | None,
+    layout: Callable[[str, bool], Path | None] | None = None,
 ) -> bool:
-    """The traced graph's weights streamed from ``folder`` into ``<out>.data`` (:mod:`ortpa.export.streamed`), then
-    the graph written; ``external_data=False`` reads them back into one inline file. Returns whether external."""
+    """The traced graph's weights streamed from ``folder`` into ``<out>.data`` (:mod:`ortpa.export.streamed`; each
+    into the file ``layout`` names, if given), then the graph written; ``external_data=False`` reads them back into
+    one inline file. Returns whether external."""
     import onnx_ir as ir
 
     from ortpa.export.fp8 import fp8_spec
     from ortpa.export.streamed import destinations, stream
 
     data_path = out_path.with_name(out_path.name + ".data")
-    plan = destinations(irm, placeholders, data_path)
-    say(f"streaming {plan.nbytes / 1e6:.1f} MB of weights from {folder} into {data_path.name}")
+    plan = destinations(irm, placeholders, data_path, layout)
+    names = ", ".join(sorted(p.name for p in plan.files)) or data_path.name
+    say(f"streaming {plan.nbytes / 1e6:.1f} MB of weights from {folder} into {names}")
     float16_from = stored if dtype == "float16" and stored != "float16" else None
     stream(
         folder,
@@ -459,7 +470,7 @@ def _stream_weights(
         written=written,
     )
     say(f"writing {out_path}")
-    if external_data is False:
+    if external_data is False and layout is None:
         ir.save(ir.external_data.load_to_model(irm), out_path)
         data_path.unlink()
         return False

@@ -31,7 +31,7 @@ from typing import Any
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["Destination", "Placeholders", "StreamPlan", "destinations", "skeleton", "stream"]
+__all__ = ["Destination", "Layout", "Placeholders", "StreamPlan", "destinations", "skeleton", "stream"]
 
 # safetensors' dtype codes -> torch dtype names (the loader's meta tensors need the stored dtype)
 _ST_DTYPES = {
@@ -98,24 +98,41 @@ class Destination:
     perm: tuple[int, ...] | None = None
 
 
+# (parameter name, read transposed) -> the data file its initializer goes to; None: the plan's own data file
+Layout = Callable[[str, bool], "Path | None"]
+
+
 @dataclass
 class StreamPlan:
-    """The data file's layout: parameter name -> its initializers, and the tracer's own tensors written as they are."""
+    """The data files' layout: parameter name -> its initializers, and the tracer's own tensors written as they are.
+
+    Every tensor goes to ``data_path`` unless the plan's ``layout`` names another file for a parameter (a stage's
+    own data file, :mod:`ortpa.conversion.staged`); every file must be in ``data_path``'s folder."""
 
     data_path: Path
     targets: dict[str, list[Destination]] = field(default_factory=dict)
     computed: list[tuple[Any, Any]] = field(default_factory=list)  # (onnx_ir.Value, its ExternalTensor)
-    size: int = 0
+    sizes: dict[Path, int] = field(default_factory=dict)  # data file -> bytes laid out in it so far
 
-    def place(self, name: str, dtype: Any, shape: Any, nbytes: int):
-        """The next page-aligned slot of ``nbytes`` in the data file, as the external tensor that reads it."""
+    def place(self, name: str, dtype: Any, shape: Any, nbytes: int, file: Path | None = None):
+        """The next page-aligned slot of ``nbytes`` in ``file`` (default: ``data_path``), as the external tensor that
+        reads it."""
         import onnx_ir as ir
 
-        offset = -(-self.size // _ALIGN) * _ALIGN
-        self.size = offset + nbytes
+        file = file or self.data_path
+        if file.parent != self.data_path.parent:
+            raise ValueError(f"data file {file} is not in the model's folder {self.data_path.parent}")
+        size = self.sizes.get(file, 0)
+        offset = -(-size // _ALIGN) * _ALIGN
+        self.sizes[file] = offset + nbytes
         return ir.ExternalTensor(
-            self.data_path.name, offset, nbytes, dtype, shape=ir.Shape(shape), name=name, base_dir=self.data_path.parent
+            file.name, offset, nbytes, dtype, shape=ir.Shape(shape), name=name, base_dir=file.parent
         )
+
+    @property
+    def files(self) -> list[Path]:
+        """Every data file the plan writes."""
+        return list(self.sizes)
 
     @property
     def nbytes(self) -> int:
@@ -245,14 +262,15 @@ def skeleton(folder: Path, dtype: str, attn_implementation: str, fp8: Any) -> tu
     return model.eval(), placeholders
 
 
-def destinations(irm: Any, placeholders: Placeholders, data_path: Path) -> StreamPlan:
+def destinations(irm: Any, placeholders: Placeholders, data_path: Path, layout: Layout | None = None) -> StreamPlan:
     """Map every initializer of the traced ``irm`` to what it holds, in place, and lay out ``data_path``: each
     placeholder's initializer becomes an external tensor there (written later by :func:`stream`); a weight read
     only through ``Transpose`` nodes becomes one initializer per permutation, the nodes removed, written transposed.
     Any other initializer of :data:`_MIN_EXTERNAL_BYTES` or more is a tensor the tracer made from real data (a
     buffer computed from the config, a constant of the model's code, a parameter the checkpoint lacks): queued in
     ``plan.computed`` and written as it is. Raises :class:`~ortpa.errors.InvalidModel` for an initializer that
-    reads a placeholder through a view."""
+    reads a placeholder through a view. ``layout``: which data file each parameter's initializers go to
+    (:data:`Layout`; default all in ``data_path``); the tracer's own tensors stay in ``data_path``."""
     import onnx_ir as ir
     import torch
 
@@ -281,19 +299,20 @@ def destinations(irm: Any, placeholders: Placeholders, data_path: Path) -> Strea
         keep = len(transposes) < len(consumers) or id(value) in outputs
         targets = plan.targets.setdefault(name, [])
         nbytes = raw.numel() * raw.element_size()
+        to_file = layout or (lambda _name, _transposed: None)
         for perm, nodes in by_perm.items():
             suffix = "" if len(by_perm) == 1 and not keep else "_" + "".join(map(str, perm))
             new_name = f"{value.name}.T{suffix}"
             shape = ir.Shape([raw.shape[p] for p in perm])
             transposed = ir.Value(name=new_name, shape=shape, type=ir.TensorType(value.dtype))
-            transposed.const_value = plan.place(new_name, value.dtype, shape, nbytes)
+            transposed.const_value = plan.place(new_name, value.dtype, shape, nbytes, to_file(name, True))
             irm.graph.register_initializer(transposed)
             for node in nodes:
                 ir.convenience.replace_all_uses_with(node.outputs[0], transposed)
                 irm.graph.remove(node, safe=True)
             targets.append(Destination(transposed.const_value, perm))
         if keep:
-            value.const_value = plan.place(value.name, value.dtype, value.shape, nbytes)
+            value.const_value = plan.place(value.name, value.dtype, value.shape, nbytes, to_file(name, False))
             targets.append(Destination(value.const_value))
         else:
             irm.graph.initializers.pop(value.name)
@@ -310,8 +329,9 @@ def stream(
     float16_from: str | None,
     written: Callable[[int, int], None] | None = None,
 ) -> None:
-    """Write ``plan.data_path``: the tracer's own tensors, then every parameter as ``from_pretrained`` loads it from
-    ``folder`` (one at a time, see the module docstring). ``float16_from``: the stored dtype when a float16 export
+    """Write the plan's data files: the tracer's own tensors, then every parameter as ``from_pretrained`` loads it
+    from ``folder`` (one at a time, see the module docstring), each straight into the file the plan placed it in.
+    ``float16_from``: the stored dtype when a float16 export
     casts wider weights, each of which must then fit float16 (refused by name otherwise)."""
     import torch
 
@@ -320,7 +340,7 @@ def stream(
     total = plan.nbytes
     done = 0
     seen: set[str] = set()
-    fd = os.open(plan.data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fds = {p: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in {plan.data_path, *plan.files}}
 
     def write(tensor: Any, external: Any) -> None:
         nonlocal done
@@ -328,6 +348,7 @@ def stream(
         if data.nbytes != external.length:
             raise InvalidModel(str(folder), f"{external.name}: {data.nbytes} bytes loaded, {external.length} traced")
         view, offset = memoryview(data), external.offset
+        fd = fds[Path(external.base_dir) / external.location]
         while view:
             n = os.pwrite(fd, view, offset)
             view, offset = view[n:], offset + n
@@ -356,7 +377,8 @@ def stream(
             config = _config(folder, dtype, fp8)
             _from_pretrained(folder, config, getattr(torch, dtype), attn_implementation, use_kernels=False)
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
     unread = sorted(set(plan.targets) - seen)
     if unread:
         raise InvalidModel(str(folder), f"parameters traced but not loaded when streaming: {unread[:3]}")

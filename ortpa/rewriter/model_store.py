@@ -43,6 +43,7 @@ __all__ = [
     "inline_copy",
     "load_ir",
     "write",
+    "write_in_place",
 ]
 
 EXTERNAL_DATA_THRESHOLD = 2**30  # weights past this go to external data even when the input had none
@@ -218,6 +219,44 @@ def write(
         raise ConversionError(f"cannot write {path.name}: {exc}") from exc
     except OSError as exc:
         raise ConversionError(f"cannot write {path.name}: {exc.strerror or exc}") from exc
+
+
+def write_in_place(irm: ir.Model, path: Path, progress: Progress | None = None) -> int:
+    """``irm``'s graph written to ``path`` with every external tensor that lies in ``path``'s folder referenced
+    where it is (weights an export streamed there, the :class:`Spill` of a rewrite run there); any other tensor of
+    :data:`MIN_EXTERNAL_BYTES` or more (a lazy cast, a tensor read from elsewhere) appended to ``<path>.data`` one
+    at a time. For a model whose weights must never be copied into one file (pipeline stages written from a
+    checkpoint). Returns the bytes appended."""
+    folder = path.parent.resolve()
+    data = path.with_name(path.name + ".data")
+    report(progress, Stage.WRITE, f"writing the graph of {path.name}, its weights referenced where they are")
+    size = 0
+    try:
+        with open(data, "wb") as f:
+            for value in irm.graph.initializers.values():
+                tensor = value.const_value
+                if tensor is None or tensor.nbytes < MIN_EXTERNAL_BYTES:
+                    if isinstance(tensor, ir.ExternalTensor):  # small: inline, as write() keeps it
+                        value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name)
+                    continue
+                if isinstance(tensor, ir.ExternalTensor) and Path(tensor.base_dir).resolve() == folder:
+                    continue
+                raw = tensor.tobytes()
+                f.write(b"\0" * (-size % 4096))  # page-aligned, as the export streams weights
+                offset = size + (-size % 4096)
+                f.write(raw)
+                size = offset + len(raw)
+                value.const_value = ir.ExternalTensor(
+                    data.name, offset, len(raw), tensor.dtype, shape=tensor.shape, name=value.name, base_dir=folder
+                )
+        onnx.save(ir.serde.serialize_model(irm), str(path))
+    except ValueError as exc:
+        raise ConversionError(f"cannot write {path.name}: {exc}") from exc
+    except OSError as exc:
+        raise ConversionError(f"cannot write {path.name}: {exc.strerror or exc}") from exc
+    if not size:
+        data.unlink()
+    return size
 
 
 def inline_copy(irm: ir.Model) -> onnx.ModelProto:

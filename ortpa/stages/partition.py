@@ -168,9 +168,12 @@ def _attention_nodes(flow: _Flow) -> list[int]:
     return [i for i, n in enumerate(flow.nodes) if n.op_type == OP_TYPE and n.domain == DOMAIN]
 
 
-def plan_split(model: onnx.ModelProto, stages: int, *, label: str = "model") -> SplitPlan:
+def plan_split(
+    model: onnx.ModelProto, stages: int, *, label: str = "model", first_layers: tuple[int, ...] | None = None
+) -> SplitPlan:
     """Cut ``model`` (a paged model's graph; weights are not read) into ``stages`` stages; :class:`SplitRefused`
-    with the reason when it cannot be cut so."""
+    with the reason when it cannot be cut so. ``first_layers``: each stage's first layer, chosen already (by
+    :func:`ortpa.stages.place.place_layers`, before the export), instead of balancing the graph's weights."""
     flow = _Flow(model)
     layers = _attention_nodes(flow)
     if not layers:
@@ -180,9 +183,32 @@ def plan_split(model: onnx.ModelProto, stages: int, *, label: str = "model") -> 
     if "logits" not in flow.producer or flow.producer["logits"] not in flow.token:
         raise SplitRefused(label, "expected a graph output 'logits' computed from input_ids")
     # layer k -> the node whose output dominates layers k.. and logits (None: no single value does)
+    if first_layers is not None:
+        return _build(
+            model, flow, layers, _forced_cuts(flow, layers, first_layers, stages, label), [*first_layers, len(layers)]
+        )
     cuts = {k: _cut_node(flow, layers, k) for k in range(1, len(layers))} if stages > 1 else {}
     chosen = _balance(flow, cuts, stages, label)
     return _build(model, flow, layers, [cuts[k] for k in chosen], [0, *chosen, len(layers)])  # type: ignore[misc]
+
+
+def _forced_cuts(flow: _Flow, layers: list[int], first_layers: tuple[int, ...], stages: int, label: str) -> list[int]:
+    """The cut node before each given stage's first layer; refused where a layer boundary has none."""
+    if len(first_layers) != stages or first_layers[0] != 0 or list(first_layers) != sorted(set(first_layers)):
+        raise SplitRefused(label, f"expected {stages} ascending first layers starting at 0, got {list(first_layers)}")
+    if first_layers[-1] >= len(layers):
+        raise SplitRefused(label, f"stage first layers {list(first_layers)} past the graph's {len(layers)} layers")
+    out = []
+    for k in first_layers[1:]:
+        node = _cut_node(flow, layers, k)
+        if node is None:
+            raise SplitRefused(
+                label,
+                f"no single token value carries everything layer {k} and the later layers read (a second residual "
+                "stream, or an early value read again later): no stage can start there",
+            )
+        out.append(node)
+    return out
 
 
 def _cut_node(flow: _Flow, layers: list[int], k: int) -> int | None:

@@ -4,6 +4,12 @@ Weights are copied tensor by tensor from where the source stores them (its exter
 or the bytes of an inline tensor) to the stage's ``stage_<i>.onnx.data``: memory stays bounded by one chunk, never
 the model. Tensors under :data:`~ortpa.rewriter.model_store.MIN_EXTERNAL_BYTES` stay inline, as ``convert``
 writes them. Each file's SHA-256 is computed as it is written, for the manifest.
+
+*Placed* weights (``placed=True``, :mod:`ortpa.conversion.staged`): the export has already streamed each weight into
+the ``stage_<i>.onnx.data`` of the stage that reads it, in the folder the stages are written to. A tensor already in
+its stage's own file is referenced where it is; any other (a weight the rewrite computed, one a second stage reads)
+is appended to that file. Bytes no stage references any more (a weight the rewrite replaced) are dropped afterwards
+by :func:`ortpa.stages.compact.compact_stages`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from ortpa.runtime.stage_folder import (
     StageFile,
     StageManifest,
     StageSpec,
+    sha256_file,
 )
 from ortpa.stages.partition import SplitPlan, StagePart
 
@@ -34,13 +41,18 @@ _ALIGN = 64  # each tensor starts on a 64-byte boundary of the data file (aligne
 
 
 class _DataFile:
-    """An external data file written in order, hashed as written."""
+    """An external data file written in order, hashed as written; ``append``: after what the file holds already
+    (hashed whole when done)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, append: bool = False) -> None:
         self.path = path
-        self.file = open(path, "wb")  # closed by close()
-        self.size = 0
+        self.held = path.stat().st_size if append and path.exists() else 0
+        self.file = open(path, "ab" if append else "wb")  # closed by close()
+        self.size = self.held
         self.digest = hashlib.sha256()
+
+    def hexdigest(self) -> str:
+        return sha256_file(self.path) if self.held else self.digest.hexdigest()
 
     def write(self, data: bytes | memoryview) -> None:
         self.file.write(data)
@@ -56,12 +68,15 @@ class _DataFile:
 
 
 def _copy_tensor(tensor: onnx.TensorProto, base_dir: Path | None, data: _DataFile) -> onnx.TensorProto:
-    """``tensor`` for the stage file: inline when small, else its bytes appended to ``data`` and referenced."""
+    """``tensor`` for the stage file: referenced where it is when it lies in ``data``'s file already (placed by the
+    export), else inline when small, else its bytes appended to ``data`` and referenced."""
     out = onnx.TensorProto()
     out.CopyFrom(tensor)
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         entries = {e.key: e.value for e in tensor.external_data}
         src = Path(os.fspath(base_dir or "")) / entries["location"]
+        if data.held and src.resolve() == data.path.resolve():
+            return out
         offset, length = int(entries.get("offset", 0)), int(entries["length"])
         del out.external_data[:]
         if length < MIN_EXTERNAL_BYTES:
@@ -162,9 +177,16 @@ def _stage_model(
 
 
 def write_stages(
-    source: onnx.ModelProto, base_dir: Path | None, plan: SplitPlan, folder: Path, source_name: str
+    source: onnx.ModelProto,
+    base_dir: Path | None,
+    plan: SplitPlan,
+    folder: Path,
+    source_name: str,
+    *,
+    placed: bool = False,
 ) -> StageManifest:
-    """Write every stage of ``plan`` and ``stages.json`` into ``folder`` (which must exist and be empty)."""
+    """Write every stage of ``plan`` and ``stages.json`` into ``folder`` (which must exist and be empty; with
+    ``placed``, it holds the stages' data files the export streamed, see the module docstring)."""
     from ortpa.ops.shape_inference import infer_shapes
 
     label = source_name
@@ -174,7 +196,7 @@ def write_stages(
     specs = []
     for part in plan.stages:
         model_name = f"stage_{part.index}.onnx"
-        data = _DataFile(folder / f"{model_name}.data")
+        data = _DataFile(folder / f"{model_name}.data", append=placed)
         try:
             model, b_in, b_out = _stage_model(source, part, plan, types, inits, base_dir, data, label)
         finally:
@@ -183,7 +205,7 @@ def write_stages(
         (folder / model_name).write_bytes(blob)
         files = [StageFile(model_name, len(blob), hashlib.sha256(blob).hexdigest())]
         if data.size:
-            files.append(StageFile(data.path.name, data.size, data.digest.hexdigest()))
+            files.append(StageFile(data.path.name, data.size, data.hexdigest()))
         else:
             data.path.unlink()
         specs.append(

@@ -194,7 +194,8 @@ def test_preemption_inside_a_group_keeps_the_tokens(folders, alone):
 
 
 def test_a_request_aborted_while_its_step_is_in_flight(folders, alone):
-    engine = _threaded(folders[2], 2, max_num_batched_tokens=16)
+    # whole prompts in one step: the aborted request's step in flight would sample its first token
+    engine = _threaded(folders[2], 2, max_num_batched_tokens=64)
     try:
         ids = [engine.add_request(p, s) for p, s in zip(PROMPTS, PARAMS, strict=True)]
         out: dict[str, list[int]] = {i: [] for i in ids}

@@ -273,3 +273,12 @@ def test_scheduler_groups_are_disjoint_and_balanced():
     assert sched.group_load == [1, 1]
     with pytest.raises(InvalidRequest, match=r"expected a group in \[0, 2\), found 2"):
         sched.schedule(2)
+
+
+def test_the_cli_flag_reaches_the_engine(folders, capsys):
+    from ortpa.cli import main
+
+    # refused before any stage starts (no Ray here): the value reached Engine(micro_batches=...)
+    code = main(["generate", str(folders[2]), "--prompt-ids", "1,2", "--micro-batches", "0"])
+    err = capsys.readouterr().err
+    assert code != 0 and "micro_batches: expected an int >= 1" in err, (code, err)

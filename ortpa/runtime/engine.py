@@ -257,6 +257,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the token each sampled request got (chunks mid-prompt produce nothing).
 
+        With several micro-batches: launch a batch for every group with none in flight, and return what the
+        oldest batch in flight produced (the others stay in flight for the next calls).
+
         Raises :class:`~ortpa.errors.ConcurrentUse` if another thread is driving the engine.
         """
         with self._driver.hold(), self._lock:

@@ -18,7 +18,7 @@ in this process) runs it at once, so groups take turns there and only the bookke
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,9 @@ class InFlight:
 
     def __len__(self) -> int:
         return len(self._steps)
+
+    def __iter__(self) -> Iterator[Launched]:
+        return iter(tuple(self._steps))
 
     def groups_to_launch(self) -> list[int]:
         """Groups with no step in flight, in launch order (starting after the group launched last)."""

@@ -15,8 +15,16 @@ repeated. Figures, all wall-clock ms per step, medians:
 * ``bubble``: 1 - (time the stages spent computing) / (N x wall time): the share of stage time idle, about
   (N - 1) / N with one step in flight.
 
+Micro-batches, N = 2, 3: ``ortpa.Engine`` over the Ray stages generating 32 tokens for each of 16 prompts of 64
+tokens (prefill included), with one step in flight (``micro_batches=1``) and with one per stage
+(``micro_batches=N``, the default), both engines open and their runs alternating: ``tokens_per_s`` (median of
+the runs), ``speedup`` (on / off) and ``busy_stage{k}``: the share of the run's wall time stage ``k`` spent in its
+steps (wall time: a stage waiting for a core counts as busy). On a machine with fewer cores than stages plus the
+driver the stages compete for cores, and overlapping them cannot pay.
+
 Every stage runs ONNX Runtime with one intra-op thread, in process and in its actor alike. Ray runs locally with
-one logical CPU per stage and no dashboard; on a shared machine the figures move with the load.
+six logical CPUs (two pipelines of three stages) and no dashboard; on a shared machine the figures move with the
+load.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import numpy as np
 import onnx
 
 from ortpa.bench import format_table
-from ortpa.bench._timing import median_ms
+from ortpa.bench._timing import median_ms, row
+from ortpa.runtime.engine import Engine
 from ortpa.runtime.kv import PagedKVCache
+from ortpa.runtime.sampling import SamplingParams
 from ortpa.runtime.stage_chain import StageChain
 from ortpa.stages import split_model
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
@@ -39,6 +49,7 @@ __all__ = ["run"]
 
 CONFIG = ToyLMConfig(vocab=2048, hidden=512, num_heads=8, kv_heads=4, num_layers=6, max_positions=512)
 BLOCK, NUM_BLOCKS, SEQS, PROMPT = 16, 256, 16, 64
+NEW_TOKENS = 32  # generated per prompt in the micro-batch runs
 
 
 def _one_thread():
@@ -75,7 +86,8 @@ def run(quick: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "toy.onnx"
         onnx.save(build_toy_lm(CONFIG), model)
-        ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+        # logical CPUs for two pipelines of 3 stages at once (the micro-batch runs alternate two engines)
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
         try:
             for n in (1, 2, 3):
                 folder = split_model(model, Path(tmp) / f"s{n}", n, verify=False).folder
@@ -121,8 +133,52 @@ def run(quick: bool = False) -> list[dict]:
                         "notes": f"(N-1)/N = {(n - 1) / n:.2f} with one step in flight",
                     },
                 ]
+                if n > 1:
+                    rows += _micro_batches(folder, n, 1 if quick else 5)
         finally:
             ray.shutdown()
+    return rows
+
+
+def _micro_batches(folder: Path, n: int, runs: int) -> list[dict]:
+    """Engine throughput over ``n`` Ray stages with one step in flight and with one per stage; each stage's
+    busy share of the wall time. Both engines are open at once and their runs alternate, so that a change in the
+    machine's load falls on both."""
+    import ray
+
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, CONFIG.vocab, size=PROMPT)] for _ in range(SEQS)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    modes = (1, n)
+    engines: dict[int, Engine] = {}
+    walls: dict[int, list[float]] = {m: [] for m in modes}
+    busy = {m: np.zeros(n) for m in modes}
+    outputs: dict[int, list[list[int]]] = {}
+    try:
+        for micro in modes:
+            engines[micro] = Engine(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK, sess_options=_one_thread(),
+                                    micro_batches=micro, enable_prefix_caching=False)  # fmt: skip
+            engines[micro].generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))  # warm-up: first runs
+        for _ in range(runs):
+            for micro in modes:
+                actors = engines[micro].session.actors
+                before = np.array(ray.get([a.busy.remote() for a in actors]))
+                t0 = time.perf_counter()
+                outputs[micro] = engines[micro].generate(prompts, params)
+                walls[micro].append(time.perf_counter() - t0)
+                busy[micro] += (np.array(ray.get([a.busy.remote() for a in actors])) - before) / walls[micro][-1]
+    finally:
+        for engine in engines.values():
+            engine.close()
+    rows, rates = [], {}
+    note = f"{SEQS} prompts of {PROMPT} tokens, {NEW_TOKENS} new each; median of {runs}; machine shared"
+    for micro in modes:
+        rates[micro] = sum(len(o) for o in outputs[micro]) / float(np.median(walls[micro]))
+        label = f"N={n} micro_batches={micro}"
+        rows.append(row(label, "tokens_per_s", rates[micro], "tokens/s", note))
+        rows += [row(label, f"busy_stage{k}", b / runs, "fraction") for k, b in enumerate(busy[micro])]
+    same = "same tokens" if outputs[1] == outputs[n] else "TOKENS DIFFER"
+    rows.append(row(f"N={n}", "speedup", rates[n] / rates[1], "x", f"micro_batches={n} over 1; {same}"))
     return rows
 
 

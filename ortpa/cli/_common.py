@@ -81,6 +81,14 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         default="pack",
         help="stages on as few nodes as fit (pack), across nodes where possible (spread), or one per node",
     )
+    g.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps in flight at once, each of its own group of requests, so that the stages work at the same "
+        "time (default: one per stage; 1: one step at a time)",
+    )
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

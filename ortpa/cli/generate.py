@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         providers=providers_for(args.provider) if args.provider else None,
         ray_address=args.ray_address,
         placement=args.placement,
+        micro_batches=args.micro_batches,
     )
     try:
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stop))

@@ -69,6 +69,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         threads=args.threads,
         ray_address=args.ray_address,
         placement=args.placement,
+        micro_batches=args.micro_batches,
     )
     if args.max_model_len is not None:
         served.limit_context(args.max_model_len)

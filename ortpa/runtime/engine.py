@@ -3,7 +3,9 @@
 Each :meth:`Engine.step` asks the :class:`~ortpa.runtime.scheduler.Scheduler` for a batch (decodes and prompt
 chunks under a token budget; preemption and prefix-cache adoption happen there), runs the pending block copies
 and one :class:`~ortpa.runtime.session.PagedSession` step, samples a token for every request whose chunk
-reached its last token, and retires finished requests.
+reached its last token, and retires finished requests. With several micro-batches (pipeline stages), a step
+launches the batch of every request group with none in flight and lands the oldest
+(:mod:`ortpa.runtime.microbatch`).
 
 The model is driven through the converted-model interface (docs/converted_model.md): ``input_ids``,
 ``cumulative_sequence_lengths``, ``past_sequence_lengths``, ``block_table``, and, when the graph declares
@@ -33,10 +35,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import ConcurrentUse, OrtpaError, StageFailed
+from ortpa.errors import ConcurrentUse, InvalidParameter, OrtpaError, StageFailed
 from ortpa.model.file import LoadedModel
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
+from ortpa.runtime.microbatch import InFlight, Launched, collect, submit
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
 from ortpa.runtime.prefix_cache import PrefixCache
 from ortpa.runtime.prompt_scoring import RowsMode, score_prompts, step_rows
@@ -98,6 +101,7 @@ class EngineStats:
     cached_tokens: int  # prompt tokens taken from the prefix cache instead of computed
     generated_tokens: int
     preemptions: int
+    max_in_flight: int = 0  # the most steps in flight at once (Engine(micro_batches=...); 1 once a step ran)
 
 
 class Engine:
@@ -114,6 +118,13 @@ class Engine:
     ``placement`` is ``"pack"``, ``"spread"`` or ``"strict-spread"``) or all in this process (``stages="local"``);
     a stage that dies raises :class:`~ortpa.errors.StageFailed` from :meth:`step` after the requests it was
     running were ended. :meth:`close` stops the actors (docs/distributed.md).
+
+    ``micro_batches``: how many steps may be in flight at once, each of its own group of requests (every request
+    belongs to one group, the least loaded when it is added; :mod:`ortpa.runtime.microbatch`). Default: one per
+    stage for a Ray pipeline, so that while stage ``k`` runs one group's step stage ``k - 1`` runs the next
+    group's; 1 otherwise (a model in this process runs one step at a time; more groups there only take turns).
+    :meth:`step` then launches a step for every group with none in flight and returns what the oldest step
+    produced; ``max_num_batched_tokens`` bounds each group's step, ``max_num_seqs`` all groups together.
 
     Every step mixes decodes and prompt chunks (chunked prefill), on the native kernels and on the portable
     PagedAttention alike: the portable op attends decodes and prompt chunks in separate groups, so a step
@@ -145,7 +156,12 @@ class Engine:
         stages: str = "ray",
         ray_address: str | None = None,
         placement: str = "pack",
+        micro_batches: int | None = None,
     ) -> None:
+        if micro_batches is not None and (not isinstance(micro_batches, int) or micro_batches < 1):
+            raise InvalidParameter(
+                "Engine", "micro_batches", "an int >= 1 (or None: one per pipeline stage)", micro_batches
+            )
         budget = DEFAULT_KV_BUDGET_BYTES if kv_budget_bytes is None else kv_budget_bytes
         self.session: Any
         if isinstance(model, (str, os.PathLike)) and is_stage_folder(model):
@@ -184,6 +200,11 @@ class Engine:
             )
             max_model_len = rotary_table_rows(proto)
             all_rows = any(p.key == "ortpa.logits" and p.value == "all" for p in proto.metadata_props)
+        # one micro-batch per stage where the stages run in the background (a Ray pipeline), else one step at a time
+        if micro_batches is None:
+            micro_batches = getattr(self.session, "num_stages", 1) if hasattr(self.session, "submit") else 1
+        self.micro_batches = micro_batches
+        self._in_flight = InFlight(micro_batches) if micro_batches > 1 else None
         self.mixed_steps = mixed_steps
         self.kv = PagedKVCache(self.session.num_blocks, self.session.block_size)
         self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
@@ -194,6 +215,7 @@ class Engine:
             prefix_cache=self.prefix_cache,
             mixed_steps=mixed_steps,
             max_model_len=max_model_len,
+            num_groups=micro_batches,
         )
         # one logits row per packed token ("all"), or the rows a step names ("indices"): a scored prompt's rows come
         # with any chunk; otherwise ("last") a scored prompt runs one token per chunk, each token some chunk's last
@@ -235,18 +257,64 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the token each sampled request got (chunks mid-prompt produce nothing).
 
+        With several micro-batches: launch a batch for every group with none in flight, and return what the
+        oldest batch in flight produced (the others stay in flight for the next calls).
+
         Raises :class:`~ortpa.errors.ConcurrentUse` if another thread is driving the engine.
         """
         with self._driver.hold(), self._lock:
             return self._step()
 
+    # A step is launched (its group scheduled, its feeds built and handed to the model) and later landed (its
+    # tokens sampled, its requests advanced or finished). With one micro-batch the two follow each other in
+    # `_step`; with several (`_step_in_flight`) up to one step per group is in flight between them.
     def _step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if plan.inputs is None:
-            if self.scheduler.has_unfinished():  # the scheduler's accounting makes this unreachable
-                raise OrtpaError(f"Engine.step: {len(self.scheduler.requests)} unfinished request(s) but none fits")
+        if self._in_flight is not None:
+            return self._step_in_flight()
+        launched = self._launch(0)
+        if launched is None:
+            self._check_progress()
             return []
+        try:
+            logits = collect(self.session, launched.handle)
+        except StageFailed:
+            self._lose_caches()
+            raise
+        return self._land(launched, logits)
+
+    def _step_in_flight(self) -> list[RequestOutput]:
+        """Launch a step for every group with none in flight (and work to do), then land the oldest step."""
+        assert self._in_flight is not None
+        try:
+            for group in self._in_flight.groups_to_launch():
+                launched = self._launch(group)
+                if launched is not None:
+                    self._in_flight.push(launched)
+            if not len(self._in_flight):
+                self._check_progress()
+                return []
+            oldest = self._in_flight.pop_oldest()
+            logits = collect(self.session, oldest.handle)
+        except StageFailed:
+            # every step in flight ran on the stage that died: none is collected, and every running request
+            # (of every group) lost its cache there
+            self._in_flight.drop_all()
+            self._lose_caches()
+            raise
+        return self._land(oldest, logits)
+
+    def _check_progress(self) -> None:
+        """Nothing launched and nothing in flight: fine when no request is left."""
+        if self.scheduler.has_unfinished():  # the scheduler's accounting makes this unreachable
+            raise OrtpaError(f"Engine.step: {len(self.scheduler.requests)} unfinished request(s) but none fits")
+
+    def _launch(self, group: int) -> Launched | None:
+        """Schedule ``group``'s next step and hand it to the model; None when the group has nothing to run."""
+        plan = self.scheduler.schedule(group)
+        if plan.inputs is None:
+            return None
         inputs = plan.inputs
+        # copies are ordered before this step on every stage, after the steps already in flight
         self.session.copy_blocks(self.kv.take_pending_copies())
         ids = np.array([t for c in plan.chunks for t in c.request.tokens[c.start : c.start + c.num_tokens]], np.int64)
         feeds = inputs.model_feeds(
@@ -255,27 +323,33 @@ class Engine:
         asked = step_rows(plan.chunks, self._rows_mode)
         if asked.indices is not None:  # an input with a default: ONNX Runtime binds those as OrtValues only
             feeds["logits_indices"] = ort.OrtValue.ortvalue_from_numpy(asked.indices)
-        try:
-            logits = self.session.run(feeds, ["logits"])["logits"]
-        except StageFailed:
-            self._lose_caches()
-            raise
-        if asked.indices is None and logits.ndim == 2 and logits.shape[0] == len(ids) != asked.total:
-            asked = step_rows(plan.chunks, "all")  # a model without ortpa's metadata giving every token's row
+        return Launched(group, plan.chunks, len(ids), asked, submit(self.session, feeds))
+
+    def _land(self, launched: Launched, logits: np.ndarray) -> list[RequestOutput]:
+        """A launched step's logits arrived: score prompts, advance the requests, sample and finish them.
+
+        A request aborted while its step was in flight (from another thread, between two steps) is skipped.
+        """
+        chunks, asked = launched.chunks, launched.asked
+        if asked.indices is None and logits.ndim == 2 and logits.shape[0] == launched.num_ids != asked.total:
+            asked = step_rows(chunks, "all")  # a model without ortpa's metadata giving every token's row
         asked.check(logits)
         rows = logits[asked.last]
-        if any(c.request.prompt_scores is not None for c in plan.chunks):
-            score_prompts(plan.chunks, logits, asked)
-        self.scheduler.commit(plan.chunks)
+        if any(c.request.prompt_scores is not None for c in chunks):
+            score_prompts(chunks, logits, asked)
+        self.scheduler.commit(chunks)
 
         # one batched choice for every chunk that reached its request's last token (and has tokens to generate)
-        sampling = [i for i, c in enumerate(plan.chunks) if c.samples and c.request.sampler.params.max_new_tokens > 0]
-        reqs = [plan.chunks[i].request for i in sampling]
+        live = [c.request.status is RequestStatus.RUNNING for c in chunks]
+        sampling = [
+            i for i, c in enumerate(chunks) if live[i] and c.samples and c.request.sampler.params.max_new_tokens > 0
+        ]
+        reqs = [chunks[i].request for i in sampling]
         contexts = [RowContext(r.sampler.params, r.tokens, r.prompt_len) for r in reqs]
         chosen = iter(sample_rows(rows[sampling], [r.sampler for r in reqs], contexts) if sampling else ())
         outputs = []
-        for chunk in plan.chunks:
-            if not chunk.samples:
+        for chunk, alive in zip(chunks, live, strict=True):
+            if not chunk.samples or not alive:
                 continue
             req = chunk.request
             params = req.sampler.params
@@ -354,6 +428,7 @@ class Engine:
                 cached_tokens=s.cached_tokens,
                 generated_tokens=self._generated_tokens,
                 preemptions=s.preemptions,
+                max_in_flight=self._in_flight.max_depth if self._in_flight is not None else min(s.steps, 1),
             )
 
     @property

@@ -15,12 +15,16 @@ the pipeline restarts it (a fresh actor in the same bundle: its file, a fresh ca
 :class:`~ortpa.errors.StageFailed`, upon which the engine ends every request that had state in the caches. An
 error inside a stage that is still alive (an ONNX Runtime failure) is raised as it is.
 
-One step in flight: the engine samples a step's tokens before scheduling the next, so stages run one after the
-other (the bubble is ``(N - 1) / N``; docs/distributed.md).
+Several steps in flight: :meth:`RayPipeline.submit` starts a step and returns at once, :meth:`RayPipeline.collect`
+waits for its logits. The engine keeps one step per micro-batch group submitted (``Engine(micro_batches=)``, one
+per stage by default): each actor runs the steps it is given in submission order, so while stage ``k`` runs
+group ``g``'s step stage ``k - 1`` already runs group ``g + 1``'s (docs/distributed.md). With one step in flight
+the stages run one after the other and each idles ``(N - 1) / N`` of the time (the bubble).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -103,6 +107,9 @@ class StageActor:
         )
         self.started = time.time()
         self.busy_s = 0.0  # time spent running steps (the bench's pipeline bubble)
+        # the wall-clock spans of the last steps (time.time(): comparable between processes of one machine), so a
+        # test can see two stages computing at once
+        self.spans: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
 
     def ready(self) -> dict:
         import ray
@@ -110,11 +117,12 @@ class StageActor:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "started": self.started}
 
     def step(self, feeds: Mapping[str, Any], received: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         try:
             return self.runner.step(feeds, received)
         finally:
             self.busy_s += time.perf_counter() - t0
+            self.spans.append((wall, time.time()))
 
     def step_forward(self, feeds: Mapping[str, Any], received: Mapping[str, Any], rest: list) -> Any:
         """Run this stage, then hand the result to the next stage's actor directly (``rest``: the later stages'
@@ -124,6 +132,9 @@ class StageActor:
 
     def busy(self) -> float:
         return self.busy_s
+
+    def step_spans(self) -> list[tuple[float, float]]:
+        return list(self.spans)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
@@ -186,7 +197,7 @@ class RayPipeline:
             ray_address = ray_address or os.environ.get("RAY_ADDRESS") or None
             if ray_address is not None:
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-            else:  # a local cluster, small: a logical CPU per stage (they take turns with one step in flight).
+            else:  # a local cluster, small: a logical CPU per stage (each actor takes one).
                 # address="local": a new instance even where a `ray start` cluster runs on this machine (plain
                 # ray.init() would join that one, and refuse num_cpus)
                 n = num_cpus if num_cpus is not None else len(manifest.stages)
@@ -229,15 +240,31 @@ class RayPipeline:
             self._paged_attention,
         )
 
-    # -- the PagedSession surface ----------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.actors)
+
+    # -- the PagedSession surface, and steps in flight ---------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        return self.collect(self.submit(feeds))
+
+    def submit(self, feeds: Mapping[str, Any]) -> Any:
+        """Start one step on every stage, chained by object reference; returns at once (the last stage's result,
+        for :meth:`collect`). Each actor runs its steps in submission order, so steps submitted one after the
+        other flow through the stages one behind the other."""
         ray = _ray()
         shared = ray.put(dict(feeds))
         ref: Any = {}
         for actor in self.actors:
             ref = actor.step.remote(shared, ref)
+        return ref
+
+    def collect(self, handle: Any) -> dict[str, np.ndarray]:
+        """Wait for a step :meth:`submit` started: its logits, or :class:`StageFailed` once the dead stage is
+        restarted (every step in flight then ran on it: the caller drops them without collecting)."""
+        ray = _ray()
         try:
-            return ray.get(ref, timeout=STEP_TIMEOUT_S)
+            return ray.get(handle, timeout=STEP_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             raise self._recover(exc) from None
         except ray.exceptions.RayTaskError as exc:

@@ -12,6 +12,13 @@ One step packs every running request's next tokens and newly admitted prompts un
 With ``mixed_steps=False`` a step takes either prompt chunks (running and admitted) or decodes, never both:
 prompts first while any are pending (vLLM v0's policy); decodes then wait while prompts keep arriving.
 
+Micro-batch groups (``num_groups``, pipeline stages with several steps in flight): every request belongs to one
+group, the least loaded when it is added, for its whole life; :meth:`Scheduler.schedule` plans one group's step
+from that group's requests only (a preemption's victim is of the same group too), so the steps of different
+groups touch disjoint sequences and one group's step can run while another's is still in flight. The block
+pool, the prefix cache, ``max_num_seqs`` and the order of the queues are shared (vLLM's virtual engines keep a
+scheduler each; one shared pool lets a busy group use the blocks an idle one does not need).
+
 Token layout of one request (``bs`` = block size; ``cached`` ⊆ ``computed``)::
 
     tokens:   | prompt ................................ | generated ....... |
@@ -83,6 +90,8 @@ class Request:
     # model returns one logits row per sequence.
     prompt_scores: list | None = None
     max_chunk: int = 0
+    # The micro-batch group whose steps compute this request (Scheduler(num_groups=...)); set when it is added.
+    group: int = 0
 
     @property
     def output(self) -> list[int]:
@@ -135,15 +144,18 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         mixed_steps: bool = True,
         max_model_len: int | None = None,
+        num_groups: int = 1,
     ) -> None:
         """``mixed_steps=False`` never puts prompt chunks and decodes in one step: prompt chunks go first while
         any are pending (vLLM v0's policy); decodes wait while prompts keep arriving.
         ``max_model_len`` (positions the model can take, ``None`` = unbounded) refuses longer requests.
+        ``num_groups``: micro-batch groups (see the module docstring); ``max_num_batched_tokens`` bounds each
+        group's step, ``max_num_seqs`` the running requests of all groups together.
         """
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or num_groups < 1:
             raise InvalidRequest(
-                f"Scheduler: expected max_num_batched_tokens >= 1 and max_num_seqs >= 1, found "
-                f"{max_num_batched_tokens} and {max_num_seqs}"
+                f"Scheduler: expected max_num_batched_tokens >= 1, max_num_seqs >= 1 and num_groups >= 1, found "
+                f"{max_num_batched_tokens}, {max_num_seqs} and {num_groups}"
             )
         self.kv = kv
         self.prefix_cache = prefix_cache
@@ -151,6 +163,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.mixed_steps = mixed_steps
         self.max_model_len = max_model_len
+        self.num_groups = num_groups
+        self.group_load = [0] * num_groups  # unfinished requests of each group
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: oldest first, preempted last-in-first-out
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -161,6 +175,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request; raise :class:`RequestTooLarge` if it could never fit the pool, even alone."""
         self.check(request)
+        # the least loaded group (the lowest index among equals): prompts added together alternate groups
+        request.group = min(range(self.num_groups), key=self.group_load.__getitem__)
+        self.group_load[request.group] += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -188,6 +205,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         del self.requests[request.request_id]
+        self.group_load[request.group] -= 1
 
     @property
     def num_available_blocks(self) -> int:
@@ -196,17 +214,20 @@ class Scheduler:
         return self.kv.num_free_blocks + evictable
 
     # -- one step ----------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Choose this step's chunks, reserve their blocks and return the op's index inputs for them."""
+    def schedule(self, group: int = 0) -> SchedulerOutput:
+        """Choose this step's chunks (of ``group``'s requests), reserve their blocks and return the op's index
+        inputs for them."""
+        if not 0 <= group < self.num_groups:
+            raise InvalidRequest(f"Scheduler.schedule: expected a group in [0, {self.num_groups}), found {group}")
         self._reserved = 0
         if self.mixed_steps:
-            chunks, preempted = self._select(decodes=True, prompts=True)
+            chunks, preempted = self._select(group, decodes=True, prompts=True)
         else:  # prompt chunks while any prompt is pending, else decodes (see __init__)
-            chunks, preempted = self._select(decodes=False, prompts=True)
+            chunks, preempted = self._select(group, decodes=False, prompts=True)
             if not chunks:
                 # Also when the prompt phase preempted (possibly its own request, the newest running one):
                 # the older decodes still hold their blocks, and a step with nothing to run would stall.
-                more, also_preempted = self._select(decodes=True, prompts=False)
+                more, also_preempted = self._select(group, decodes=True, prompts=False)
                 chunks, preempted = more, preempted + also_preempted
         inputs = None
         if chunks:
@@ -216,28 +237,32 @@ class Scheduler:
         self.stats.preemptions += len(preempted)
         return SchedulerOutput(chunks, inputs, preempted)
 
-    def _select(self, *, decodes: bool, prompts: bool) -> tuple[list[ScheduledChunk], list[Request]]:
-        """Running requests first, then admissions; ``decodes`` / ``prompts`` say which kinds of chunk to take."""
+    def _select(self, group: int, *, decodes: bool, prompts: bool) -> tuple[list[ScheduledChunk], list[Request]]:
+        """Running requests first, then admissions, of ``group`` only; ``decodes`` / ``prompts`` say which kinds
+        of chunk to take."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        # this group's running requests, oldest first: only they may be preempted (another group's step may be
+        # in flight, computing into its requests' blocks)
+        mine = [r for r in self.running if r.group == group]
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(mine) and budget > 0:
+            req = mine[i]
             if not (decodes if req.is_decoding else prompts):
                 i += 1
                 continue
             n = min(len(req.tokens) - req.num_computed, budget, req.max_chunk or budget)
             need = self.kv.blocks_needed(req.request_id, n)
             fits = self._reserve(need)
-            while not fits and self.running[-1] is not req:
-                victim = self.running.pop()
+            while not fits and mine[-1] is not req:
+                victim = mine.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 fits = self._reserve(need)
             if not fits:  # req is the newest running request and still does not fit: it waits instead
-                self._preempt(self.running.pop())
+                self._preempt(mine.pop())
                 preempted.append(req)
                 break
             chunks.append(ScheduledChunk(req, req.num_computed, n))
@@ -245,8 +270,10 @@ class Scheduler:
             i += 1
 
         # Admitting while preempting would free blocks for one request only to take them for another.
-        while prompts and not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        queue = [r for r in self.waiting if r.group == group] if prompts and not preempted else []
+        for req in queue:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             hits = self._match(req)
             cached = len(hits) * self.kv.block_size
             n = min(len(req.tokens) - cached, budget, req.max_chunk or budget)
@@ -254,7 +281,7 @@ class Scheduler:
             if not self._reserve(self.kv.blocks_needed(req.request_id, n)):
                 self.kv.free(req.request_id)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed = cached
@@ -267,9 +294,14 @@ class Scheduler:
         return chunks, preempted
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
-        """The step ran: advance each request's computed count and offer its new full blocks to the cache."""
+        """The step ran: advance each request's computed count and offer its new full blocks to the cache.
+
+        A request that finished while its step was in flight (aborted) has nothing left to advance: skipped.
+        """
         for c in chunks:
             req = c.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
             req.num_computed = c.start + c.num_tokens
             if self.prefix_cache is None:
                 continue
@@ -304,6 +336,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and requeue it first, to recompute prompt + generated tokens."""
+        self.running.remove(req)
         self._free(req)
         req.status = RequestStatus.WAITING
         req.num_computed = 0

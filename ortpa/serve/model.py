@@ -53,6 +53,7 @@ class ServingModel:
         threads: int | None = None,
         ray_address: str | None = None,
         placement: str = "pack",
+        micro_batches: int | None = None,
     ) -> ServingModel:
         """Open ``model`` (a file, a folder, or a repo id in the local cache) and what lies beside it.
 
@@ -94,6 +95,7 @@ class ServingModel:
             sess_options=sess_options,
             ray_address=ray_address,
             placement=placement,
+            micro_batches=micro_batches,
         )
         max_len = engine.scheduler.max_model_len or _config_context(where)
         return cls(

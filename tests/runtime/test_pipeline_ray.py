@@ -2,8 +2,9 @@
 
 One cluster for the module (``ray.cluster_utils.Cluster``: a head and a second node, 2 logical CPUs each, no
 dashboard), one engine per folder: Ray's start-up is the cost here, not the tiny models. The reference is the
-unsplit model run by the same Engine in this process (exact tokens). Killing a stage's process mid-stream must
-fail the stream within seconds and leave an engine that serves new requests with the same tokens.
+unsplit model run by the same Engine in this process (exact tokens). The engines keep one micro-batch per stage
+in flight (the default): the stages' steps must overlap. Killing a stage's process mid-stream must fail the
+stream within seconds and leave an engine that serves new requests with the same tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def test_stages_on_two_nodes_give_the_unsplit_tokens(cluster, toy, two_stages, r
         placed = engine.session.placed
         assert len({p["node"] for p in placed}) == 2, f"expected one stage per node, found {placed}"
         assert engine.generate(PROMPTS, PARAMS) == reference  # batched (chunked prefill mixes with decodes)
+        # one micro-batch per stage by default, both in flight: stage 0 began a step before stage 1 had finished the
+        # one before it (with one step in flight, stage 0 waits for the logits of the step before)
+        assert engine.micro_batches == 2 and engine.stats.max_in_flight == 2
+        first, second = ray.get([a.step_spans.remote() for a in engine.session.actors])
+        assert len(first) == len(second) == engine.stats.steps
+        assert any(first[i + 1][0] < second[i][1] for i in range(len(first) - 1)), (first, second)
         # staggered arrivals: decodes of the first requests share steps with the later prompts
         ids, out, step = {}, {}, 0
         while step < len(PROMPTS) or engine.has_unfinished():

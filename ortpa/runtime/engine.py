@@ -33,8 +33,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import ConcurrentUse, OrtpaError, StageFailed
+from ortpa.errors import ConcurrentUse, InvalidModel, OrtpaError, StageFailed
 from ortpa.model.file import LoadedModel
+from ortpa.runtime.decode_feeds import DecodeFeeds
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
@@ -47,6 +48,7 @@ from ortpa.runtime.scheduler import (
     RequestStatus,
     RequestTooLarge,
     RequestTooLong,
+    ScheduledChunk,
     Scheduler,
     UnknownRequest,
 )
@@ -201,6 +203,13 @@ class Engine:
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        # all-decode steps keep their index arrays bound and update them in place (a model file's session only)
+        self._decode_feeds = (
+            DecodeFeeds(attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids)
+            if isinstance(self.session, PagedSession)
+            else None
+        )
+        self._bound_layout = -1  # the DecodeFeeds layout the session has bound
         self._lock = threading.RLock()  # scheduler, KV and prefix-cache state: held for a whole step
         self._driver = SingleDriver("Engine.step")
 
@@ -241,13 +250,15 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._decode_feeds)
         if plan.inputs is None:
             if self.scheduler.has_unfinished():  # the scheduler's accounting makes this unreachable
                 raise OrtpaError(f"Engine.step: {len(self.scheduler.requests)} unfinished request(s) but none fits")
             return []
         inputs = plan.inputs
         self.session.copy_blocks(self.kv.take_pending_copies())
+        if inputs is self._decode_feeds:  # every chunk a decode: the bound index arrays, updated in place
+            return self._sample(plan.chunks, self._run_decodes(plan.chunks))
         ids = np.array([t for c in plan.chunks for t in c.request.tokens[c.start : c.start + c.num_tokens]], np.int64)
         feeds = inputs.model_feeds(
             ids, attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids
@@ -267,14 +278,34 @@ class Engine:
         if any(c.request.prompt_scores is not None for c in plan.chunks):
             score_prompts(plan.chunks, logits, asked)
         self.scheduler.commit(plan.chunks)
+        return self._sample(plan.chunks, rows)
 
-        # one batched choice for every chunk that reached its request's last token (and has tokens to generate)
-        sampling = [i for i, c in enumerate(plan.chunks) if c.samples and c.request.sampler.params.max_new_tokens > 0]
-        reqs = [plan.chunks[i].request for i in sampling]
+    def _run_decodes(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        """Run an all-decode step on the bound feeds (:mod:`ortpa.runtime.decode_feeds`); its logits rows."""
+        feeds = self._decode_feeds
+        feeds.set_tokens([c.request.tokens[-1] for c in chunks])
+        if self._bound_layout != feeds.layout:  # new arrays (the batch changed, the table widened): bind them
+            self.session.bind_step(feeds.feeds, ["logits"])
+            self._bound_layout = feeds.layout
+        logits = self.session.run_bound()["logits"]
+        if logits.ndim != 2 or logits.shape[0] != len(chunks):
+            raise InvalidModel(
+                "logits", f"expected a 2-D output with {len(chunks)} rows for {len(chunks)} decodes, found {logits.shape}"
+            )
+        self.scheduler.commit(chunks)
+        return logits
+
+    def _sample(self, chunks: list[ScheduledChunk], rows: np.ndarray) -> list[RequestOutput]:
+        """Choose the tokens of a step whose chunks ran (``rows``: each chunk's last logits row) and retire the
+        requests that finished: one batched choice for every chunk that reached its request's last token (and
+        has tokens to generate)."""
+        sampling = [i for i, c in enumerate(chunks) if c.samples and c.request.sampler.params.max_new_tokens > 0]
+        reqs = [chunks[i].request for i in sampling]
         contexts = [RowContext(r.sampler.params, r.tokens, r.prompt_len) for r in reqs]
-        chosen = iter(sample_rows(rows[sampling], [r.sampler for r in reqs], contexts) if sampling else ())
+        picked_rows = rows if len(sampling) == len(rows) else rows[sampling]
+        chosen = iter(sample_rows(picked_rows, [r.sampler for r in reqs], contexts) if sampling else ())
         outputs = []
-        for chunk in plan.chunks:
+        for chunk in chunks:
             if not chunk.samples:
                 continue
             req = chunk.request

@@ -128,8 +128,8 @@ def test_staggered_batch_equals_each_request_alone(alone, mixed_steps):
     kinds = []  # per step: did it hold prompt chunks, decodes, or both
     schedule = engine.scheduler.schedule
 
-    def spy():
-        plan = schedule()
+    def spy(*args):
+        plan = schedule(*args)
         kinds.append({c.request.is_decoding for c in plan.chunks})  # before commit: as the scheduler saw them
         return plan
 

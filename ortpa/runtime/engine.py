@@ -289,9 +289,8 @@ class Engine:
             self._bound_layout = feeds.layout
         logits = self.session.run_bound()["logits"]
         if logits.ndim != 2 or logits.shape[0] != len(chunks):
-            raise InvalidModel(
-                "logits", f"expected a 2-D output with {len(chunks)} rows for {len(chunks)} decodes, found {logits.shape}"
-            )
+            n, found = len(chunks), logits.shape
+            raise InvalidModel("logits", f"expected a 2-D output with {n} rows (one per decode), found {found}")
         self.scheduler.commit(chunks)
         return logits
 

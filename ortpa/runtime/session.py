@@ -516,8 +516,8 @@ class PagedSession:
                 if name in self._values:
                     raise ValueError(f"{name!r} is a cache owned by this PagedSession; do not feed it")
                 self._check_rank(name, array)
-                ov = ort.OrtValue.ortvalue_from_numpy(array)
-                if not array.flags.c_contiguous or ov.data_ptr() != array.ctypes.data:
+                ov = ort.OrtValue.ortvalue_from_numpy(array) if array.flags.c_contiguous else None
+                if ov is None or ov.data_ptr() != array.ctypes.data:
                     raise InvalidParameter(
                         "PagedSession.bind_step", name, "a C-contiguous numpy array bound by reference", "a copy"
                     )

@@ -389,15 +389,22 @@ class PagedKVCache:
         seqs = [self._get(s, "plan_decodes") for s in seq_ids]
         if len(set(seq_ids)) != len(seqs):
             raise InvalidSequenceOp(f"plan_decodes: a sequence is scheduled twice in {list(seq_ids)}")
-        bs = self.block_size
-        if any(s.num_tokens % bs and self.pool.ref_count(s.blocks[-1]) > 1 for s in seqs):
+        bs, refs = self.block_size, self.pool.ref_count
+        need, cow = 0, False
+        for s in seqs:
+            if s.num_tokens % bs == 0:
+                need += 1
+            elif refs(s.blocks[-1]) > 1:
+                cow = True
+        if cow:
             self._dry_run(seqs, [1] * len(seqs))  # copy-on-write: the exact count of plan_step
-        else:
-            need = sum(1 for s in seqs if s.num_tokens % bs == 0)
-            if need > self.pool.num_free_blocks:
-                raise OutOfBlocks(need, self.pool.num_free_blocks, f"a decode step of {len(seqs)} sequence(s)")
+        elif need > self.pool.num_free_blocks:
+            raise OutOfBlocks(need, self.pool.num_free_blocks, f"a decode step of {len(seqs)} sequence(s)")
         changed = []
         for row, seq in enumerate(seqs):  # cannot fail now: enough blocks are free
+            if not cow and seq.num_tokens % bs:  # inside its own partial last block: only the count moves
+                seq.num_tokens += 1
+                continue
             count, last = len(seq.blocks), seq.blocks[-1] if seq.blocks else -1
             self._grow(seq, 1)
             if len(seq.blocks) != count or seq.blocks[-1] != last:

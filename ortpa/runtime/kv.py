@@ -9,7 +9,8 @@ Three small classes, one job each (the split of vLLM's ``block_pool.py`` / ``kv_
 * :class:`BlockPool` — free queue and reference counts; allocate / share / free block ids.
 * :class:`KVSequence` — the record of one sequence: id, committed token count, block list.
 * :class:`PagedKVCache` — the per-sequence façade: add, append, fork (copy-on-write), free, and
-  :meth:`PagedKVCache.plan_step`, which reserves blocks for a step and returns :class:`StepInputs`.
+  :meth:`PagedKVCache.plan_step`, which reserves blocks for a step and returns :class:`StepInputs`
+  (:meth:`PagedKVCache.plan_decodes`: the same for an all-decode step, returning only the changed table cells).
 
 Token layout of one sequence (``bs`` = block_size, ``n`` = num_tokens)::
 

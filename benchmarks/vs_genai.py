@@ -18,6 +18,9 @@ excluded). The two sides alternate round by round (a burst of outside load hits 
 median of ``--rounds`` rounds; the ratio is of the medians. Rows record both ONNX Runtime versions and the load
 average before and after. Targets: ortpa / genai >= 1.0 at 1 request, >= 1.2 at 16.
 
+``vs_genai.host.1`` and ``vs_genai.host.16``: the share of an ortpa decode step spent outside ONNX Runtime's run
+(the driver loop: index tensors, sampling, Python between runs; target < 10% at one request).
+
 Each concurrency also gets a ``vs_genai.N.cpu`` row: the ratio of tokens per CPU second of each side's process,
 which the load of other processes disturbs far less than wall time (with ``--threads 1`` it is the work each side
 does per token). ``--work DIR`` keeps the built and converted models in ``DIR`` and reuses them on the next run.
@@ -245,6 +248,15 @@ def run(
         import onnxruntime as ort
 
         engine = _ortpa_engine(converted, threads)
+        from ortpa.bench._timing import decode_host_share
+
+        for n in (1, 16):  # the driver loop's share of a decode step (issue 39: < 10% at one request)
+            h = decode_host_share(engine, _prompts(n, prompt_len), max(new_tokens, 32))
+            goal = "; target < 10%" if n == 1 else ""
+            rows.append(_row(f"vs_genai.host.{n}", "host_share", round(100.0 * h.share, 1), "%",
+                             f"ortpa Engine, {n} request(s) decoding on {dims}: time outside ONNX Runtime's run over "
+                             f"step time, {h.steps} steps (median step {h.step_ms:.2f} ms, host {h.host_us:.0f} us)"
+                             f"{goal}"))  # fmt: skip
         for n in CONCURRENCY:
             prompts = _prompts(n, prompt_len)
             code = _GENERATE.format(prompts=json.dumps(prompts), new_tokens=new_tokens, threads=threads, model_dir=out)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
 __all__ = [
+    "DecodeHost",
     "aliased_step",
+    "decode_host_share",
     "engine_tokens_per_s",
     "interleaved_ms",
     "median_ms",
@@ -80,3 +83,55 @@ def engine_tokens_per_s(engine, prompts: list[list[int]], new_tokens: int) -> fl
     t = time.perf_counter()
     out = engine.generate(prompts, params)
     return sum(len(o) for o in out) / (time.perf_counter() - t)
+
+
+@dataclass(frozen=True)
+class DecodeHost:
+    """Where the wall time of an engine's decode steps goes: ONNX Runtime's run, and everything else (host)."""
+
+    steps: int
+    step_ms: float  # median wall time of one decode step
+    host_us: float  # median time of one step outside ONNX Runtime's run: index tensors, sampling, Python
+    share: float  # host time over step time, summed over the steps
+
+
+def decode_host_share(engine, prompts: list[list[int]], new_tokens: int) -> DecodeHost:
+    """Host time of ``engine``'s decode steps: the prompts are added and prefilled, then every step (all decodes)
+    is timed, and inside it the time ONNX Runtime's ``run_with_iobinding`` takes. The rest of the step is the
+    driver loop: scheduling, the index tensors, binding, sampling and the Python between runs.
+
+    Needs an engine over a model file (its session is one ONNX Runtime session); the engine's ORT session gets a
+    timing wrapper for the call's duration.
+    """
+    from ortpa.runtime.sampling import SamplingParams
+
+    ort_session = engine.session.session._sess
+    inner = ort_session.run_with_iobinding
+    in_run = [0.0]
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            in_run[0] += time.perf_counter() - t
+
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
+    ort_session.run_with_iobinding = timed
+    try:
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_new_tokens=new_tokens))
+        while engine.scheduler.waiting or any(not r.is_decoding for r in engine.scheduler.running):
+            engine.step()
+        steps, hosts = [], []
+        while engine.has_unfinished():
+            in_run[0] = 0.0
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+            hosts.append(steps[-1] - in_run[0])
+    finally:
+        del ort_session.run_with_iobinding  # the class's method again
+    return DecodeHost(
+        len(steps), 1e3 * float(np.median(steps)), 1e6 * float(np.median(hosts)), sum(hosts) / max(sum(steps), 1e-12)
+    )

@@ -12,6 +12,9 @@ fp16 attention through the portable PagedAttention. Workloads, all greedy:
 * ``arrivals``: the ``mixed`` requests arrive one every ``ARRIVAL_MS`` of engine CPU time instead of all at
   once; inter-token latency (CPU time between two tokens of one request, after its first) at p50 / p99, with
   mixed steps (the default) and with separate steps: separate steps stall every decode while a prompt runs.
+* ``host``: the share of a decode step spent outside ONNX Runtime's run (index tensors, sampling, the Python
+  between runs) at 1 and 16 requests (``engine.host.N``), the toy model's steps being short enough for the driver
+  loop to show.
 * ``shared_prefix``: 64 requests sharing a 96-token system prompt (6 blocks of 16) plus 8..40 own tokens;
   the default engine with prefix caching on and off. Reports the share of prompt tokens served from the
   cache and the compute (tokens fed through the model) saved.
@@ -31,6 +34,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortpa.bench import format_table
+from ortpa.bench._timing import decode_host_share
 from ortpa.providers import CPU as CPU_PROVIDER
 from ortpa.runtime.engine import Engine, SamplingParams
 from ortpa.testing.toy_lm import ToyLMConfig, build_toy_lm
@@ -250,6 +254,34 @@ def run(quick: bool = False) -> list[dict]:
             "notes": f"{t_on:.2f} s with prefix caching, {t_off:.2f} s without; {env}",
         },
     ]
+    rows += _host_rows(model, dims)
+    return rows
+
+
+def _host_rows(model, dims: str) -> list[dict]:
+    """``engine.host.N``: the share of a decode step spent outside ONNX Runtime's run, at 1 and 16 requests, with
+    the bound decode feeds (the default) and, in the notes, with feeds rebuilt every step."""
+    rows = []
+    for n in (1, 16):
+        prompts = _mixed(n, seed=2)[0]
+        got = {}
+        for bound in (True, False):
+            engine = _engine(model, False)
+            if not bound:
+                engine._decode_feeds = None  # the path every step took before the bound decode feeds
+            got[bound] = decode_host_share(engine, prompts, 32)
+        h, old = got[True], got[False]
+        rows.append(
+            {
+                "name": f"engine.host.{n}",
+                "metric": "host_share",
+                "value": round(100.0 * h.share, 1),
+                "unit": "%",
+                "notes": f"{n} request(s) decoding, {h.steps} steps; time outside ONNX Runtime's run over step time "
+                f"(median step {h.step_ms:.3f} ms, host {h.host_us:.0f} us); feeds rebuilt every step: "
+                f"{100.0 * old.share:.1f}% (host {old.host_us:.0f} us); {dims}; 1 ORT thread, wall time",
+            }
+        )
     return rows
 
 

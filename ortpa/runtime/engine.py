@@ -35,11 +35,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ortpa.errors import ConcurrentUse, InvalidParameter, OrtpaError, StageFailed
+from ortpa.errors import ConcurrentUse, InvalidModel, InvalidParameter, OrtpaError, StageFailed
 from ortpa.model.file import LoadedModel
+from ortpa.runtime.decode_feeds import DecodeFeeds
 from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
-from ortpa.runtime.microbatch import InFlight, Launched, collect, submit
+from ortpa.runtime.microbatch import InFlight, Launched, Ran, collect, submit
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
 from ortpa.runtime.prefix_cache import PrefixCache
 from ortpa.runtime.prompt_scoring import RowsMode, score_prompts, step_rows
@@ -50,6 +51,7 @@ from ortpa.runtime.scheduler import (
     RequestStatus,
     RequestTooLarge,
     RequestTooLong,
+    ScheduledChunk,
     Scheduler,
     UnknownRequest,
 )
@@ -223,6 +225,14 @@ class Engine:
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        # all-decode steps keep their index arrays bound and update them in place (a model file's session only, one
+        # step at a time: the arrays are one step's, and with several micro-batches each step would need its own)
+        self._decode_feeds = (
+            DecodeFeeds(attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids)
+            if isinstance(self.session, PagedSession) and self._in_flight is None
+            else None
+        )
+        self._bound_layout = -1  # the DecodeFeeds layout the session has bound
         self._lock = threading.RLock()  # scheduler, KV and prefix-cache state: held for a whole step
         self._driver = SingleDriver("Engine.step")
 
@@ -310,12 +320,15 @@ class Engine:
 
     def _launch(self, group: int) -> Launched | None:
         """Schedule ``group``'s next step and hand it to the model; None when the group has nothing to run."""
-        plan = self.scheduler.schedule(group)
+        plan = self.scheduler.schedule(group, self._decode_feeds)
         if plan.inputs is None:
             return None
         inputs = plan.inputs
         # copies are ordered before this step on every stage, after the steps already in flight
         self.session.copy_blocks(self.kv.take_pending_copies())
+        if inputs is self._decode_feeds:  # every chunk a decode: the bound index arrays, updated in place, run now
+            logits = self._run_decodes(plan.chunks)
+            return Launched(group, plan.chunks, len(plan.chunks), None, Ran({"logits": logits}))
         ids = np.array([t for c in plan.chunks for t in c.request.tokens[c.start : c.start + c.num_tokens]], np.int64)
         feeds = inputs.model_feeds(
             ids, attention_metadata=self.io.attention_metadata, position_ids=self.io.position_ids
@@ -331,22 +344,43 @@ class Engine:
         A request aborted while its step was in flight (from another thread, between two steps) is skipped.
         """
         chunks, asked = launched.chunks, launched.asked
-        if asked.indices is None and logits.ndim == 2 and logits.shape[0] == launched.num_ids != asked.total:
-            asked = step_rows(chunks, "all")  # a model without ortpa's metadata giving every token's row
-        asked.check(logits)
-        rows = logits[asked.last]
-        if any(c.request.prompt_scores is not None for c in chunks):
-            score_prompts(chunks, logits, asked)
+        if asked is None:  # an all-decode step on the bound feeds: one row per chunk (checked by _run_decodes)
+            rows = logits
+        else:
+            if asked.indices is None and logits.ndim == 2 and logits.shape[0] == launched.num_ids != asked.total:
+                asked = step_rows(chunks, "all")  # a model without ortpa's metadata giving every token's row
+            asked.check(logits)
+            rows = logits[asked.last]
+            if any(c.request.prompt_scores is not None for c in chunks):
+                score_prompts(chunks, logits, asked)
         self.scheduler.commit(chunks)
+        return self._sample(chunks, rows)
 
-        # one batched choice for every chunk that reached its request's last token (and has tokens to generate)
+    def _run_decodes(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        """Run an all-decode step on the bound feeds (:mod:`ortpa.runtime.decode_feeds`); its logits rows."""
+        feeds = self._decode_feeds
+        feeds.set_tokens([c.request.tokens[-1] for c in chunks])
+        if self._bound_layout != feeds.layout:  # new arrays (the batch changed, the table widened): bind them
+            self.session.bind_step(feeds.feeds, ["logits"])
+            self._bound_layout = feeds.layout
+        logits = self.session.run_bound()["logits"]
+        if logits.ndim != 2 or logits.shape[0] != len(chunks):
+            n, found = len(chunks), logits.shape
+            raise InvalidModel("logits", f"expected a 2-D output with {n} rows (one per decode), found {found}")
+        return logits
+
+    def _sample(self, chunks: list[ScheduledChunk], rows: np.ndarray) -> list[RequestOutput]:
+        """Choose the tokens of a step whose chunks ran (``rows``: each chunk's last logits row) and retire the
+        requests that finished: one batched choice for every chunk that reached its request's last token (and
+        has tokens to generate). A request aborted while its step was in flight is skipped."""
         live = [c.request.status is RequestStatus.RUNNING for c in chunks]
         sampling = [
             i for i, c in enumerate(chunks) if live[i] and c.samples and c.request.sampler.params.max_new_tokens > 0
         ]
         reqs = [chunks[i].request for i in sampling]
         contexts = [RowContext(r.sampler.params, r.tokens, r.prompt_len) for r in reqs]
-        chosen = iter(sample_rows(rows[sampling], [r.sampler for r in reqs], contexts) if sampling else ())
+        picked_rows = rows if len(sampling) == len(rows) else rows[sampling]
+        chosen = iter(sample_rows(picked_rows, [r.sampler for r in reqs], contexts) if sampling else ())
         outputs = []
         for chunk, alive in zip(chunks, live, strict=True):
             if not chunk.samples or not alive:

@@ -9,7 +9,8 @@ Three small classes, one job each (the split of vLLM's ``block_pool.py`` / ``kv_
 * :class:`BlockPool` — free queue and reference counts; allocate / share / free block ids.
 * :class:`KVSequence` — the record of one sequence: id, committed token count, block list.
 * :class:`PagedKVCache` — the per-sequence façade: add, append, fork (copy-on-write), free, and
-  :meth:`PagedKVCache.plan_step`, which reserves blocks for a step and returns :class:`StepInputs`.
+  :meth:`PagedKVCache.plan_step`, which reserves blocks for a step and returns :class:`StepInputs`
+  (:meth:`PagedKVCache.plan_decodes`: the same for an all-decode step, returning only the changed table cells).
 
 Token layout of one sequence (``bs`` = block_size, ``n`` = num_tokens)::
 
@@ -360,19 +361,7 @@ class PagedKVCache:
             seen.add(seq_id)
             seqs.append(seq)
         news = [n for _, n in schedule]
-
-        # Dry run against a scratch view of the ref counts: copy-on-write by an earlier sequence releases a
-        # reference that a later sequence sharing the same block then no longer needs to copy.
-        released: collections.Counter[int] = collections.Counter()
-        need = 0
-        for seq, n in zip(seqs, news, strict=True):
-            need += self._needed(seq, n, lambda b: self.pool.ref_count(b) - released[b], released)
-            if need > self.pool.num_free_blocks:
-                raise OutOfBlocks(
-                    need,
-                    self.pool.num_free_blocks,
-                    f"a step of {len(seqs)} sequence(s), reached at sequence {seq.seq_id!r}",
-                )
+        self._dry_run(seqs, news)
         width = max(1, *(-(-(s.num_tokens + n) // self.block_size) for s, n in zip(seqs, news, strict=True)))
         if block_table_width is not None:
             if block_table_width < width:
@@ -389,7 +378,58 @@ class PagedKVCache:
             slots += self._slot_list(seq, start, seq.num_tokens)
         return self._emit(seqs, news, past, slots, width)
 
+    def plan_decodes(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int, int]]:
+        """Commit one new token to each sequence (an all-decode step), as ``plan_step`` would, building nothing.
+
+        The cheap path of :meth:`plan_step` for a step where every sequence decodes: blocks are reserved (a new
+        block only where a sequence crosses a block boundary, or a copy-on-write block), all-or-nothing, and
+        the block table cells that changed are returned as ``(row, column, block id)``, row being the
+        sequence's index in ``seq_ids``. The caller keeps the index tensors
+        (:class:`~ortpa.runtime.decode_feeds.DecodeFeeds`); run :meth:`take_pending_copies` before the step.
+        """
+        seqs = [self._get(s, "plan_decodes") for s in seq_ids]
+        if len(set(seq_ids)) != len(seqs):
+            raise InvalidSequenceOp(f"plan_decodes: a sequence is scheduled twice in {list(seq_ids)}")
+        bs, refs = self.block_size, self.pool.ref_count
+        need, cow = 0, False
+        for s in seqs:
+            if s.num_tokens % bs == 0:
+                need += 1
+            elif refs(s.blocks[-1]) > 1:
+                cow = True
+        if cow:
+            self._dry_run(seqs, [1] * len(seqs))  # copy-on-write: the exact count of plan_step
+        elif need > self.pool.num_free_blocks:
+            raise OutOfBlocks(need, self.pool.num_free_blocks, f"a decode step of {len(seqs)} sequence(s)")
+        changed = []
+        for row, seq in enumerate(seqs):  # cannot fail now: enough blocks are free
+            if not cow and seq.num_tokens % bs:  # inside its own partial last block: only the count moves
+                seq.num_tokens += 1
+                continue
+            count, last = len(seq.blocks), seq.blocks[-1] if seq.blocks else -1
+            self._grow(seq, 1)
+            if len(seq.blocks) != count or seq.blocks[-1] != last:
+                changed.append((row, len(seq.blocks) - 1, seq.blocks[-1]))
+        return changed
+
     # -- internals -----------------------------------------------------------------------------------
+    def _dry_run(self, seqs: list[KVSequence], news: list[int]) -> None:
+        """Raise :class:`OutOfBlocks` when appending ``news`` tokens to ``seqs`` would not fit the pool.
+
+        Against a scratch view of the ref counts: copy-on-write by an earlier sequence releases a reference that a
+        later sequence sharing the same block then no longer needs to copy.
+        """
+        released: collections.Counter[int] = collections.Counter()
+        need = 0
+        for seq, n in zip(seqs, news, strict=True):
+            need += self._needed(seq, n, lambda b: self.pool.ref_count(b) - released[b], released)
+            if need > self.pool.num_free_blocks:
+                raise OutOfBlocks(
+                    need,
+                    self.pool.num_free_blocks,
+                    f"a step of {len(seqs)} sequence(s), reached at sequence {seq.seq_id!r}",
+                )
+
     def _get(self, seq_id: SeqId, where: str) -> KVSequence:
         try:
             return self._seqs[seq_id]

@@ -28,6 +28,7 @@ __all__ = [
     "SamplingParams",
     "TokenConstraint",
     "TokenLogprobs",
+    "needs_processing",
     "sample_rows",
     "sample_token",
 ]
@@ -108,10 +109,31 @@ class SamplingParams:
         object.__setattr__(self, "_bias_values", np.array([v for _, v in bias], np.float32))
         if self.constraint is not None and not isinstance(self.constraint, TokenConstraint):
             raise InvalidSamplingParams("constraint", "a TokenConstraint or None", type(self.constraint).__name__)
+        # read by sample_rows on every step: computed once
+        object.__setattr__(self, "_needs_processing", _needs_processing(self))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    """Whether a row of this request needs more than the argmax of the model's raw logits: a draw
+    (temperature > 0), log-probabilities, or a control of :mod:`ortpa.runtime.logits_processing`."""
+    return params._needs_processing  # type: ignore[attr-defined]
+
+
+def _needs_processing(params: SamplingParams) -> bool:
+    return (
+        not params.greedy
+        or params.logprobs is not None
+        or bool(params.logit_bias)
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or (bool(params.stop_token_ids) and params.min_tokens > 0)
+        or params.constraint is not None
+    )
 
 
 def _is_int(value: object) -> bool:
@@ -173,6 +195,11 @@ def sample_rows(logits: np.ndarray, samplers: Sequence[Sampler], rows: Sequence[
     x = np.asarray(logits)
     if x.ndim != 2 or x.shape[0] != len(samplers):
         raise ValueError(f"sample_rows: expected logits [{len(samplers)}, vocab], found shape {x.shape}")
+    if not any(needs_processing(s.params) for s in samplers):
+        # greedy rows with no controls (the common case): the argmax of the raw rows, lowest id on ties, as below
+        tokens = np.argmax(x, axis=1).tolist()
+        chosen = x[np.arange(len(tokens)), tokens].tolist()
+        return [Sampled(None if c == -np.inf else t, None) for t, c in zip(tokens, chosen, strict=True)]
     processed = process_logits(x, rows)
     tokens = np.argmax(processed, axis=1)
     # a row that allows nothing (every logit -inf): no token, the engine ends the request

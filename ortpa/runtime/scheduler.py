@@ -38,6 +38,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ortpa.errors import InvalidRequest, RequestTooLarge, RequestTooLong, UnknownRequest
+from ortpa.runtime.decode_feeds import DecodeFeeds
 from ortpa.runtime.kv import PagedKVCache, StepInputs
 from ortpa.runtime.prefix_cache import BlockHash, PrefixCache, extend_block_hashes
 from ortpa.runtime.sampling import Sampler
@@ -120,7 +121,7 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
-    inputs: StepInputs | None  # None when nothing is scheduled
+    inputs: StepInputs | DecodeFeeds | None  # None when nothing is scheduled; DecodeFeeds: see schedule()
     preempted: list[Request]
 
 
@@ -214,9 +215,13 @@ class Scheduler:
         return self.kv.num_free_blocks + evictable
 
     # -- one step ----------------------------------------------------------------------------------
-    def schedule(self, group: int = 0) -> SchedulerOutput:
+    def schedule(self, group: int = 0, decode_feeds: DecodeFeeds | None = None) -> SchedulerOutput:
         """Choose this step's chunks (of ``group``'s requests), reserve their blocks and return the op's index
-        inputs for them."""
+        inputs for them.
+
+        With ``decode_feeds``, a step whose chunks are all decodes is planned into it (its arrays updated in
+        place, :mod:`ortpa.runtime.decode_feeds`) and it is the output's ``inputs``; any other step resets it.
+        """
         if not 0 <= group < self.num_groups:
             raise InvalidRequest(f"Scheduler.schedule: expected a group in [0, {self.num_groups}), found {group}")
         self._reserved = 0
@@ -230,8 +235,15 @@ class Scheduler:
                 more, also_preempted = self._select(group, decodes=True, prompts=False)
                 chunks, preempted = more, preempted + also_preempted
         inputs = None
+        if chunks and decode_feeds is not None and all(c.request.is_decoding for c in chunks):
+            decode_feeds.plan(self.kv, [c.request.request_id for c in chunks])
+            inputs = decode_feeds
+        else:
+            if decode_feeds is not None:
+                decode_feeds.reset()
+            if chunks:
+                inputs = self.kv.plan_step([(c.request.request_id, c.num_tokens) for c in chunks])
         if chunks:
-            inputs = self.kv.plan_step([(c.request.request_id, c.num_tokens) for c in chunks])
             self.stats.computed_tokens += sum(c.num_tokens for c in chunks)
             self.stats.steps += 1
         self.stats.preemptions += len(preempted)

@@ -425,6 +425,7 @@ class PagedSession:
         self._lock = threading.Lock()  # serializes every use of the cache buffers (see the class docstring)
         self._io: ort.IOBinding | None = None  # made on the first run (see _binding)
         self._io_key: tuple = ()  # (fetched outputs, fed inputs) self._io was made for
+        self._step_binding: tuple | None = None  # (binding, fetched outputs, bound arrays) of bind_step
 
     @property
     def cache_names(self) -> list[str]:
@@ -495,6 +496,48 @@ class PagedSession:
         for name in fetched:
             io.bind_output(name, "cpu")  # a fresh, unallocated output: its shape changes from step to step
         sess.run_with_iobinding(io)
+        return self._fetched(io, fetched)
+
+    def bind_step(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> None:
+        """Bind step inputs that later steps update in place, for :meth:`run_bound` to run without rebinding.
+
+        Each array is bound by reference (an ``OrtValue`` over its memory: ONNX Runtime reads what the array
+        holds when the step runs), so the caller must keep its dtype, shape and buffer; new arrays need a new
+        ``bind_step``. The caches are bound as :meth:`run` binds them; ``output_names`` are fetched each run.
+        """
+        with self._lock:
+            io = self.session._sess.io_binding()
+            for name, ov in self._values.items():
+                io.bind_ortvalue_input(name, ov)
+            for out_name, in_name in self._cache_outputs.items():
+                io.bind_ortvalue_output(out_name, self._values[in_name])
+            values = {}
+            for name, array in feeds.items():
+                if name in self._values:
+                    raise ValueError(f"{name!r} is a cache owned by this PagedSession; do not feed it")
+                self._check_rank(name, array)
+                ov = ort.OrtValue.ortvalue_from_numpy(array) if array.flags.c_contiguous else None
+                if ov is None or ov.data_ptr() != array.ctypes.data:
+                    raise InvalidParameter(
+                        "PagedSession.bind_step", name, "a C-contiguous numpy array bound by reference", "a copy"
+                    )
+                io.bind_ortvalue_input(name, ov)
+                values[name] = (array, ov)  # the arrays and their OrtValues stay alive while bound
+            fetched = [n for n in output_names if n not in self._cache_outputs]
+            for name in fetched:
+                io.bind_output(name, "cpu")
+            self._step_binding = (io, fetched, values)
+
+    def run_bound(self) -> dict[str, np.ndarray]:
+        """Run one step on the inputs :meth:`bind_step` bound, as they are now; return the fetched outputs."""
+        with self._lock:
+            if self._step_binding is None:
+                raise InvalidParameter("PagedSession.run_bound", "binding", "a step bound by bind_step first", None)
+            io, fetched, _ = self._step_binding
+            self.session._sess.run_with_iobinding(io)
+            return self._fetched(io, fetched)
+
+    def _fetched(self, io: ort.IOBinding, fetched: list[str]) -> dict[str, np.ndarray]:
         # outputs in binding order: the caches (bound first, once) then the fetched ones. Only the fetched ones
         # are wrapped (get_outputs would wrap every cache output too: 2 per layer, each step)
         values = io.get_outputs_as_ortvaluevector()

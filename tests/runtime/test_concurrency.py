@@ -255,15 +255,19 @@ def test_generate_returns_when_another_thread_aborts_its_request():
     (alone,) = _alone([prompt], [params])
     engine = _engine()
     calls, started = [0], threading.Event()
-    run = engine.session.run
 
-    def counting_run(*a, **kw):
-        calls[0] += 1
-        if calls[0] == 5:
-            started.set()
-        return run(*a, **kw)
+    def counting(run):
+        def counting_run(*a, **kw):
+            calls[0] += 1
+            if calls[0] == 5:
+                started.set()
+            return run(*a, **kw)
 
-    engine.session.run = counting_run
+        return counting_run
+
+    # steps run the session's run (a prompt) or run_bound (decodes on the bound feeds)
+    engine.session.run = counting(engine.session.run)
+    engine.session.run_bound = counting(engine.session.run_bound)
     result: list = []
     worker = threading.Thread(target=lambda: result.append(engine.generate([prompt], params)), daemon=True)
     worker.start()

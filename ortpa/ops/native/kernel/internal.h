@@ -186,6 +186,16 @@ void attend_tile_baseline(const AttendShape& s, const AttendJob* jobs, const Til
 void attend_tile_avx2(const AttendShape& s, const AttendJob* jobs, const Tile& tile, float* scratch);
 #endif
 
+// float16 <-> float32 rows with F16C (the AVX2 path; call only where cpu_has_avx2()): the same values as
+// half_to_float / float_to_half, round to nearest even, subnormals and overflow included; a NaN is stored as
+// float_to_half stores it. rope_f16_avx2 is RoPE of one head in float16 arithmetic, non-interleaved halves xa
+// and xb (n channels each), every product and sum rounded to float16 as prologue_token's scalar loop does.
+#if defined(__x86_64__) || defined(_M_X64)
+void f16_to_f32_avx2(const uint16_t* src, float* dst, int64_t n);
+void f32_to_f16_avx2(const float* src, uint16_t* dst, int64_t n);
+void rope_f16_avx2(float* xa, float* xb, const float* cs, const float* sn, int64_t n);
+#endif
+
 // Floats of scratch one attend_tile call needs for tiles of up to q_tile tokens and kv_heads KV heads.
 int64_t attend_scratch_floats(const AttendShape& s, int64_t q_tile, int64_t kv_heads);
 

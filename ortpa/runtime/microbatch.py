@@ -27,7 +27,7 @@ import numpy as np
 from ortpa.runtime.prompt_scoring import StepRows
 from ortpa.runtime.scheduler import ScheduledChunk
 
-__all__ = ["InFlight", "Launched", "collect", "submit"]
+__all__ = ["InFlight", "Launched", "Ran", "collect", "submit"]
 
 
 @dataclass
@@ -37,13 +37,13 @@ class Launched:
     group: int
     chunks: list[ScheduledChunk]
     num_ids: int  # tokens packed into the step (a model giving a row per token is told apart by this)
-    asked: StepRows  # the logits rows the step asked for
+    asked: StepRows | None  # the logits rows the step asked for; None: one per chunk (an all-decode bound step)
     handle: Any  # from submit(): the executor's handle, or the outputs of a step already run
 
 
 @dataclass(frozen=True)
-class _Ran:
-    """A step a session without ``submit`` ran at once: its outputs."""
+class Ran:
+    """A step already run (by a session without ``submit``, or the engine's all-decode path): its outputs."""
 
     outputs: Mapping[str, np.ndarray]
 
@@ -52,13 +52,13 @@ def submit(session: Any, feeds: Mapping[str, Any]) -> Any:
     """Start one step on ``session``: in the background where it can (``session.submit``), else run it now."""
     start = getattr(session, "submit", None)
     if start is None:
-        return _Ran(session.run(feeds, ["logits"]))
+        return Ran(session.run(feeds, ["logits"]))
     return start(feeds)
 
 
 def collect(session: Any, handle: Any) -> np.ndarray:
     """The logits of a step :func:`submit` started, waiting for it if it still runs."""
-    outputs = handle.outputs if isinstance(handle, _Ran) else session.collect(handle)
+    outputs = handle.outputs if isinstance(handle, Ran) else session.collect(handle)
     return outputs["logits"]
 
 

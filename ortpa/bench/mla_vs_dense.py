@@ -33,13 +33,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from ortpa.bench._timing import interleaved_ms, row
+from ortpa.bench.mla_prefill import CONFIG as V2_LITE_ATTENTION
 from ortpa.bench.runner import format_table
 from ortpa.dtypes import dtype_name
 from ortpa.errors import OrtpaError
@@ -47,26 +48,17 @@ from ortpa.providers import CPU
 from ortpa.rewriter.pipeline import convert
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.session import PagedSession
-from ortpa.testing.dense_mla import DenseMlaConfig, build_dense_mla, dense_mla_weights
+from ortpa.testing.dense_mla import build_dense_mla, dense_mla_weights
 from ortpa.tolerances import precision_logit_bound
 
 __all__ = ["CONFIG", "PATHS", "MlaBenchMismatch", "check_outputs", "run"]
 
 BS = 16
 THREADS = 1
-CONFIG = DenseMlaConfig(
-    hidden=2048,
-    layers=1,
-    heads=16,
-    q_lora_rank=None,
-    kv_lora_rank=512,
-    qk_nope=128,
-    qk_rope=64,
-    v_head=128,
-    vocab=64,
-    intermediate=1,  # the MLP out of the timing: this bench is about the attention layer
-    max_position_embeddings=4096 + 64,
-)
+# mla_prefill's DeepSeek-V2-Lite attention dims, one layer; the MLP and vocabulary out of the timing: this bench
+# is about the attention layer
+CONFIG = replace(V2_LITE_ATTENTION, layers=1, vocab=64, intermediate=1, max_position_embeddings=4096 + 64)
+
 # path -> (convert's mla_prefill, PagedSession's paged_attention)
 PATHS: dict[str, tuple[str, str]] = {
     "absorbed_native": ("absorbed", "native"),

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import onnx
 
-from ortpa.errors import SplitRefused
 from ortpa.runtime.stage_folder import MANIFEST, StageFile, StageManifest, sha256_file
+from ortpa.stages.write import copy_range
 
 __all__ = ["SLACK", "compact_stages", "unread_bytes"]
 
 SLACK = 0.01  # a data file is rewritten when more than this share of it is read by no tensor (page padding excluded)
-_CHUNK = 16 << 20
 _ALIGN = 4096  # page-aligned, as the export streams them: ONNX Runtime can memory-map each tensor
 
 
@@ -73,14 +72,7 @@ def _rewrite(folder: Path, model_name: str) -> None:
             if (offset, length) not in moved:
                 dst.write(b"\0" * (-dst.tell() % _ALIGN))
                 moved[(offset, length)] = dst.tell()
-                src.seek(offset)
-                left = length
-                while left:
-                    chunk = src.read(min(_CHUNK, left))
-                    if not chunk:
-                        raise SplitRefused(str(data), f"external data of {tensor.name!r} ends early")
-                    dst.write(chunk)
-                    left -= len(chunk)
+                copy_range(src, offset, length, dst.write, where=str(data), name=tensor.name)
             for entry in tensor.external_data:
                 if entry.key == "offset":
                     entry.value = str(moved[(offset, length)])

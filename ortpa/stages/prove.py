@@ -65,13 +65,14 @@ def prove_split(source: Path, header: onnx.ModelProto, manifest: StageManifest, 
     vocab = next(o for o in header.graph.output if o.name == "logits").type.tensor_type.shape.dim[-1].dim_value
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(0, max(2, vocab or 2), size=n)] for n in PROOF_PROMPT_LENGTHS]
-    half = handoff_arithmetic(manifest) != "float32"
+    # verification's options: a float16 hand-off runs as verification runs a half model
+    options = half_options() if handoff_arithmetic(manifest) != "float32" else lean_options()
     unsplit = PagedSession(
         source,
         num_blocks=_NUM_BLOCKS,
         block_size=_BLOCK_SIZE,
         providers=[CPU],
-        sess_options=half_options() if half else lean_options(),
+        sess_options=options,
     )
     reference = paged_greedy(unsplit, prompts, PROOF_STEPS, block_size=_BLOCK_SIZE)
     del unsplit  # one model in memory at a time
@@ -80,7 +81,7 @@ def prove_split(source: Path, header: onnx.ModelProto, manifest: StageManifest, 
         num_blocks=_NUM_BLOCKS,
         block_size=_BLOCK_SIZE,
         providers=[CPU],
-        sess_options=half_options() if half else lean_options(),
+        sess_options=options,
     )
     run = paged_greedy(chain, prompts, PROOF_STEPS, block_size=_BLOCK_SIZE, follow=reference.tokens)  # type: ignore[arg-type]
     del chain

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from onnx import numpy_helper
@@ -34,10 +36,25 @@ from ortpa.runtime.stage_folder import (
 )
 from ortpa.stages.partition import SplitPlan, StagePart
 
-__all__ = ["write_stages"]
+__all__ = ["copy_range", "write_stages"]
 
 _CHUNK = 16 << 20
 _ALIGN = 64  # each tensor starts on a 64-byte boundary of the data file (aligned loads when memory-mapped)
+
+
+def copy_range(
+    src: BinaryIO, offset: int, length: int, write: Callable[[bytes], object], *, where: str, name: str
+) -> None:
+    """``length`` bytes of ``src`` from ``offset`` through ``write``, a chunk at a time (never a whole tensor in
+    memory); :class:`SplitRefused` naming ``where`` and the tensor ``name`` when the file ends before them."""
+    src.seek(offset)
+    left = length
+    while left:
+        chunk = src.read(min(_CHUNK, left))
+        if not chunk:
+            raise SplitRefused(where, f"external data of {name!r} ends early")
+        write(chunk)
+        left -= len(chunk)
 
 
 class _DataFile:
@@ -88,14 +105,7 @@ def _copy_tensor(tensor: onnx.TensorProto, base_dir: Path | None, data: _DataFil
         data.pad()
         start = data.size
         with open(src, "rb") as f:
-            f.seek(offset)
-            left = length
-            while left:
-                chunk = f.read(min(_CHUNK, left))
-                if not chunk:
-                    raise SplitRefused(str(src), f"external data of {tensor.name!r} ends early")
-                data.write(chunk)
-                left -= len(chunk)
+            copy_range(f, offset, length, data.write, where=str(src), name=tensor.name)
     else:
         raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
         if len(raw) < MIN_EXTERNAL_BYTES:

@@ -248,6 +248,7 @@ def export_hf(
     verbose: bool = False,
     written: Callable[[int, int], None] | None = None,
     layout: Callable[[str, bool], Path | None] | None = None,
+    repeat_layers: bool | None = None,
 ) -> ExportInfo:
     """Export a causal LM to dense ONNX with past/present KV; returns an :class:`ExportInfo`.
 
@@ -266,6 +267,9 @@ def export_hf(
     ``verbose``. ``layout(parameter name, read transposed)``: for a checkpoint, the data file (in ``out_path``'s
     folder) each parameter is streamed into instead of ``<out>.data`` (:data:`ortpa.export.streamed.Layout`; a
     stage's own file when the export writes pipeline stages); the model always has external data then.
+    ``repeat_layers``: trace the first two layers of each kind and write the others as their copies
+    (:mod:`ortpa.export.repeat`; the full trace whenever the copies do not show the layers to be repeats);
+    default on for a checkpoint folder, never with ``optimize``.
     """
     say = progress or (lambda message: None)
     with contextlib.ExitStack() as stack:
@@ -285,6 +289,7 @@ def export_hf(
             say=say,
             written=written,
             layout=layout,
+            repeat_layers=repeat_layers,
         )
 
 
@@ -329,6 +334,7 @@ def _export(
     say: Callable[[str], None],
     written: Callable[[int, int], None] | None,
     layout: Callable[[str, bool], Path | None] | None = None,
+    repeat_layers: bool | None = None,
 ) -> ExportInfo:
     from ortpa.errors import InvalidModel
     from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
@@ -371,7 +377,9 @@ def _export(
             str(config_or_model_dir), f"could not load it as a {what}: {type(exc).__name__}: {first}"
         ) from exc
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    traced = _trace(model, str(config_or_model_dir), opset, optimize, experts, seed, say, placeholders)
+    trace_args = (model, str(config_or_model_dir), opset, optimize, experts, seed, say, placeholders)
+    repeat = placeholders is not None if repeat_layers is None else repeat_layers
+    traced = _trace_repeating(*trace_args) if repeat and not optimize else _trace(*trace_args)
     if layout is not None and placeholders is None:
         raise ValueError("layout= places a checkpoint's streamed weights: expected a checkpoint folder")
     if placeholders is None:
@@ -486,7 +494,56 @@ class _Traced:
         self.applied = applied
 
 
-def _trace(model, label: str, opset: int, optimize: bool, experts: str | None, seed: int, say, placeholders) -> _Traced:
+def _trace_repeating(model, label, opset, optimize, experts, seed, say, placeholders) -> _Traced:
+    """:func:`_trace` of the layers :func:`ortpa.export.repeat.plan` picks, expanded to every layer; the full trace
+    when the plan traces every layer or the traced copies do not show the others to be repeats."""
+    from ortpa.export import repeat
+
+    args = (model, label, opset, optimize, experts, seed, say, placeholders)
+    n_layers = model.config.num_hidden_layers
+    try:
+        layer_plan = repeat.plan(model)
+    except repeat.NotRepeatable as exc:
+        say(f"tracing every layer: {exc}")
+        return _trace(*args)
+    if layer_plan is None:
+        return _trace(*args)
+    with repeat.reduced(model, layer_plan):
+        traced = _trace(*args, of_layers=n_layers)
+    layers = model.get_submodule(layer_plan.path)
+
+    def tensor_of(index: int, name: str):
+        layer = layers[index]
+        try:
+            return layer.get_parameter(name)
+        except AttributeError:
+            return layer.get_buffer(name)
+
+    try:
+        repeat.expand(traced.program.model, layer_plan, tensor_of, _past_name, _present_name)
+    except repeat.NotRepeatable as exc:
+        say(f"tracing all {n_layers} layers: the traced ones do not stand for the others ({exc})")
+        return _trace(*args)
+    traced.input_names = traced.input_names[:3] + [_past_name(i, r) for i in range(n_layers) for r in _ROLES]
+    traced.output_names = traced.output_names[:1] + [_present_name(i, r) for i in range(n_layers) for r in _ROLES]
+    return traced
+
+
+_ROLES = ("key", "value")
+
+
+def _past_name(layer: int, role: str) -> str:
+    return f"past_key_values.{layer}.{role}"
+
+
+def _present_name(layer: int, role: str) -> str:
+    return f"present.{layer}.{role}"
+
+
+def _trace(
+    model, label: str, opset: int, optimize: bool, experts: str | None, seed: int, say, placeholders,
+    of_layers: int | None = None,
+) -> _Traced:  # fmt: skip
     """``model`` traced by ``torch.onnx.export`` (dynamo) with flat past/present tensors and symbolic dims.
 
     With ``placeholders`` (a checkpoint's skeleton) nothing reads a weight: the cache shapes come from a forward
@@ -549,12 +606,13 @@ def _trace(model, label: str, opset: int, optimize: bool, experts: str | None, s
     input_names = ["input_ids", "attention_mask", "position_ids"]
     output_names = ["logits"]
     for i in range(n_layers):
-        input_names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-        output_names += [f"present.{i}.key", f"present.{i}.value"]
+        input_names += [_past_name(i, r) for r in _ROLES]
+        output_names += [_present_name(i, r) for r in _ROLES]
 
     weight_bytes = placeholders.nbytes if placeholders is not None else _unique_bytes(model)
     what = "weights (not read: streamed after the trace)" if placeholders is not None else "weights"
-    say(f"tracing {model.config.model_type}: {n_layers} layers, {weight_bytes / 1e6:.1f} MB of {what}, {model_dtype}")
+    layers = f"{n_layers} layers" if of_layers is None else f"{n_layers} of {of_layers} layers (the others repeat them)"
+    say(f"tracing {model.config.model_type}: {layers}, {weight_bytes / 1e6:.1f} MB of {what}, {model_dtype}")
     with torch.no_grad(), export_patches(model, experts) as applied:
         try:
             program = torch.onnx.export(

@@ -285,33 +285,28 @@ def expand(
         and v.type == first.hidden_out.type
         and str(v.shape) == str(first.hidden_out.shape)
     }
-    if len(candidates) != 1:
-        raise NotRepeatable(f"{len(candidates)} values could be the first layer's hidden state")
-    first_in = next(iter(candidates.values()))
-    owner, copies, shared_nodes, tail = _partition(graph, scope, n_traced, past_roles, param_of, first_in)
-    _link(copies, owner, present_roles, traced)
-    copies[0].hidden_in = first_in
-
+    if not candidates:
+        raise NotRepeatable("no value could be the first layer's hidden state")
+    hashes = _hashes(graph, lambda v: None)  # shared values compared by what they compute
+    failure = NotRepeatable("")
+    # several values of the hidden state's type (rotary tables as wide as the model): the one under which the
+    # copies match
+    for first_in in candidates.values():
+        owner, copies, shared_nodes, tail = _partition(graph, scope, n_traced, past_roles, param_of, first_in)
+        try:
+            _link(copies, owner, present_roles, traced)
+            copies[0].hidden_in = first_in
+            template = _templates(layer_plan, copies, owner, hashes, param_of, past_roles)
+            break
+        except NotRepeatable as exc:
+            failure = exc
+    else:
+        raise failure
     last_out = copies[-1].hidden_out
     for node in tail:
         for value in node.inputs:
             if value is not None and owner[id(value)] not in (None, _TAIL) and value is not last_out:
                 raise NotRepeatable(f"{node.op_type} node {node.name} after the layers reads {value.name}")
-    hashes = _hashes(graph, lambda v: None)  # shared values compared by what they compute
-
-    # the two copies of each kind: the same graph up to the layer's own weights, caches and hidden state
-    by_kind: dict[int, list[int]] = {}
-    for j, original in enumerate(traced):
-        by_kind.setdefault(layer_plan.kinds[original], []).append(j)
-    template: dict[int, _Copy] = {}
-    for kind, members in by_kind.items():
-        if layer_plan.kinds.count(kind) == len(members):
-            continue  # every layer of this kind was traced: nothing to clone
-        if len(members) < 2:
-            raise NotRepeatable(f"layers of kind {kind} were traced once")
-        a, b = copies[members[0]], copies[members[1]]
-        _same(a, b, owner, hashes, param_of, past_roles, traced)
-        template[kind] = b
 
     _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, owner, param_of, past_roles, tensor_of,
              past_name, present_name)  # fmt: skip
@@ -412,6 +407,24 @@ def _link(copies: list[_Copy], owner: dict[int, Any], present_roles, traced) -> 
     for j in range(1, len(copies)):
         if copies[j].hidden_in is not copies[j - 1].hidden_out:
             raise NotRepeatable(f"layer {traced[j]} does not read the hidden state of layer {traced[j - 1]}")
+
+
+def _templates(layer_plan: LayerPlan, copies: list[_Copy], owner, hashes, param_of, past_roles) -> dict[int, _Copy]:
+    """The copy each kind's untraced layers are cloned from (its second), once the two are shown to be one graph."""
+    traced = layer_plan.traced
+    by_kind: dict[int, list[int]] = {}
+    for j, original in enumerate(traced):
+        by_kind.setdefault(layer_plan.kinds[original], []).append(j)
+    template: dict[int, _Copy] = {}
+    for kind, members in by_kind.items():
+        if layer_plan.kinds.count(kind) == len(members):
+            continue  # every layer of this kind was traced: nothing to clone
+        if len(members) < 2:
+            raise NotRepeatable(f"layers of kind {kind} were traced once")
+        a, b = copies[members[0]], copies[members[1]]
+        _same(a, b, owner, hashes, param_of, past_roles, traced)
+        template[kind] = b
+    return template
 
 
 def _same(a: _Copy, b: _Copy, owner: dict[int, Any], hashes: dict[int, str], param_of, past_roles, traced) -> None:

@@ -38,6 +38,7 @@ def export_options(args: argparse.Namespace, *, dtype: str | None):
         dtype=dtype,
         external_data=True if args.external_data else None,
         verbose=args.verbose,
+        trace_every_layer=args.trace_every_layer,
     )
 
 
@@ -61,6 +62,12 @@ def add_export_options(p, dtype_dest: str = "dtype") -> None:
     )
     p.add_argument(
         "--external-data", action="store_true", help="weights in OUTPUT.data (default: only past 1 GB of weights)"
+    )
+    p.add_argument(
+        "--trace-every-layer",
+        action="store_true",
+        help="trace all decoder layers (default for a checkpoint: the first two of each kind, copied to the others "
+        "once the two are shown to trace alike; docs/large_models.md)",
     )
 
 

@@ -33,6 +33,8 @@ class ExportOptions:
     dtype: str | None = None  # default: float16 for a bfloat16 or FP8 checkpoint, else as stored
     external_data: bool | None = None  # default: only past 1 GB of weights
     verbose: bool = False  # the libraries' own warnings and bars
+    # trace every decoder layer instead of two of each kind copied to the others (ortpa.export.repeat)
+    trace_every_layer: bool = False
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,7 @@ def export_dense(
         verbose=o.verbose,
         written=None if progress is None else lambda done, total: progress(BytesWritten(done, total, Stage.EXPORT)),
         layout=layout,
+        repeat_layers=False if o.trace_every_layer else None,
     )
 
 

@@ -65,6 +65,13 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
+def _digest(tensor: Any) -> str:
+    import torch
+
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # any dtype, bfloat16 included
+    return hashlib.sha1(raw.numpy().tobytes()).hexdigest()
+
+
 def _signature(layer: Any, config: Any, index: int, n_layers: int) -> Hashable:
     parts = []
     for path, module in layer.named_modules():
@@ -77,7 +84,7 @@ def _signature(layer: Any, config: Any, index: int, n_layers: int) -> Hashable:
         )
         params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters(recurse=False))
         buffers = tuple(
-            (n, tuple(b.shape), str(b.dtype), hashlib.sha1(b.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
+            (n, tuple(b.shape), str(b.dtype), _digest(b))
             if b.device.type != "meta"
             else (n, tuple(b.shape), str(b.dtype))
             for n, b in module.named_buffers(recurse=False)

@@ -294,7 +294,8 @@ def expand(
     }
     if not candidates:
         raise NotRepeatable("no value could be the first layer's hidden state")
-    hashes = _hashes(graph, lambda v: None)  # shared values compared by what they compute
+    # shared values compared by what they compute (parameters by name: their bytes are not read)
+    hashes = _hashes(graph, lambda v: v.name if param_of(v) is not None else None)
     failure = NotRepeatable("")
     # several values of the hidden state's type (rotary tables as wide as the model): the one under which the
     # copies match

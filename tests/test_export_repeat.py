@@ -92,16 +92,20 @@ def test_copied_layers_are_the_full_trace(family, tmp_path):
     _assert_same(copied, full)
 
 
-def test_copied_layers_of_a_checkpoint_hold_each_layers_weights(tmp_path):
+def test_copied_layers_of_a_checkpoint_hold_each_layers_weights(tmp_path, capsys):
     """The default path: a bfloat16 checkpoint folder, weights streamed after the trace into the copies' own
-    initializers (each layer's bytes, by the placeholder it holds)."""
+    initializers (each layer's bytes, by the placeholder it holds); ``ortpa export --trace-every-layer`` traces
+    them all."""
+    from ortpa.cli import main
+
     config, _ = _config("llama")
     folder = tmp_path / "ckpt"
     save_checkpoint(build_model(config, seed=5), folder, torch.bfloat16)
     lines: list[str] = []
     export_hf(folder, tmp_path / "copied" / "model.onnx", random_weights=False, progress=lines.append)
-    export_hf(folder, tmp_path / "full" / "model.onnx", random_weights=False, repeat_layers=False)
     assert f"2 of {_LAYERS} layers" in _traced_line(lines), lines
+    assert main(["export", str(folder), str(tmp_path / "full" / "model.onnx"), "--trace-every-layer"]) == 0
+    assert f"tracing llama: {_LAYERS} layers," in capsys.readouterr().err
     _assert_same(tmp_path / "copied" / "model.onnx", tmp_path / "full" / "model.onnx")
 
 

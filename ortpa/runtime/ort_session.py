@@ -30,6 +30,7 @@ from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, to_ortvalue
 
 __all__ = [
     "MIN_EXTERNAL_BYTES",
+    "SPINNING_KEY",
     "ExternalInitializers",
     "OrtSession",
     "copy_without_initializers",
@@ -84,8 +85,8 @@ def without_spinning(user: ort.SessionOptions | None) -> ort.SessionOptions:
     Why the Engine runs its CPU session so: between two steps (the driver loop: scheduling, sampling) and between
     two parallel sections of a step, a spinning worker keeps a core busy doing nothing. On a machine whose cores
     are shared (other processes, other sessions) that core is taken from the work itself: measured on the vs-genai
-    Llama (2 threads, 2 shared cores, load average 3-5), ortpa's tokens/s went up 1.4-1.7x at 16 requests and
-    ~3x at one request with spinning off (docs/native.md, "Threads")."""
+    Llama (2 threads, 2 shared cores, load average 4-5.7), ortpa's tokens/s went up 1.4-1.7x at 1 and at 16
+    requests with spinning off (docs/native.md, "16 requests: where the time goes")."""
     if user is not None:
         try:
             user.get_session_config_entry(SPINNING_KEY)

@@ -114,10 +114,10 @@ class Engine:
     :data:`DEFAULT_KV_BUDGET_BYTES`) is divided by the bytes one block costs across all layers' caches.
     ``max_num_batched_tokens`` bounds the tokens of one step (a longer prompt is prefilled in chunks),
     ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime;
-    ``paged_attention`` forces a PagedAttention path (:class:`InferenceSession`). On CPU the intra-op threads
-    sleep instead of spinning when out of work unless ``sess_options`` sets ``session.intra_op.allow_spinning``
-    (:func:`~ortpa.runtime.ort_session.without_spinning`: the options are then copied, with the config entries
-    that copy keeps).
+    ``paged_attention`` forces a PagedAttention path (:class:`InferenceSession`). A model file's CPU session's
+    intra-op threads sleep instead of spinning when out of work unless ``sess_options`` sets
+    ``session.intra_op.allow_spinning`` (:func:`~ortpa.runtime.ort_session.without_spinning`: the options are then
+    copied, with the config entries that copy keeps).
 
     ``model`` may be a stage folder (``ortpa split``): this engine's scheduler and block manager then drive every
     stage, each a Ray actor (``stages="ray"``: ``ray_address`` joins a cluster, else a local one starts;

@@ -18,6 +18,10 @@ excluded). The two sides alternate round by round (a burst of outside load hits 
 median of ``--rounds`` rounds; the ratio is of the medians. Rows record both ONNX Runtime versions and the load
 average before and after. Targets: ortpa / genai >= 1.0 at 1 request, >= 1.2 at 16.
 
+The Engine's CPU pool does not spin (its default, :func:`ortpa.runtime.ort_session.without_spinning`); genai
+keeps ONNX Runtime's default, spinning (its ``genai_config.json`` has no key for it). ``vs_genai.1.spin`` and
+``vs_genai.16.spin``: ortpa with spinning on, as genai runs, in the same alternated rounds (a second Engine).
+
 ``vs_genai.host.1`` and ``vs_genai.host.16``: the share of an ortpa decode step spent outside ONNX Runtime's run
 (the driver loop: index tensors, sampling, Python between runs; target < 10% at one request).
 
@@ -67,6 +71,7 @@ CONFIG = {
 THREADS = 2
 CONCURRENCY = (1, 4, 16)
 TARGETS = {1: 1.0, 16: 1.2}  # ortpa / genai tokens/s
+SPIN_ROWS = (1, 16)  # concurrencies also run with ortpa's pool spinning (vs_genai.N.spin)
 ROUNDS = 5
 
 # Runs in genai's python: build the seeded Hugging Face folder (weights and tokenizer, as the fixture script
@@ -166,7 +171,9 @@ def _prompts(n: int, length: int) -> list[list[int]]:
     return [[3 + (17 * i + 31 * j) % (CONFIG["vocab_size"] - 3) for j in range(length)] for i in range(n)]
 
 
-def _ortpa_engine(converted: Path, threads: int = THREADS):
+def _ortpa_engine(converted: Path, threads: int = THREADS, spinning: bool | None = None):
+    """The Engine on ``threads`` intra-op threads; ``spinning``: None keeps the Engine's default (its CPU pool
+    does not spin), True / False sets ``session.intra_op.allow_spinning`` (True: ONNX Runtime's and genai's)."""
     import onnxruntime as ort
 
     from ortpa.runtime.engine import Engine
@@ -174,6 +181,8 @@ def _ortpa_engine(converted: Path, threads: int = THREADS):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
+    if spinning is not None:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return Engine(
         converted,
         num_blocks=512,
@@ -248,6 +257,7 @@ def run(
         import onnxruntime as ort
 
         engine = _ortpa_engine(converted, threads)
+        spinning = _ortpa_engine(converted, threads, spinning=True)  # genai's thread setting, for the .spin rows
         from ortpa.bench._timing import decode_host_share
 
         for n in (1, 16):  # the driver loop's share of a decode step (issue 39: < 10% at one request)
@@ -260,7 +270,7 @@ def run(
         for n in CONCURRENCY:
             prompts = _prompts(n, prompt_len)
             code = _GENERATE.format(prompts=json.dumps(prompts), new_tokens=new_tokens, threads=threads, model_dir=out)
-            genai, ours, genai_cpu, ours_cpu, versions = [], [], [], [], ""
+            genai, ours, genai_cpu, ours_cpu, versions, spun = [], [], [], [], "", []
             load = os.getloadavg()[0]
             # alternate the two round by round: a burst of load from other processes hits both alike
             for _ in range(rounds):
@@ -271,6 +281,8 @@ def run(
                 wall, cpu = _ortpa_round(engine, prompts, new_tokens)
                 ours.append(wall)
                 ours_cpu.append(cpu)
+                if n in SPIN_ROWS:
+                    spun.append(_ortpa_round(spinning, prompts, new_tokens)[0])
             load = f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
             notes = f"{dims}; median of {rounds}, alternated; {versions}; {load}"
             g, o = statistics.median(genai), statistics.median(ours)
@@ -287,6 +299,10 @@ def run(
             spread = f"; per-round ratios {min(ours) / max(genai):.2f}-{max(ours) / min(genai):.2f}"
             rows.append(_row(f"vs_genai.{n}", "throughput_ratio", round(ratio, 2), "x",
                              f"ortpa / genai, medians{verdict}{spread}; {load}"))  # fmt: skip
+            if spun:
+                rows.append(_row(f"vs_genai.{n}.spin", "throughput_ratio", round(statistics.median(spun) / g, 2), "x",
+                                 f"ortpa with its CPU pool spinning (session.intra_op.allow_spinning=1, ONNX Runtime's "
+                                 f"and genai's setting) / genai, medians, same rounds; {load}"))  # fmt: skip
     return rows
 
 

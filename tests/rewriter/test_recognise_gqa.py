@@ -83,3 +83,17 @@ def test_gqa_near_miss_reported_by_layer(case):
         convert(_mutated(mutate), providers=())
     (where, why), *rest = info.value.failures
     assert not rest and where.startswith("layer 1") and reason in why
+
+
+def test_logits_written_by_lm_head(tmp_path):
+    """lm_head's MatMul produces the ``logits`` output itself (hidden-wide rows squeezed before it): a Squeeze after
+    it would copy every vocabulary-wide row once more per step."""
+    path = tmp_path / "gqa.onnx"
+    onnx.save(gqa_toy_model(GqaToy()), path)
+    paged = convert(path)
+    (producer,) = [n for n in paged.graph.node if "logits" in n.output]
+    assert producer.op_type == "MatMul"
+    weight = {i.name for i in paged.graph.initializer}
+    assert producer.input[1] in weight  # lm_head's own weight
+    (squeeze,) = [n for n in paged.graph.node if producer.input[0] in n.output]
+    assert squeeze.op_type == "Squeeze"

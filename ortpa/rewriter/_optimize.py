@@ -6,7 +6,8 @@ with the right op type as the second output, for every candidate first node: qua
 Llama export: ~470k match attempts, most of the conversion's time). Such a pattern whose every output node reads a
 value that the first one reads too can only match nodes that share an input with the first; :class:`_SiblingMatcher`
 tries exactly those, so the rules find the matches they found before (where two would fit, as with two identical
-``Slice`` nodes, possibly the other one: the same computation).
+``Slice`` nodes, possibly the other one: the same computation). Every rule's matcher also turns a node away by its
+op type before setting up a match (the simple matcher's own first check, ~250k times on a 30-layer model).
 
 :func:`optimize` is ``onnxscript.optimizer.optimize`` (same passes, same order, same limits) with those rules'
 matchers swapped. The weights are never read: constant folding skips inputs past its size limit, and the export of
@@ -32,6 +33,9 @@ class _SiblingMatcher(_matcher.SimplePatternMatcher):
     nodes that read one of the first node's inputs (see the module docstring)."""
 
     def match(self, model, graph_or_function, node, *, verbose=0, remove_nodes=True, tracer=None):
+        if not self.pattern.output_nodes[0].op.matches(node.op_type):
+            # the first check the simple matcher makes, before it sets up a match: most (rule, node) pairs fail it
+            return _matcher._basics.MatchResult().fail("OpType mismatch.")
         if self.pattern.has_single_output_node:
             return super().match(
                 model, graph_or_function, node, verbose=verbose, remove_nodes=remove_nodes, tracer=tracer
@@ -66,7 +70,8 @@ def _linear_rules() -> list:
     rules = []
     for rule in rewriter._DEFAULT_REWRITE_RULES:
         pattern = rule._target_pattern
-        if not pattern.has_single_output_node and _shares_first_inputs(pattern):
+        simple = type(rule._matcher) is _matcher.SimplePatternMatcher
+        if simple and (pattern.has_single_output_node or _shares_first_inputs(pattern)):
             rule = copy.copy(rule)
             rule._matcher = _SiblingMatcher(pattern)
         rules.append(rule)

@@ -2,7 +2,8 @@
 
 The model is built at run time (never committed): a Llama config of ~58M parameters (hidden 512, 8 layers,
 8 query / 4 KV heads of 64, vocab 32000, seeded random weights), made by the onnxruntime-genai builder at fp32
-(``-p fp32 -e cpu``: GroupQueryAttention). onnxruntime-genai depends on the ``onnxruntime`` CPU wheel, which
+(``-p fp32 -e cpu``: GroupQueryAttention); ``--deep``: SmolLM-135M's architecture instead (30 layers, ~135M
+parameters, random weights: no trained checkpoint is reachable offline). onnxruntime-genai depends on the ``onnxruntime`` CPU wheel, which
 cannot share an environment with ortpa's ``onnxruntime-gpu``, so generation with genai runs in a subprocess of
 the python given by ``--genai-python`` (or the ``ORTPA_GENAI_PYTHON`` environment variable under ``ortpa bench``).
 The builder needs torch and transformers: it runs in genai's python when that has them, else in this python
@@ -68,6 +69,10 @@ CONFIG = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+# --deep: SmolLM-135M's architecture (30 layers; hidden 576, 9 query / 3 KV heads of 64, vocab 49152, tied)
+DEEP = {**CONFIG, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 2048,
+        "rope_theta": 100000.0, "tie_word_embeddings": True}  # fmt: skip
 THREADS = 2
 CONCURRENCY = (1, 4, 16)
 TARGETS = {1: 1.0, 16: 1.2}  # ortpa / genai tokens/s
@@ -139,10 +144,10 @@ _BUILDER_PATH = (
 )
 
 
-def _build(genai_python: str, hf: str, out: str) -> None:
+def _build(genai_python: str, hf: str, out: str, config: dict) -> None:
     """Build the seeded Hugging Face folder and run genai's builder on it: in genai's python if it has torch,
     else here, from genai's own ``builder.py`` (a script that imports its siblings from its folder)."""
-    code = _BUILD.format(scripts=str(ROOT / "scripts"), cfg=json.dumps(CONFIG), hf=hf, out=out)
+    code = _BUILD.format(scripts=str(ROOT / "scripts"), cfg=json.dumps(config), hf=hf, out=out)
     proc = subprocess.run([genai_python, "-c", code], capture_output=True, text=True, timeout=1800)
     if proc.returncode == 0:
         return
@@ -151,7 +156,7 @@ def _build(genai_python: str, hf: str, out: str) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_fixtures_formats as mf
 
-    mf.build_hf_dir(CONFIG, Path(hf))
+    mf.build_hf_dir(config, Path(hf))
     builder = subprocess.run([genai_python, "-c", _BUILDER_PATH], capture_output=True, text=True, check=True)
     cmd = [sys.executable, builder.stdout.strip(), "-i", hf, "-o", out, "-p", "fp32", "-e", "cpu", "-c", out + "_cache"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -167,8 +172,8 @@ def _subprocess(python: str, code: str, timeout: float, cpus: list[int] | None =
     return proc.stdout.strip().splitlines()[-1]
 
 
-def _prompts(n: int, length: int) -> list[list[int]]:
-    return [[3 + (17 * i + 31 * j) % (CONFIG["vocab_size"] - 3) for j in range(length)] for i in range(n)]
+def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[3 + (17 * i + 31 * j) % (vocab - 3) for j in range(length)] for i in range(n)]
 
 
 def _ortpa_engine(converted: Path, threads: int = THREADS, spinning: bool | None = None):
@@ -212,17 +217,19 @@ def run(
     work: str | None = None,
     cpus: list[int] | None = None,
     threads: int = THREADS,
+    deep: bool = False,
 ) -> list[dict]:
+    config = DEEP if deep else CONFIG
     genai_python = genai_python or os.environ.get("ORTPA_GENAI_PYTHON")
     prompt_len, new_tokens = (16, 8) if quick else (64, 32)
     params = sum(
         [
-            2 * CONFIG["vocab_size"] * CONFIG["hidden_size"],
-            CONFIG["num_hidden_layers"]
+            2 * config["vocab_size"] * config["hidden_size"],
+            config["num_hidden_layers"]
             * (
-                2 * CONFIG["hidden_size"] * CONFIG["num_attention_heads"] * CONFIG["head_dim"]
-                + 2 * CONFIG["hidden_size"] * CONFIG["num_key_value_heads"] * CONFIG["head_dim"]
-                + 3 * CONFIG["hidden_size"] * CONFIG["intermediate_size"]
+                2 * config["hidden_size"] * config["num_attention_heads"] * config["head_dim"]
+                + 2 * config["hidden_size"] * config["num_key_value_heads"] * config["head_dim"]
+                + 3 * config["hidden_size"] * config["intermediate_size"]
             ),
         ]
     )
@@ -241,7 +248,7 @@ def run(
         hf, out = str(base / "hf"), str(base / "genai")
         if not (Path(out) / "model.onnx").exists():
             try:
-                _build(genai_python, hf, out)
+                _build(genai_python, hf, out, config)
             except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
                 return [_row("vs_genai", "throughput_ratio", math.nan, "x", f"not available: {str(exc)[-300:]}")]
         _genai_options(Path(out), threads)
@@ -261,14 +268,14 @@ def run(
         from ortpa.bench._timing import decode_host_share
 
         for n in (1, 16):  # the driver loop's share of a decode step (issue 39: < 10% at one request)
-            h = decode_host_share(engine, _prompts(n, prompt_len), max(new_tokens, 32))
+            h = decode_host_share(engine, _prompts(n, prompt_len, config["vocab_size"]), max(new_tokens, 32))
             goal = "; target < 10%" if n == 1 else ""
             rows.append(_row(f"vs_genai.host.{n}", "host_share", round(100.0 * h.share, 1), "%",
                              f"ortpa Engine, {n} request(s) decoding on {dims}: time outside ONNX Runtime's run over "
                              f"step time, {h.steps} steps (median step {h.step_ms:.2f} ms, host {h.host_us:.0f} us)"
                              f"{goal}"))  # fmt: skip
         for n in CONCURRENCY:
-            prompts = _prompts(n, prompt_len)
+            prompts = _prompts(n, prompt_len, config["vocab_size"])
             code = _GENERATE.format(prompts=json.dumps(prompts), new_tokens=new_tokens, threads=threads, model_dir=out)
             genai, ours, genai_cpu, ours_cpu, versions, spun = [], [], [], [], "", []
             load = os.getloadavg()[0]
@@ -319,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="keep the built and converted models here and reuse them")
     ap.add_argument("--cpus", default=None, help="CPUs both sides run on, e.g. 0,1 (default: all)")
     ap.add_argument("--threads", type=int, default=THREADS, help="intra-op threads of each side")
+    ap.add_argument("--deep", action="store_true", help="a 30-layer SmolLM-135M-shaped Llama instead of 8 layers")
     args = ap.parse_args(argv)
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
     rows = run(
@@ -328,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         work=args.work,
         cpus=cpus,
         threads=args.threads,
+        deep=args.deep,
     )
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import hashlib
+import re
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -485,6 +486,9 @@ def _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, owner, param
 
     # the traced copies keep their nodes; names move to their full-model index
     for j, original in enumerate(traced):
+        for node in copies[j].nodes if j != original else ():
+            if _SCOPES in node.metadata_props:
+                node.metadata_props[_SCOPES] = _rescoped(node.metadata_props[_SCOPES], scope, j, original)
         for role in ("key", "value"):
             pasts[(j, role)].name = past_name(original, role)
             copies[j].presents[role].name = present_name(original, role)
@@ -513,8 +517,8 @@ def _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, owner, param
             hidden = copy.hidden_out
             continue
         src = template[layer_plan.kinds[t]]
-        nodes, hidden, inputs, outputs = _clone(graph, src, t, hidden, scope, param_of, past_roles, pasts, tensor_of,
-                                                past_name, present_name)  # fmt: skip
+        nodes, hidden, inputs, outputs = _clone(graph, src, traced[src.index], t, hidden, scope, param_of, pasts,
+                                                tensor_of, past_name, present_name)  # fmt: skip
         order += nodes
         new_inputs += inputs
         new_outputs += outputs
@@ -533,6 +537,11 @@ def _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, owner, param
     graph.outputs.extend(new_outputs)
 
 
+def _rescoped(scopes: str, scope: str, old: int, new: int) -> str:
+    """Node metadata's module scopes of layer ``old`` as layer ``new``'s (``layers.1`` and not ``layers.10``)."""
+    return re.sub(rf"{re.escape(scope)}{old}(?=[.'\"]|$)", f"{scope}{new}", scopes)
+
+
 def _copy_value(value: Any, name: str):
     import onnx_ir as ir
 
@@ -540,10 +549,10 @@ def _copy_value(value: Any, name: str):
     return ir.Value(name=name, shape=shape, type=value.type)
 
 
-def _clone(graph, src: _Copy, t: int, hidden: Any, scope: str, param_of, past_roles, pasts, tensor_of, past_name,
+def _clone(graph, src: _Copy, src_layer: int, t: int, hidden: Any, scope: str, param_of, pasts, tensor_of, past_name,
            present_name) -> tuple[list[Any], Any, list[Any], list[Any]]:  # fmt: skip
-    """Layer ``t`` as a copy of ``src``'s nodes: its own parameters (initializers holding ``tensor_of(t, ...)``),
-    past inputs and present outputs, reading ``hidden``."""
+    """Layer ``t`` as a copy of ``src``'s nodes (layer ``src_layer`` of the full model): its own parameters
+    (initializers holding ``tensor_of(t, ...)``), past inputs and present outputs, reading ``hidden``."""
     import onnx_ir as ir
 
     mapped: dict[int, Any] = {id(src.hidden_in): hidden}
@@ -552,7 +561,6 @@ def _clone(graph, src: _Copy, t: int, hidden: Any, scope: str, param_of, past_ro
         value = _copy_value(pasts[(src.index, role)], past_name(t, role))
         mapped[id(pasts[(src.index, role)])] = value
         new_inputs.append(value)
-    src_scope = f"{scope}{src.index}"
 
     def resolve(value: Any) -> Any:
         if value is None:
@@ -574,7 +582,7 @@ def _clone(graph, src: _Copy, t: int, hidden: Any, scope: str, param_of, past_ro
     for node in src.nodes:
         metadata = dict(node.metadata_props)
         if _SCOPES in metadata:
-            metadata[_SCOPES] = metadata[_SCOPES].replace(src_scope, f"{scope}{t}")
+            metadata[_SCOPES] = _rescoped(metadata[_SCOPES], scope, src_layer, t)
         outputs = [_copy_value(v, f"{v.name}__{t}") for v in node.outputs]
         clone = ir.Node(
             node.domain,

@@ -173,10 +173,16 @@ def twin_reference(
         gc.collect()
         model = float32_original(original)
         want = dense_twin_run(model, prompts, steps, free.tokens, own=True)
-    except Exception:
+    except Exception as first:
         # the original itself is never run here: where ONNX Runtime cannot even load it, say so (as a float32
-        # original's verification does when it opens it), not what that made of its conversion or twin
-        session, _ = open_original(original)
+        # original's verification does when it opens it), not what that made of its conversion or twin; with
+        # what failed first, which may be another cause (memory)
+        try:
+            session, _ = open_original(original)
+        except ConversionError as err:
+            raise ConversionError(
+                err.reason, [*err.failures, ("failed first", f"{type(first).__name__}: {str(first)[-300:]}")]
+            ) from first
         del session
         raise
     fed = all(w[: steps - 1] == f[: steps - 1] for w, f in zip(want.tokens, free.tokens, strict=True))
@@ -199,6 +205,12 @@ def open_original(original: str | os.PathLike):
     except Exception as exc:  # ONNX Runtime's own types (Fail, InvalidGraph...): a bfloat16 original, typically
         if not type(exc).__module__.startswith("onnxruntime"):
             raise
+        if "bad_alloc" in str(exc):  # out of memory, not a missing kernel
+            raise ConversionError(
+                "cannot verify the converted model on this machine: ONNX Runtime ran out of memory opening the "
+                "original; nothing was written. Pass --no-verify (verify=False) to write it unverified",
+                [("original (CPU)", str(exc)[-300:])],
+            ) from None
         raise _cannot_run_on_cpu("the original", "original (CPU)", exc) from None
     return session, dense_interface(proto)
 

@@ -80,3 +80,33 @@ def test_buffers_are_reused_only_running_ortpas_own_export():
     assert reference.original_options(half=True, reuse=True).enable_mem_reuse
     assert not reference.original_options(half=True).enable_mem_reuse
     assert not reference.half_options().enable_mem_pattern
+
+
+def test_an_original_onnx_runtime_cannot_allocate_is_said_as_memory_with_what_failed_first(monkeypatch):
+    """A 26 GB float16 original on a 25 GB machine: the deployed model's run failed, then ONNX Runtime could not
+    open the original (std::bad_alloc), which was reported as a missing bfloat16 kernel and hid the first failure."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    original = fixtures / "llama_sdpa_op18.onnx"
+
+    real = ort.InferenceSession
+
+    def no_memory(model, *args, **kwargs):  # the session of the original's path; read_model's own probe runs
+        if model == str(original):
+            raise RuntimeException("Exception during initialization: std::bad_alloc")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", no_memory)
+    with pytest.raises(ConversionError, match="ran out of memory opening the original") as err:
+        reference.open_original(original)
+    assert "bfloat16" not in str(err.value)
+
+    class Failing(reference.Deployment):
+        def open(self, model, options):
+            raise MemoryError("the deployed model's session")
+
+    with pytest.raises(ConversionError, match="ran out of memory") as err:
+        reference.twin_reference(original, original, [[1, 2, 3]], 2, 4, Failing(4))
+    assert "failed first: MemoryError: the deployed model's session" in str(err.value)

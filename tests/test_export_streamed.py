@@ -144,6 +144,17 @@ def test_a_transposed_weight_is_written_in_row_blocks(monkeypatch):
     assert [b.data_ptr() for b in streamed._row_blocks(contiguous)] == [contiguous.data_ptr()]
 
 
+def test_the_float16_range_check_finds_an_overflow_in_any_block(monkeypatch):
+    """The check of a weight cast to float16 runs a block at a time (no whole-tensor mask): an infinity anywhere,
+    in a contiguous weight or a transposed view, is found."""
+    monkeypatch.setattr(streamed, "_BLOCK_BYTES", 64)
+    weight = torch.randn(40, 30).half()
+    assert streamed._finite(weight) and streamed._finite(weight.T)
+    weight[39, 29] = float("inf")
+    assert not streamed._finite(weight) and not streamed._finite(weight.T)
+    assert not streamed._finite(weight[39:, 29:])
+
+
 def test_a_view_of_a_placeholder_is_refused():
     placeholders = Placeholders()
     weight = placeholders.make("w", torch.empty((4, 8), dtype=torch.float16, device="meta"))

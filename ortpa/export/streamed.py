@@ -371,6 +371,15 @@ def _row_blocks(tensor: Any) -> Iterator[Any]:
         yield tensor[start : start + step]
 
 
+def _finite(tensor: Any) -> bool:
+    """Whether every element of ``tensor`` is finite, checked a row block at a time (no mask of the whole tensor)."""
+    import torch
+
+    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor
+    blocks = flat.split(max(1, _BLOCK_BYTES // max(1, flat.element_size()))) if flat.ndim == 1 else _row_blocks(flat)
+    return all(bool(torch.isfinite(block).all()) for block in blocks)
+
+
 def stream(
     folder: Path,
     plan: StreamPlan,
@@ -417,7 +426,7 @@ def stream(
         targets = plan.targets.get(name)
         if targets is not None and name not in seen:  # None: a parameter the graph never reads (a tied copy)
             seen.add(name)
-            if float16_from is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if float16_from is not None and tensor.is_floating_point() and not _finite(tensor):
                 raise InvalidModel(
                     str(folder), f"weight {name} does not fit float16 (its {float16_from} values pass 65504); {WIDER}"
                 )

@@ -155,6 +155,36 @@ def test_the_float16_range_check_finds_an_overflow_in_any_block(monkeypatch):
     assert not streamed._finite(weight[39:, 29:])
 
 
+def test_a_stored_weight_is_cast_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """Streaming reads a weight stored in another dtype into the export's dtype a block of rows at a time (the
+    loader's own copy reads it whole and then casts: both whole copies at once); the same values as the cast."""
+    import transformers.core_model_loading as loading
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(streamed, "_BLOCK_BYTES", 6000)  # 300 bfloat16 a row: 10 rows a block
+    weight = torch.randn(95, 300).bfloat16()
+    save_file({"w": weight}, str(tmp_path / "w.safetensors"))
+
+    class Recorded:
+        def __init__(self, inner):
+            self.inner, self.asked = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __getitem__(self, index):
+            self.asked.append(index)
+            return self.inner[index]
+
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as handle:
+        stored = Recorded(handle.get_slice("w"))
+        with streamed._intercepted(lambda name, tensor: tensor, read=True):
+            got = loading._materialize_copy(stored, torch.device("cpu"), torch.float16)
+    assert torch.equal(got, weight.to(torch.float16))
+    assert stored.asked == [slice(start, start + 10) for start in range(0, 95, 10)]
+
+
 def test_a_view_of_a_placeholder_is_refused():
     placeholders = Placeholders()
     weight = placeholders.make("w", torch.empty((4, 8), dtype=torch.float16, device="meta"))

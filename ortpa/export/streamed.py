@@ -254,8 +254,26 @@ def _intercepted(
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # a thread pool would read every tensor at once
     modeling.convert_and_load_state_dict_in_model = convert
     loading.set_param_for_module = set_param
+
+    def blockwise_copy(tensor, device=None, dtype=None):
+        # a stored tensor cast as it is read, a block of rows at a time: never the stored and the cast copies whole
+        # at once (the loader's own reads it whole, then casts); an FP8 weight dequantizes whole (its own blocks)
+        stored = getattr(torch, _ST_DTYPES.get(tensor.get_dtype(), ""), None) if hasattr(tensor, "get_dtype") else None
+        shape = tensor.get_shape() if stored is not None else []
+        elsewhere = device is not None and torch.device(device).type != "cpu"
+        if isinstance(tensor, _Dequantized) or dtype in (None, stored) or not shape or elsewhere:
+            return original_copy(tensor, device, dtype)
+        out = torch.empty(shape, dtype=dtype)
+        row = max(1, out[0].numel() * stored.itemsize) if shape[0] else 1
+        step = max(1, _BLOCK_BYTES // row)
+        for start in range(0, shape[0], step):
+            out[start : start + step] = tensor[start : start + step]
+        return out
+
     if not read:
         loading._materialize_copy = meta_copy
+    else:
+        loading._materialize_copy = blockwise_copy
     try:
         yield
     finally:

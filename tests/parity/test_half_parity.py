@@ -80,6 +80,10 @@ def test_buffers_are_reused_only_running_ortpas_own_export():
     assert reference.original_options(half=True, reuse=True).enable_mem_reuse
     assert not reference.original_options(half=True).enable_mem_reuse
     assert not reference.half_options().enable_mem_pattern
+    # nor any verification session (the pattern also reserves one block of every weight's bytes at opening:
+    # std::bad_alloc for a model larger than memory)
+    assert not reference.original_options(half=True, reuse=True).enable_mem_pattern
+    assert not reference.original_options(half=False).enable_mem_pattern
 
 
 def test_an_original_onnx_runtime_cannot_allocate_is_said_as_memory_with_what_failed_first(monkeypatch):

@@ -267,3 +267,30 @@ def test_dequantized_copy_of_a_single_file_checkpoint(tmp_path):
         torch.testing.assert_close(got["norm.weight"], norm.float(), rtol=0, atol=0)
         assert "quantization_config" not in json.loads((copy / "config.json").read_text())
     assert not list((tmp_path / "scratch").iterdir()), "the scratch copy is removed"
+
+
+def test_random_checkpoint_holds_one_shard_at_a_time(tmp_path, monkeypatch):
+    """write_random_checkpoint makes checkpoints larger than memory: a shard's tensors are gone once it is saved
+    (it once kept every shard alive, and a 26 GB checkpoint was killed for memory at 20 GB)."""
+    import gc
+    import weakref
+
+    from ortpa.testing import checkpoints
+
+    saved: list[list[weakref.ref]] = []
+    real_save = checkpoints.save_file
+
+    def save(tensors, path, metadata=None):
+        gc.collect()
+        alive = [ref for shard in saved for ref in shard if ref() is not None]
+        assert not alive, f"{len(alive)} tensors of earlier shards still alive"
+        saved.append([weakref.ref(t) for t in tensors.values()])
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(checkpoints, "save_file", save)
+    config = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    checkpoints.write_random_checkpoint(config, tmp_path / "ckpt", shard_bytes=16 << 10)
+    assert len(saved) >= 3
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == len(saved) == len(list((tmp_path / "ckpt").glob("*.safetensors")))

@@ -15,6 +15,7 @@ import torch
 from support.parity import FIXTURES
 
 from ortpa.errors import InvalidModel
+from ortpa.export import streamed
 from ortpa.export.hf import build_model, export_hf
 from ortpa.export.streamed import Placeholders
 from ortpa.testing.checkpoints import save_checkpoint, save_fp8_checkpoint
@@ -74,14 +75,20 @@ def _streamed_equals_whole(
     return lines
 
 
-def test_streamed_export_of_tied_llama_equals_the_whole_export(tmp_path):
+def test_streamed_export_of_tied_llama_equals_the_whole_export(tmp_path, monkeypatch):
     """Tied embeddings: read by Gather and (transposed) by the logits MatMul; streamed once from the checkpoint,
-    written in both layouts; the announced size counts the shared tensor once."""
+    written in both layouts (the transposed one in row blocks, made small here so that it takes many); the announced
+    size counts the shared tensor once. The allocator's freed pages are returned after every parameter (without
+    that, glibc's fragmented heap grew the streaming's peak with the checkpoint's size, issue 37)."""
+    released: list[int] = []
+    monkeypatch.setattr(streamed, "release_freed", lambda: released.append(1) or True)
+    monkeypatch.setattr(streamed, "_BLOCK_BYTES", 1024)  # the 256x64 embedding, transposed: 32 blocks of 2 rows
     model = build_model(_TIED_LLAMA, seed=3)
     folder = tmp_path / "ckpt"
     save_checkpoint(model, folder, torch.bfloat16)
     lines = _streamed_equals_whole(folder, tmp_path)
     unique = {p.data_ptr(): p.numel() * 2 for p in model.parameters()}  # float16: 2 bytes a weight
+    assert len(released) >= len(unique), (len(released), len(unique))
     traced = next(line for line in lines if line.startswith("tracing"))
     assert f"{sum(unique.values()) / 1e6:.1f} MB of weights (not read" in traced, traced
     graph = onnx.load(str(tmp_path / "streamed" / "model.onnx"), load_external_data=False).graph
@@ -123,6 +130,59 @@ def test_streamed_export_of_an_fp8_moe_checkpoint_equals_the_whole_export(tmp_pa
     assert save_fp8_checkpoint(build_model(config, seed=5), folder) > 0
     with dequantized_copy(folder, fp8_spec(folder), "float16", scratch_parent=tmp_path) as plain:
         _streamed_equals_whole(folder, tmp_path, reference_folder=plain)
+
+
+def test_a_transposed_weight_is_written_in_row_blocks(monkeypatch):
+    """Never a whole contiguous copy of a transposed weight: blocks of at most the budget, together the weight."""
+    monkeypatch.setattr(streamed, "_BLOCK_BYTES", 96)
+    weight = torch.arange(7 * 10, dtype=torch.float16).reshape(7, 10).T  # 10 rows of 7 float16: 14 bytes a row
+    blocks = list(streamed._row_blocks(weight))
+    assert [b.shape[0] for b in blocks] == [6, 4]
+    assert all(b.numel() * b.element_size() <= 96 for b in blocks)
+    assert torch.equal(torch.cat([b.contiguous() for b in blocks]), weight.contiguous())
+    contiguous = weight.contiguous()
+    assert [b.data_ptr() for b in streamed._row_blocks(contiguous)] == [contiguous.data_ptr()]
+
+
+def test_the_float16_range_check_finds_an_overflow_in_any_block(monkeypatch):
+    """The check of a weight cast to float16 runs a block at a time (no whole-tensor mask): an infinity anywhere,
+    in a contiguous weight or a transposed view, is found."""
+    monkeypatch.setattr(streamed, "_BLOCK_BYTES", 64)
+    weight = torch.randn(40, 30).half()
+    assert streamed._finite(weight) and streamed._finite(weight.T)
+    weight[39, 29] = float("inf")
+    assert not streamed._finite(weight) and not streamed._finite(weight.T)
+    assert not streamed._finite(weight[39:, 29:])
+
+
+def test_a_stored_weight_is_cast_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """Streaming reads a weight stored in another dtype into the export's dtype a block of rows at a time (the
+    loader's own copy reads it whole and then casts: both whole copies at once); the same values as the cast."""
+    import transformers.core_model_loading as loading
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(streamed, "_BLOCK_BYTES", 6000)  # 300 bfloat16 a row: 10 rows a block
+    weight = torch.randn(95, 300).bfloat16()
+    save_file({"w": weight}, str(tmp_path / "w.safetensors"))
+
+    class Recorded:
+        def __init__(self, inner):
+            self.inner, self.asked = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __getitem__(self, index):
+            self.asked.append(index)
+            return self.inner[index]
+
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as handle:
+        stored = Recorded(handle.get_slice("w"))
+        with streamed._intercepted(lambda name, tensor: tensor, read=True):
+            got = loading._materialize_copy(stored, torch.device("cpu"), torch.float16)
+    assert torch.equal(got, weight.to(torch.float16))
+    assert stored.asked == [slice(start, start + 10) for start in range(0, 95, 10)]
 
 
 def test_a_view_of_a_placeholder_is_refused():

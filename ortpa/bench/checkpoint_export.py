@@ -1,13 +1,14 @@
 """``ortpa convert HF_DIR OUT`` from checkpoints of growing size: peak private memory and seconds per GB (issue 37).
 
 Each checkpoint is written by :func:`ortpa.testing.checkpoints.write_random_checkpoint` (random weights, sharded
-safetensors, one shard in memory at a time): a Llama-style model (hidden 2048, 16 heads over 4 KV heads,
-intermediate 5632, vocab 32000, tied embeddings; ~0.2 GB of bfloat16 weights a layer) and a DeepSeek-V3-style MLA
-model with MoE layers (hidden 1024, 8 heads, q LoRA 384, kv LoRA 256, 16 routed experts of 512 and one shared;
-layer 0 dense), in bfloat16 and in FP8 with 128x128 block scales. Layers are added until the folder reaches the
-size asked for (quick: 0.5 GB; full: 0.5 and 2 GB). The ``ortpa convert`` child (verification included) is
-sampled every 20 ms for its anonymous RSS (private memory: memory-mapped weights the kernel can drop do not count),
-against the target: the largest tensor + 1.5 GB.
+safetensors, one shard in memory at a time): a Llama-style model (hidden 2048, 16 heads over 4 KV heads, intermediate
+5632, vocab 32000, tied embeddings; ~0.2 GB of bfloat16 weights a layer) and a DeepSeek-V3-style MLA model with MoE
+layers (hidden 1024, 8 heads, q LoRA 384, kv LoRA 256, 16 routed experts of 512 and one shared; layer 0 dense), in
+bfloat16 and in FP8 with 128x128 block scales; ``llama-wide`` (asked for by name: hidden 6144, 48 heads over 8,
+intermediate 16384, untied; ~0.78 GB of bfloat16 a layer) for a checkpoint larger than memory. Layers are added until
+the folder reaches the size asked for (quick: 0.5 GB; full: 0.5 and 2 GB). The ``ortpa convert`` child (verification
+included) is sampled every 20 ms for its anonymous RSS (private memory: memory-mapped weights the kernel can drop do not
+count), against the target: the largest tensor + 1.5 GB.
 
 Rows ``checkpoint/<family>-<dtype>/<size>``: ``peak_rss_anon`` (MB), ``convert_seconds``, ``seconds_per_gb`` (of
 the checkpoint's bytes) and ``largest_tensor`` (MB, as exported).
@@ -44,7 +45,12 @@ DSV3 = dict(model_type="deepseek_v3", vocab_size=32000, hidden_size=1024, interm
             kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, first_k_dense_replace=1,
             n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
             max_position_embeddings=4096, tie_word_embeddings=False)  # fmt: skip
-CONFIGS = {"llama": LLAMA, "dsv3-moe": DSV3}
+# larger than this 2-core machine's 25 GB of memory at 26 GB (33 layers of ~0.78 GB of bfloat16): asked for by name
+LLAMA_WIDE = dict(model_type="llama", vocab_size=32000, hidden_size=6144, intermediate_size=16384,
+                  num_attention_heads=48, num_key_value_heads=8, max_position_embeddings=4096,
+                  tie_word_embeddings=False)  # fmt: skip
+CONFIGS = {"llama": LLAMA, "dsv3-moe": DSV3, "llama-wide": LLAMA_WIDE}
+_DEFAULT_FAMILIES = ("llama", "dsv3-moe")
 _SIZES_GB = (0.5, 2.0)
 
 
@@ -170,7 +176,7 @@ def run(
     rows: list[dict] = []
     chosen = sizes or (_SIZES_GB[:1] if quick else _SIZES_GB)
     for gigabytes in chosen if plain else ():
-        for family in families or tuple(CONFIGS):
+        for family in families or _DEFAULT_FAMILIES:
             for fp8 in [kind == "fp8" for kind in stored]:
                 root = Path(tempfile.mkdtemp(prefix="ortpa-bench-checkpoint-"))
                 try:
@@ -178,7 +184,7 @@ def run(
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
     if stages and "bf16" in stored:
-        for family in families or tuple(CONFIGS):
+        for family in families or _DEFAULT_FAMILIES:
             root = Path(tempfile.mkdtemp(prefix="ortpa-bench-checkpoint-"))
             try:
                 rows += measure_stages(family, False, min(chosen), root, stages)
@@ -190,8 +196,9 @@ def run(
 if __name__ == "__main__":
     from ortpa.bench import format_table
 
-    # python -m ortpa.bench.checkpoint_export [0.5GB 2GB] [llama dsv3-moe] [bf16 fp8] [--quick]
+    # python -m ortpa.bench.checkpoint_export [0.5GB 2GB] [llama dsv3-moe llama-wide] [bf16 fp8] [--quick]
     #     [--stages N] [--only-stages]
+    # larger than memory: python -m ortpa.bench.checkpoint_export 26GB llama-wide bf16 --stages 4 --only-stages
     args = sys.argv[1:]
     staged = int(args[args.index("--stages") + 1]) if "--stages" in args else 2
     wanted = tuple(float(a.removesuffix("GB")) for a in args if a.endswith("GB"))

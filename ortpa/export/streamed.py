@@ -14,14 +14,19 @@ one ``from_pretrained`` applies; ortpa only intercepts where a tensor is read an
    transposed, so neither the rewriter's optimizer nor ONNX Runtime folds it in memory later), then dropped.
 
 Peak memory: one parameter as the loader builds it (for fused MoE experts, one layer's stacked experts) and its
-transposed copy, plus the loader's constant overhead. Which ONNX initializer holds which parameter is decided by
-identity (the placeholder's address), never by name; an initializer the tracer derived from a placeholder in any
-other way is refused (:func:`destinations`).
-"""
+transposed copy, plus the loader's constant overhead. After each parameter the allocator's freed pages go back to the
+system (:func:`release_freed`): glibc serves tensors under its dynamic mmap threshold (up to 32 MB) from the heap, which
+the loader's small long-lived allocations fragment, so without it every freed parameter left pages behind (a 2 GB
+checkpoint's streaming grew by ~1 GB, released only when the loader returned). Which ONNX initializer holds which
+parameter is decided by identity (the placeholder's address), never by name; an initializer the tracer derived from a
+placeholder in any other way is refused (:func:`destinations`)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import mmap
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -31,7 +36,16 @@ from typing import Any
 
 from ortpa.errors import InvalidModel
 
-__all__ = ["Destination", "Layout", "Placeholders", "StreamPlan", "destinations", "skeleton", "stream"]
+__all__ = [
+    "Destination",
+    "Layout",
+    "Placeholders",
+    "StreamPlan",
+    "destinations",
+    "release_freed",
+    "skeleton",
+    "stream",
+]
 
 # safetensors' dtype codes -> torch dtype names (the loader's meta tensors need the stored dtype)
 _ST_DTYPES = {
@@ -50,6 +64,29 @@ _ST_DTYPES = {
 }
 _ALIGN = 4096  # every tensor starts on a page: ONNX Runtime memory-maps aligned external data
 _MIN_EXTERNAL_BYTES = 1024  # smaller tensors the tracer produced (shapes, scalars) stay in the graph
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``; None on a C library without it (musl, macOS, Windows)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed() -> bool:
+    """Return the C allocator's free pages to the system (glibc: ``malloc_trim(0)``, which also releases whole free
+    pages inside the heap, not only at its top). Whether it could be asked (False: not glibc)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 class Placeholders:
@@ -217,8 +254,26 @@ def _intercepted(
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # a thread pool would read every tensor at once
     modeling.convert_and_load_state_dict_in_model = convert
     loading.set_param_for_module = set_param
+
+    def blockwise_copy(tensor, device=None, dtype=None):
+        # a stored tensor cast as it is read, a block of rows at a time: never the stored and the cast copies whole
+        # at once (the loader's own reads it whole, then casts); an FP8 weight dequantizes whole (its own blocks)
+        stored = getattr(torch, _ST_DTYPES.get(tensor.get_dtype(), ""), None) if hasattr(tensor, "get_dtype") else None
+        shape = tensor.get_shape() if stored is not None else []
+        elsewhere = device is not None and torch.device(device).type != "cpu"
+        if isinstance(tensor, _Dequantized) or dtype in (None, stored) or not shape or elsewhere:
+            return original_copy(tensor, device, dtype)
+        out = torch.empty(shape, dtype=dtype)
+        row = max(1, out[0].numel() * stored.itemsize) if shape[0] else 1
+        step = max(1, _BLOCK_BYTES // row)
+        for start in range(0, shape[0], step):
+            out[start : start + step] = tensor[start : start + step]
+        return out
+
     if not read:
         loading._materialize_copy = meta_copy
+    else:
+        loading._materialize_copy = blockwise_copy
     try:
         yield
     finally:
@@ -319,6 +374,30 @@ def destinations(irm: Any, placeholders: Placeholders, data_path: Path, layout: 
     return plan
 
 
+_BLOCK_BYTES = 32 << 20  # a non-contiguous (transposed) weight is written in row blocks of about this size
+
+
+def _row_blocks(tensor: Any) -> Iterator[Any]:
+    """``tensor`` as consecutive blocks of its first dimension, each about :data:`_BLOCK_BYTES` once contiguous; a
+    contiguous tensor (or a scalar) whole."""
+    if tensor.is_contiguous() or tensor.ndim == 0 or tensor.shape[0] == 0:
+        yield tensor
+        return
+    row = max(1, tensor[0].numel() * tensor.element_size())
+    step = max(1, _BLOCK_BYTES // row)
+    for start in range(0, tensor.shape[0], step):
+        yield tensor[start : start + step]
+
+
+def _finite(tensor: Any) -> bool:
+    """Whether every element of ``tensor`` is finite, checked a row block at a time (no mask of the whole tensor)."""
+    import torch
+
+    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor
+    blocks = flat.split(max(1, _BLOCK_BYTES // max(1, flat.element_size()))) if flat.ndim == 1 else _row_blocks(flat)
+    return all(bool(torch.isfinite(block).all()) for block in blocks)
+
+
 def stream(
     folder: Path,
     plan: StreamPlan,
@@ -344,15 +423,20 @@ def stream(
 
     def write(tensor: Any, external: Any) -> None:
         nonlocal done
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        if data.nbytes != external.length:
-            raise InvalidModel(str(folder), f"{external.name}: {data.nbytes} bytes loaded, {external.length} traced")
-        view, offset = memoryview(data), external.offset
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes != external.length:
+            raise InvalidModel(str(folder), f"{external.name}: {nbytes} bytes loaded, {external.length} traced")
         fd = fds[Path(external.base_dir) / external.location]
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
-        done += data.nbytes
+        offset = external.offset
+        # a transposed view is made contiguous a block of rows at a time: never a second whole copy of the weight
+        for block in _row_blocks(tensor):
+            data = block.contiguous().reshape(-1).view(torch.uint8).numpy()
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+            del data, view
+        done += nbytes
         if written is not None:
             written(done, total)
 
@@ -360,13 +444,16 @@ def stream(
         targets = plan.targets.get(name)
         if targets is not None and name not in seen:  # None: a parameter the graph never reads (a tied copy)
             seen.add(name)
-            if float16_from is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if float16_from is not None and tensor.is_floating_point() and not _finite(tensor):
                 raise InvalidModel(
                     str(folder), f"weight {name} does not fit float16 (its {float16_from} values pass 65504); {WIDER}"
                 )
             for target in targets:
                 write(tensor.permute(target.perm) if target.perm else tensor, target.external)
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        del tensor
+        release_freed()  # the loader's copies of this parameter are gone: their pages back (module docstring)
+        return meta
 
     try:
         for value, external in plan.computed:

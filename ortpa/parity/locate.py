@@ -38,6 +38,10 @@ def lean_options():
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry("session.disable_prepacking", "1")
+    # no memory pattern: ONNX Runtime plans the initializers with it too, one anonymous block of every weight's
+    # bytes, reserved and never touched (the weights are memory-mapped), which a model larger than memory cannot
+    # get (std::bad_alloc opening the float32 twin of a 25.75 GB float16 model on 25 GB; docs/large_models.md)
+    options.enable_mem_pattern = False
     return options
 
 

@@ -169,19 +169,19 @@ def write_random_checkpoint(
     hf_config, shapes = _layout(config)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = written = 0
+    shard: dict[str, torch.Tensor] = {}  # the one shard in memory; dropped once saved
+    count = size = written = 0
     weight_map: dict[str, str] = {}
     names = sorted(shapes)
 
     def flush() -> None:
-        nonlocal size, written
-        name = f"model-{len(shards):05d}.safetensors"
-        save_file(shards[-1], str(folder / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shards[-1], name))
+        nonlocal shard, count, size, written
+        count += 1
+        name = f"model-{count:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
         written += size
-        shards.append({})
-        size = 0
+        shard, size = {}, 0
 
     for name in names:
         shape = shapes[name]
@@ -196,11 +196,11 @@ def write_random_checkpoint(
         else:
             tensors = {name: torch.from_numpy(w).to(torch.bfloat16)}
         for key, tensor in tensors.items():
-            shards[-1][key] = tensor
+            shard[key] = tensor
             size += tensor.numel() * tensor.element_size()
         if size >= shard_bytes:
             flush()
-    if shards[-1]:
+    if shard:
         flush()
     files = sorted(set(weight_map.values()))
     total = len(files)

@@ -65,3 +65,52 @@ def test_a_defect_is_refused_by_both_naming_the_same_layer(converted, tmp_path, 
     assert code == EXIT_INVALID and not result["structure"]["ok"], result
     where = result["first_diverging_layer"]
     assert where.startswith("layer ") and f"first diverging layer: {where}" in text, (where, text)
+
+
+def test_buffers_are_reused_only_running_ortpas_own_export():
+    """The float32 twin of ortpa's own export runs with ONNX Runtime's buffer reuse (without it every value of a
+    run stays allocated: 0.83 GB above the opening of a 14-layer DeepSeek-V3 MoE's twin, 0.24 GB with it); a genai
+    fp16 build keeps it off (its value_info declares a buffer too small for reuse) and so does a half session's
+    memory pattern (docs/large_models.md)."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    own = onnx.load(str(fixtures / "llama_sdpa_op18.onnx"), load_external_data=False)
+    genai = onnx.load(str(fixtures / "formats" / "genai_llama_fp16.onnx"), load_external_data=False)
+    assert reference._reusable(own)
+    assert not reference._reusable(genai)
+    assert reference.original_options(half=True, reuse=True).enable_mem_reuse
+    assert not reference.original_options(half=True).enable_mem_reuse
+    assert not reference.half_options().enable_mem_pattern
+    # nor any verification session (the pattern also reserves one block of every weight's bytes at opening:
+    # std::bad_alloc for a model larger than memory)
+    assert not reference.original_options(half=True, reuse=True).enable_mem_pattern
+    assert not reference.original_options(half=False).enable_mem_pattern
+
+
+def test_an_original_onnx_runtime_cannot_allocate_is_said_as_memory_with_what_failed_first(monkeypatch):
+    """A 26 GB float16 original on a 25 GB machine: the deployed model's run failed, then ONNX Runtime could not
+    open the original (std::bad_alloc), which was reported as a missing bfloat16 kernel and hid the first failure."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    original = fixtures / "llama_sdpa_op18.onnx"
+
+    real = ort.InferenceSession
+
+    def no_memory(model, *args, **kwargs):  # the session of the original's path; read_model's own probe runs
+        if model == str(original):
+            raise RuntimeException("Exception during initialization: std::bad_alloc")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", no_memory)
+    with pytest.raises(ConversionError, match="ran out of memory opening the original") as err:
+        reference.open_original(original)
+    assert "bfloat16" not in str(err.value)
+
+    class Failing(reference.Deployment):
+        def open(self, model, options):
+            raise MemoryError("the deployed model's session")
+
+    with pytest.raises(ConversionError, match="ran out of memory") as err:
+        reference.twin_reference(original, original, [[1, 2, 3]], 2, 4, Failing(4))
+    assert "failed first: MemoryError: the deployed model's session" in str(err.value)

@@ -3,9 +3,10 @@
 The model is built at run time (never committed): a Llama config of ~58M parameters (hidden 512, 8 layers,
 8 query / 4 KV heads of 64, vocab 32000, seeded random weights), made by the onnxruntime-genai builder at fp32
 (``-p fp32 -e cpu``: GroupQueryAttention); ``--deep``: SmolLM-135M's architecture instead (30 layers, ~135M
-parameters, random weights: no trained checkpoint is reachable offline). onnxruntime-genai depends on the ``onnxruntime`` CPU wheel, which
-cannot share an environment with ortpa's ``onnxruntime-gpu``, so generation with genai runs in a subprocess of
-the python given by ``--genai-python`` (or the ``ORTPA_GENAI_PYTHON`` environment variable under ``ortpa bench``).
+parameters, random weights: no trained checkpoint is reachable offline). onnxruntime-genai depends on the
+``onnxruntime`` CPU wheel, which cannot share an environment with ortpa's ``onnxruntime-gpu``, so generation with
+genai runs in a subprocess of the python given by ``--genai-python`` (or the ``ORTPA_GENAI_PYTHON`` environment
+variable under ``ortpa bench``).
 The builder needs torch and transformers: it runs in genai's python when that has them, else in this python
 (which has them with the ``export`` extra) from genai's installed ``builder.py``.
 

@@ -42,7 +42,6 @@ from ortpa.runtime.driver import SingleDriver
 from ortpa.runtime.kv import PagedKVCache
 from ortpa.runtime.microbatch import InFlight, Launched, Ran, collect, submit
 from ortpa.runtime.model_io import cache_bytes_per_block, model_io, rotary_table_rows
-from ortpa.runtime.ort_session import without_spinning
 from ortpa.runtime.prefix_cache import PrefixCache
 from ortpa.runtime.prompt_scoring import RowsMode, score_prompts, step_rows
 from ortpa.runtime.sampling import RowContext, Sampler, SamplingParams, TokenLogprobs, sample_rows
@@ -56,7 +55,7 @@ from ortpa.runtime.scheduler import (
     Scheduler,
     UnknownRequest,
 )
-from ortpa.runtime.session import PagedSession, find_cache_aliases, provider_names, read_for_session
+from ortpa.runtime.session import PagedSession, find_cache_aliases, read_for_session
 from ortpa.runtime.stage_folder import is_stage_folder
 
 __all__ = [
@@ -114,10 +113,9 @@ class Engine:
     :data:`DEFAULT_KV_BUDGET_BYTES`) is divided by the bytes one block costs across all layers' caches.
     ``max_num_batched_tokens`` bounds the tokens of one step (a longer prompt is prefilled in chunks),
     ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime;
-    ``paged_attention`` forces a PagedAttention path (:class:`InferenceSession`). A model file's CPU session's
-    intra-op threads sleep instead of spinning when out of work unless ``sess_options`` sets
-    ``session.intra_op.allow_spinning`` (:func:`~ortpa.runtime.ort_session.without_spinning`: the options are then
-    copied, with the config entries that copy keeps).
+    ``paged_attention`` forces a PagedAttention path (:class:`InferenceSession`). The CPU pool's spinning is ONNX
+    Runtime's default unless ``sess_options`` sets ``session.intra_op.allow_spinning`` (on a machine whose cores
+    other work shares, ``"0"`` pays: docs/native.md, "Threads").
 
     ``model`` may be a stage folder (``ortpa split``): this engine's scheduler and block manager then drive every
     stage, each a Ray actor (``stages="ray"``: ``ray_address`` joins a cluster, else a local one starts;
@@ -196,8 +194,6 @@ class Engine:
                 num_blocks = budget // max(1, cache_bytes_per_block(proto, caches, block_size))
             if num_blocks < 1:
                 raise InvalidRequest(f"Engine: the KV pool must hold at least 1 block, found num_blocks={num_blocks}")
-            if provider_names(providers)[0] == "CPUExecutionProvider":
-                sess_options = without_spinning(sess_options)  # a shared core is not spun away between steps
             self.session = PagedSession(
                 loaded,
                 num_blocks=num_blocks,

@@ -30,13 +30,11 @@ from ortpa.runtime.ortvalues import numpy_dtype_for_onnx, to_ortvalue
 
 __all__ = [
     "MIN_EXTERNAL_BYTES",
-    "SPINNING_KEY",
     "ExternalInitializers",
     "OrtSession",
     "copy_without_initializers",
     "external_initializers",
     "open_ort_session",
-    "without_spinning",
 ]
 
 # initializers below this stay in the serialized graph: shapes and small constants that ORT may fold at load
@@ -74,36 +72,12 @@ def _fresh_options(user: ort.SessionOptions | None) -> ort.SessionOptions:
     return options
 
 
-SPINNING_KEY = "session.intra_op.allow_spinning"
-
-
-def without_spinning(user: ort.SessionOptions | None) -> ort.SessionOptions:
-    """Options whose intra-op threads sleep when they run out of work instead of spinning: the caller's own
-    options when they set :data:`SPINNING_KEY` themselves (either way), else a copy of them
-    (:func:`_fresh_options`) with it off.
-
-    Why the Engine runs its CPU session so: between two steps (the driver loop: scheduling, sampling) and between
-    two parallel sections of a step, a spinning worker keeps a core busy doing nothing. On a machine whose cores
-    are shared (other processes, other sessions) that core is taken from the work itself: measured on the vs-genai
-    Llama (2 threads, 2 shared cores, load average 4-5.7), ortpa's tokens/s went up 1.4-1.7x at 1 and at 16
-    requests with spinning off (docs/native.md, "16 requests: where the time goes")."""
-    if user is not None:
-        try:
-            user.get_session_config_entry(SPINNING_KEY)
-            return user
-        except RuntimeError:  # not set: the default below applies
-            pass
-    options = _fresh_options(user)
-    options.add_session_config_entry(SPINNING_KEY, "0")
-    return options
-
-
 # config entries a caller's options keep through _fresh_options (conversion's verification turns prepacking off
 # so the weights stay memory-mapped instead of copied per MatMul, and its float32 twins turn constant folding
 # off so their casts of half weights are not folded into float32 copies: ortpa.parity.upcast)
 _COPIED_CONFIG_KEYS = (
     "session.disable_prepacking",
-    SPINNING_KEY,
+    "session.intra_op.allow_spinning",
     "optimization.disable_specified_optimizers",
 )
 

@@ -46,7 +46,6 @@ __all__ = [
     "PagedSession",
     "find_cache_aliases",
     "load_model",
-    "provider_names",
     "read_for_session",
 ]
 
@@ -60,8 +59,7 @@ def load_model(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.Model
     return read_model(model).proto
 
 
-def provider_names(providers: Sequence[Any] | None) -> list[str]:
-    """The execution providers' names, in order (ONNX Runtime's best available ones when none are given)."""
+def _provider_names(providers: Sequence[Any] | None) -> list[str]:
     if not providers:
         return best_providers()
     return [p[0] if isinstance(p, tuple) else p for p in providers]
@@ -251,8 +249,8 @@ class InferenceSession:
         # the graph with its weights as references (memory-mapped or views): every step below is weight-free
         graph_only, external = external_initializers(loaded.proto, loaded.base_dir)
         renamed = _name_nodes(graph_only)
-        self._providers_requested = list(providers) if providers else provider_names(None)
-        names = provider_names(self._providers_requested)
+        self._providers_requested = list(providers) if providers else _provider_names(None)
+        names = _provider_names(self._providers_requested)
         inferred = infer_shapes(graph_only) if _paged_nodes(graph_only) else graph_only  # once per session
         self.native_nodes, self.portable_nodes, native_backend = _plan_nodes(
             dataclasses.replace(loaded, proto=inferred), names, mode, block_size

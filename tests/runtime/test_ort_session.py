@@ -47,25 +47,3 @@ def test_weights_in_the_models_folder_are_read_by_onnxruntime(tmp_path):
 
 # Data behind a link out of the folder (a Hugging Face cache snapshot's blobs/): ORT refuses such paths, so the
 # session hands ortpa's own checked memory map over instead; tests/test_hf_cache.py runs that path end to end.
-
-
-def test_without_spinning_copies_unless_the_caller_chose():
-    import onnxruntime as ort
-
-    from ortpa.runtime.ort_session import SPINNING_KEY, without_spinning
-
-    assert without_spinning(None).get_session_config_entry(SPINNING_KEY) == "0"
-    mine = ort.SessionOptions()
-    mine.intra_op_num_threads = 3
-    made = without_spinning(mine)
-    assert made is not mine and made.intra_op_num_threads == 3
-    assert made.get_session_config_entry(SPINNING_KEY) == "0"
-    try:  # the caller's options are left as they were
-        mine.get_session_config_entry(SPINNING_KEY)
-        raise AssertionError("without_spinning set the key on the caller's options")
-    except RuntimeError:
-        pass
-    for value in ("0", "1"):
-        chosen = ort.SessionOptions()
-        chosen.add_session_config_entry(SPINNING_KEY, value)
-        assert without_spinning(chosen) is chosen

@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from support.dense_run import dense_outputs
 
 from ortpa.export import repeat
 from ortpa.export.hf import build_model, export_hf
@@ -27,26 +28,6 @@ from ortpa.testing.sweep.space import draw
 pytestmark = pytest.mark.export
 
 _LAYERS = 5  # past the traced layers of every kind below (at most 2 kinds x 2 layers)
-
-
-def _outputs(path: Path) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for i in session.get_inputs():
-        if i.name == "input_ids":
-            feeds[i.name] = rng.integers(0, 200, (2, 5)).astype(np.int64)
-        elif i.name == "attention_mask":
-            feeds[i.name] = np.ones((2, 8), np.int64)
-        elif i.name == "position_ids":
-            feeds[i.name] = np.tile(np.arange(3, 8), (2, 1)).astype(np.int64)
-        else:
-            shape = [2 if d == "batch" else 3 if d == "past" else d for d in i.shape]
-            dtype = np.float16 if i.type == "tensor(float16)" else np.float32
-            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
-    return session.run(None, feeds)
 
 
 def _export_both(model, tmp_path: Path, **kw) -> tuple[list[str], Path, Path]:
@@ -62,7 +43,7 @@ def _assert_same(copied: Path, full: Path) -> None:
     assert a[0] == b[0], "graph inputs differ"
     for x, y in zip(a[1], b[1], strict=True):
         assert x == y, f"output {y[0]} computed differently"
-    for x, y in zip(_outputs(copied), _outputs(full), strict=True):
+    for x, y in zip(dense_outputs(copied, vocab=200), dense_outputs(full, vocab=200), strict=True):
         np.testing.assert_array_equal(x, y)
 
 

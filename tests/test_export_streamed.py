@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
+from support.dense_run import dense_outputs
 from support.parity import FIXTURES
 
 from ortpa.errors import InvalidModel
@@ -35,26 +35,6 @@ _TIED_LLAMA = {
 }
 
 
-def _outputs(path: Path, seed: int = 0) -> list[np.ndarray]:
-    """The model's outputs on a 5-token prompt after a 3-token past, batch 2, on CPU."""
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(seed)
-    vocab = 256
-    feeds = {}
-    for i in session.get_inputs():
-        if i.name == "input_ids":
-            feeds[i.name] = rng.integers(0, vocab, (2, 5)).astype(np.int64)
-        elif i.name == "attention_mask":
-            feeds[i.name] = np.ones((2, 8), np.int64)
-        elif i.name == "position_ids":
-            feeds[i.name] = np.tile(np.arange(3, 8), (2, 1)).astype(np.int64)
-        else:
-            shape = [2 if d == "batch" else 3 if d == "past" else d for d in i.shape]
-            dtype = np.float16 if i.type == "tensor(float16)" else np.float32
-            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
-    return session.run(None, feeds)
-
-
 def _streamed_equals_whole(
     folder: Path, tmp_path: Path, reference_folder: Path | None = None, attn_implementation: str = "sdpa"
 ) -> list[str]:
@@ -68,7 +48,7 @@ def _streamed_equals_whole(
     )
     whole = tmp_path / "whole" / "model.onnx"
     export_hf(whole_model, whole, attn_implementation=attn_implementation)
-    new, old = _outputs(streamed), _outputs(whole)
+    new, old = dense_outputs(streamed, vocab=256), dense_outputs(whole, vocab=256)
     assert len(new) == len(old)
     for a, b in zip(new, old, strict=True):
         np.testing.assert_array_equal(a, b)

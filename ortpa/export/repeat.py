@@ -317,7 +317,7 @@ def expand(
             if value is not None and owner[id(value)] not in (None, _TAIL) and value is not last_out:
                 raise NotRepeatable(f"{node.op_type} node {node.name} after the layers reads {value.name}")
 
-    _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, owner, param_of, past_roles, tensor_of,
+    _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, param_of, past_roles, tensor_of,
              past_name, present_name)  # fmt: skip
 
 
@@ -474,7 +474,7 @@ def _same(a: _Copy, b: _Copy, owner: dict[int, Any], hashes: dict[int, str], par
             raise NotRepeatable(f"{where} write their {role} cache differently")
 
 
-def _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, owner, param_of, past_roles, tensor_of,
+def _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, param_of, past_roles, tensor_of,
              past_name, present_name) -> None:  # fmt: skip
     graph = irm.graph
     traced = layer_plan.traced

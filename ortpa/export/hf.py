@@ -532,6 +532,12 @@ def _trace_repeating(model, label, opset, optimize, experts, seed, say, placehol
 _ROLES = ("key", "value")
 
 
+def _has_experts(model) -> bool:
+    """Whether ``model`` runs MoE experts through transformers' experts implementations (which need
+    :func:`ortpa.export.patches.translation_table`; importing it costs ~0.5 s a dense model need not pay)."""
+    return bool(getattr(model, "_can_set_experts_implementation", lambda: False)())
+
+
 def _past_name(layer: int, role: str) -> str:
     return f"past_key_values.{layer}.{role}"
 
@@ -551,6 +557,7 @@ def _trace(
     import torch
     from transformers import DynamicCache
 
+    from ortpa.export.decompose import lean_decomposition
     from ortpa.export.errors import ExportError, summarize
     from ortpa.export.patches import export_patches, translation_table
 
@@ -613,7 +620,7 @@ def _trace(
     what = "weights (not read: streamed after the trace)" if placeholders is not None else "weights"
     layers = f"{n_layers} layers" if of_layers is None else f"{n_layers} of {of_layers} layers (the others repeat them)"
     say(f"tracing {model.config.model_type}: {layers}, {weight_bytes / 1e6:.1f} MB of {what}, {model_dtype}")
-    with torch.no_grad(), export_patches(model, experts) as applied:
+    with torch.no_grad(), export_patches(model, experts) as applied, lean_decomposition() as decomposition:
         try:
             program = torch.onnx.export(
                 _Wrapper(model).eval(),
@@ -624,11 +631,12 @@ def _trace(
                 output_names=output_names,
                 opset_version=opset,
                 optimize=optimize,
-                custom_translation_table=translation_table(),
+                custom_translation_table=translation_table() if _has_experts(model) else {},
                 verbose=False,
             )
         except Exception as exc:
             raise ExportError(label, summarize(exc)) from exc
+    applied.update(decomposition)
     return _Traced(program, model_dtype, input_names, output_names, applied)
 
 

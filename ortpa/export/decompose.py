@@ -1,0 +1,140 @@
+"""``torch.onnx.export``'s decomposition step, without its retrace when the traced graph needs (almost) none.
+
+Before translating, ``torch.onnx.export`` runs ``ExportedProgram.run_decompositions`` with a table of every ATen
+decomposition whose op torchlib does not translate itself. That call traces the whole graph again, twice, in fake
+tensors with symbolic shapes: about 5 s on this machine whatever the depth (a 1-layer and a 2-layer Llama cost the
+same), the largest single cost of exporting a checkpoint once :mod:`ortpa.export.repeat` traces two layers only.
+
+For the decoder models ortpa exports, the traced graph already holds ops torchlib translates, but for a handful whose
+decomposition is a one-for-one rename: ``aten.__and__`` / ``__or__`` (``bitwise_and`` / ``bitwise_or``), ``aten.to``
+(``_to_copy`` to the result's dtype, or nothing when the dtype does not change) and ``aten.detach_`` / ``detach`` /
+``alias`` (nothing: values are values in ONNX). :func:`lean_decomposition` swaps those nodes in place and skips the
+retrace; a graph with any other op torchlib lacks, or any op that writes one of its inputs (which the retrace would
+functionalise), goes through ``run_decompositions`` as before (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces that).
+The two graphs compute the same values by the same arithmetic; they may differ in how sizes are read (the retrace
+re-derives them, e.g. ``past + seq`` where the traced graph reads the attention mask's length, equal by the export's
+dynamic shapes) and in ``Identity`` nodes. ``tests/test_export_decompose.py`` checks, family by family, that the
+lean path was taken and that ONNX Runtime's outputs of the two are equal element for element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["ENV", "lean_decomposition", "lean_rewrite"]
+
+# removed by torch.onnx's own remove_assertion_nodes after the decomposition step, whichever path ran
+_ASSERTS = (
+    "aten._assert_scalar.default",
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_async.default",
+    "aten._assert_async.msg",
+    "aten.sym_constrain_range_for_size.default",
+)
+_ALIASES = ("aten.detach_.default", "aten.detach.default", "aten.alias.default")
+_RENAMES = {"aten.__and__.Tensor": "bitwise_and.Tensor", "aten.__or__.Tensor": "bitwise_or.Tensor"}
+_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten.to.device")
+
+
+def _plan(graph_module: Any, translated: set[Any]) -> list[tuple[Any, str]] | str:
+    """What to do with each node that torchlib does not translate, or why one of them needs the retrace."""
+    import torch
+
+    todo: list[tuple[Any, str]] = []
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            if target is operator.getitem or getattr(target, "__module__", "") in ("_operator", "torch", "math"):
+                continue  # Python-level symbolic arithmetic (sym_size, sym_max, ...): translated as such
+            return f"{target} is no ATen op"
+        name = str(target)
+        if name in _ASSERTS:
+            continue
+        if name in _ALIASES:
+            todo.append((node, "alias"))
+            continue
+        if target._schema.is_mutable:
+            return f"{name} writes its input"  # the retrace would make it functional
+        if target in translated:
+            continue
+        if name in _RENAMES:
+            todo.append((node, "rename"))
+        elif name in _CASTS and _cast_is_plain(node):
+            todo.append((node, "cast"))
+        else:
+            return f"{name} has no translation"
+    return todo
+
+
+def _cast_is_plain(node: Any) -> bool:
+    """``aten.to`` that changes the dtype at most (same device, layout, strides-agnostic), as ONNX's Cast does."""
+    source, result = node.args[0].meta.get("val"), node.meta.get("val")
+    if source is None or result is None:
+        return False
+    return source.device == result.device and source.layout == result.layout
+
+
+def lean_rewrite(graph_module: Any, translated: set[Any]) -> str | None:
+    """Replace the graph's untranslated one-for-one ops in place; None, or (graph untouched) why it needs the
+    retrace."""
+    import torch
+
+    todo = _plan(graph_module, translated)
+    if isinstance(todo, str):
+        return todo
+    graph = graph_module.graph
+    aten = torch.ops.aten
+    for node, kind in todo:
+        source = node.args[0]
+        if kind == "alias" or (kind == "cast" and source.meta["val"].dtype == node.meta["val"].dtype):
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+            continue
+        if kind == "rename":
+            packet, overload = _RENAMES[str(node.target)].split(".")
+            target, args, kwargs = getattr(getattr(aten, packet), overload), node.args, node.kwargs
+        else:
+            target, args, kwargs = aten._to_copy.default, (source,), {"dtype": node.meta["val"].dtype}
+        with graph.inserting_before(node):
+            new = graph.call_function(target, args, kwargs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    graph.lint()
+    graph_module.recompile()
+    return None
+
+
+ENV = "ORTPA_EXPORT_DECOMPOSITION"  # "retrace": torch.onnx.export's own decomposition always (for comparison)
+
+
+@contextlib.contextmanager
+def lean_decomposition() -> Iterator[dict[str, str]]:
+    """Inside the block, ``torch.onnx.export`` decomposes by :func:`lean_rewrite` where that suffices; yields a
+    record whose ``"decomposition"`` says which path the last export took: ``"lean"`` or ``"retraced"``
+    (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces the latter), and ``"retraced_because"`` why."""
+    from torch.onnx._internal.exporter import _decomp, _fx_passes
+
+    original = _fx_passes.decompose_with_registry
+    record = {"decomposition": "retraced", "retraced_because": "not run"}
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced not in ("", "lean", "retrace"):
+        raise ValueError(f"{ENV} must be 'lean' or 'retrace', found {forced!r}")
+
+    def decompose(exported_program, registry):
+        translated = set(_decomp.get_onnx_implemented_overloads(registry))
+        why = ENV + "=retrace" if forced == "retrace" else lean_rewrite(exported_program.graph_module, translated)
+        record.update(decomposition="retraced" if why else "lean", retraced_because=why or "")
+        return original(exported_program, registry) if why else exported_program
+
+    _fx_passes.decompose_with_registry = decompose
+    try:
+        yield record
+    finally:
+        _fx_passes.decompose_with_registry = original

@@ -1,0 +1,107 @@
+"""The export's decomposition step without torch's retrace (``ortpa.export.decompose``): taken where the graph needs
+no decomposition but one-for-one renames, refused where it needs more, and computing what the retrace computes.
+
+Small modules check each rename against PyTorch itself; the family cases export one model both ways (the lean path
+by default, ``ORTPA_EXPORT_DECOMPOSITION=retrace`` for torch's own) and compare ONNX Runtime's outputs element for
+element: the same arithmetic, whatever differs in how sizes are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from support.dense_run import dense_outputs
+
+from ortpa.export.decompose import ENV, lean_decomposition
+from ortpa.export.hf import export_hf
+from ortpa.testing.sweep.space import draw
+
+pytestmark = pytest.mark.export
+
+
+class _Renamed(torch.nn.Module):
+    """Every op the lean path renames or drops: ``&``, ``|``, ``.to(dtype)`` (changing and not), ``detach``."""
+
+    def forward(self, x, y):
+        both = (x > 0) & (y > 0)
+        either = (x < -1) | (y < -1)
+        half = x.to(torch.float16).to(torch.float32)  # a real cast: rounding PyTorch and ONNX Runtime share
+        same = y.to(torch.float32).detach()
+        return torch.where(both, half, same) + either.to(x.dtype)
+
+
+class _InPlace(torch.nn.Module):
+    """An op writing its input: only the retrace makes it functional."""
+
+    def forward(self, x):
+        y = x * 2
+        y.add_(1)
+        return y * x
+
+
+def _export(module: torch.nn.Module, args: tuple, path: Path) -> str:
+    with lean_decomposition() as record:
+        torch.onnx.export(module, args, str(path), dynamo=True, optimize=False, verbose=False)
+    return record["decomposition"]
+
+
+def _run(path: Path, args: tuple) -> list[np.ndarray]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return session.run(None, {n: a.numpy() for n, a in zip(names, args, strict=True)})
+
+
+def test_renamed_ops_compute_what_pytorch_computes(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(4, 8, generator=gen) * 3, torch.randn(4, 8, generator=gen) * 3)
+    path = tmp_path / "renamed.onnx"
+    assert _export(_Renamed(), args, path) == "lean"
+    (got,) = _run(path, args)
+    np.testing.assert_array_equal(got, _Renamed()(*args).numpy())
+
+
+def test_an_in_place_op_takes_the_retrace(tmp_path):
+    args = (torch.arange(6, dtype=torch.float32).reshape(2, 3),)
+    path = tmp_path / "inplace.onnx"
+    assert _export(_InPlace(), args, path) == "retraced"
+    (got,) = _run(path, args)
+    np.testing.assert_array_equal(got, _InPlace()(*args).numpy())
+
+
+def test_the_environment_forces_the_retrace_and_rejects_other_values(tmp_path, monkeypatch):
+    args = (torch.ones(2, 3), torch.ones(2, 3))
+    monkeypatch.setenv(ENV, "retrace")
+    assert _export(_Renamed(), args, tmp_path / "forced.onnx") == "retraced"
+    monkeypatch.setenv(ENV, "sometimes")
+    with pytest.raises(ValueError, match="ORTPA_EXPORT_DECOMPOSITION must be 'lean' or 'retrace', found 'sometimes'"):
+        _export(_Renamed(), args, tmp_path / "bad.onnx")
+
+
+_DEFAULT = ["llama", "deepseek_v3"]  # plain attention; MLA with MoE (retraced, see _RETRACED)
+_MORE = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "deepseek_v2", "minicpm3"]
+# families whose traced graph writes a tensor in place (MLA's keys assembled by slice assignment into an empty
+# tensor): the retrace makes it functional
+_RETRACED = {f: "aten.copy_.default writes its input" for f in ("deepseek_v2", "deepseek_v3", "minicpm3")}
+
+
+@pytest.mark.parametrize(
+    "family", [*_DEFAULT, *(pytest.param(f, marks=pytest.mark.slow) for f in _MORE)]
+)  # fmt: skip
+def test_lean_export_computes_what_the_retraced_export_computes(family, tmp_path, monkeypatch):
+    d = draw(family, 0)
+    config = {k: v for k, v in d.config.items() if k != "layer_types"}
+    config["num_hidden_layers"] = 2
+    kw = dict(random_weights=True, optimize=False, attn_implementation=d.attn_implementation, repeat_layers=False)
+    lean, full = tmp_path / "lean" / "model.onnx", tmp_path / "full" / "model.onnx"
+    info = export_hf(config, lean, **kw)
+    assert (info["decomposition"], info["retraced_because"]) == (
+        ("retraced", _RETRACED[family]) if family in _RETRACED else ("lean", "")
+    )
+    monkeypatch.setenv(ENV, "retrace")
+    assert export_hf(config, full, **kw)["decomposition"] == "retraced"
+    for x, y in zip(dense_outputs(lean, vocab=200), dense_outputs(full, vocab=200), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -16,6 +16,9 @@ import onnx_ir as ir
 from ortpa.rewriter._graph import attr_value, const_array
 
 _MAX_FOLDED_ELEMENTS = 64  # shapes and scalars; never a weight-sized tensor
+# a constant larger than this is never read while folding: what folds is shape arithmetic and scalars, and reading
+# a weight (external data) to find that out cost seconds on a 30-layer model
+_MAX_READ_ELEMENTS = 1 << 16
 
 __all__ = [
     "fold_partial",
@@ -57,24 +60,35 @@ def _shape(node: ir.Node) -> np.ndarray | None:
     return dims[start : None if end is None else int(end)]
 
 
-def fold_static(value: ir.Value | None, depth: int = 16) -> np.ndarray | None:
+def fold_static(value: ir.Value | None, depth: int = 16, memo: dict | None = None) -> np.ndarray | None:
     """``value`` as an array when it is computed only from constants and static dimensions, else None.
 
     Partial shapes are followed: ``Shape(x)[-1:]`` folds when x's last dimension is static, whatever the others.
+    ``memo``: results kept across calls on one unchanged graph (each value is then folded once).
     """
-    arr = _fold(value, depth)
+    arr = _fold(value, depth, {} if memo is None else memo)
     return _numeric(arr)
 
 
 def fold_partial(value: ir.Value | None, depth: int = 16) -> np.ndarray | None:
     """As :func:`fold_static`, but a shape-like vector may hold None where a dimension is symbolic
     (``Concat(Shape(x)[:2], [4, 48])`` -> ``[None, None, 4, 48]``)."""
-    arr = _fold(value, depth)
+    arr = _fold(value, depth, {})
     return None if arr is None else np.asarray(arr)
 
 
-def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:
+def _fold(value: ir.Value | None, depth: int, memo: dict) -> np.ndarray | None:
     if value is None or depth <= 0:
+        return None
+    key = (id(value), depth)
+    if key not in memo:
+        memo[key] = _fold_value(value, depth, memo)
+    return memo[key]
+
+
+def _fold_value(value: ir.Value, depth: int, memo: dict) -> np.ndarray | None:
+    stored = value.const_value
+    if stored is not None and stored.size > _MAX_READ_ELEMENTS:
         return None
     const = const_array(value)
     if const is not None:
@@ -85,7 +99,7 @@ def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:
     op = node.op_type
     if op == "Shape":
         return _shape(node)
-    args = [_fold(v, depth - 1) if v is not None else None for v in node.inputs]
+    args = [_fold(v, depth - 1, memo) if v is not None else None for v in node.inputs]
     if any(a is None for a in args[:1]):
         return None
     try:
@@ -190,6 +204,7 @@ def fold_shape_values(model: ir.Model) -> int:
     shape_fed: set[int] = set()  # nodes whose value depends on a Shape
     made: list[ir.Value] = []
     folded: set[int] = set()  # ids of the constants made here: what reads them is shape arithmetic too
+    memo: dict = {}  # a folded value's uses move to a constant of the same value: the memo stays true
     for node in list(graph):
         if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
             continue
@@ -202,7 +217,7 @@ def fold_shape_values(model: ir.Model) -> int:
         out = node.outputs[0]
         if node.op_type == "Shape" or not out.consumers() or any(o is out for o in graph.outputs):
             continue
-        arr = fold_static(out)
+        arr = fold_static(out, memo=memo)
         if arr is None or arr.size > _MAX_FOLDED_ELEMENTS:
             continue
         name = f"{out.name}.folded"

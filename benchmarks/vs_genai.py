@@ -25,6 +25,11 @@ it). ``vs_genai.1.nospin`` and ``vs_genai.16.nospin``: ortpa with ``session.intr
 alternated rounds (a second Engine): faster where other processes share the cores, slower on a quiet machine
 (docs/native.md, "Threads").
 
+``vs_genai.ort_release.1`` and ``.16``: genai's own model, one decode step, timed with plain ONNX Runtime in genai's
+python and in this one, alternated (time ratio, ortpa's ORT over genai's): the part of the Engine rows that is the
+two ONNX Runtime releases (genai 0.18 ships with ORT 1.32; ``onnxruntime-gpu``, which ortpa installs, is at 1.31.1
+on this index), not either side's work.
+
 ``vs_genai.host.1`` and ``vs_genai.host.16``: the share of an ortpa decode step spent outside ONNX Runtime's run
 (the driver loop: index tensors, sampling, Python between runs; target < 10% at one request).
 
@@ -126,6 +131,56 @@ _GENERATE = textwrap.dedent(
                       "ort": onnxruntime.__version__}}))
     """
 )
+
+
+# Runs in either python: one decode step of genai's own model (GroupQueryAttention, past 80) with plain ONNX Runtime,
+# median of 40 runs in ms: the same file on genai's ORT release and on ortpa's (vs_genai.ort_release.N).
+_STEP = textwrap.dedent(
+    """
+    import json, time
+    import numpy as np, onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = {threads}, 1
+    s = ort.InferenceSession({model!r}, so, providers=["CPUExecutionProvider"])
+    batch, past, rng = {batch}, 80, np.random.default_rng(0)
+    feeds = {{}}
+    for i in s.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = np.ones((batch, 1), np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones((batch, past + 1), np.int64)
+        else:
+            feeds[i.name] = rng.random((batch, i.shape[1], past, i.shape[3]), dtype=np.float32)
+    for _ in range(5):
+        s.run(None, feeds)
+    times = []
+    for _ in range(40):
+        t = time.perf_counter()
+        s.run(None, feeds)
+        times.append(time.perf_counter() - t)
+    print(json.dumps({{"ms": 1000 * float(np.median(times)), "ort": ort.__version__}}))
+    """
+)
+
+
+def _release_rows(genai_python: str, model: Path, threads: int, rounds: int, cpus, notes: str) -> list[dict]:
+    """vs_genai.ort_release.N: genai's model, one decode step, on genai's ORT release over ortpa's (time ratio:
+    above 1, genai's release alone runs the same file faster; the Engine rows carry that difference)."""
+    rows = []
+    for batch in (1, 16):
+        code = _STEP.format(threads=threads, model=str(model), batch=batch)
+        theirs, ours, versions = [], [], ""
+        for _ in range(rounds):
+            a = json.loads(_subprocess(genai_python, code, timeout=600, cpus=cpus))
+            b = json.loads(_subprocess(sys.executable, code, timeout=600, cpus=cpus))
+            theirs.append(a["ms"])
+            ours.append(b["ms"])
+            versions = f"ORT {a['ort']} (genai's) vs {b['ort']} (ortpa's)"
+        t, o = statistics.median(theirs), statistics.median(ours)
+        rows.append(_row(f"vs_genai.ort_release.{batch}", "time_ratio", round(o / t, 2), "x",
+                         f"genai's model, one decode step at batch {batch}, past 80: {versions}, medians "
+                         f"{t:.2f} / {o:.2f} ms; {notes}"))  # fmt: skip
+    return rows
 
 
 def _genai_options(model_dir: Path, threads: int = THREADS) -> None:
@@ -312,6 +367,7 @@ def run(
                 rows.append(_row(f"vs_genai.{n}.nospin", "throughput_ratio", round(statistics.median(slept) / g, 2),
                                  "x", f"ortpa with its CPU pool not spinning (session.intra_op.allow_spinning=0) / "
                                  f"genai, medians, same rounds; {load}"))  # fmt: skip
+        rows += _release_rows(genai_python, Path(out) / "model.onnx", threads, rounds, cpus, dims)
     return rows
 
 

@@ -43,10 +43,24 @@ class _InPlace(torch.nn.Module):
         return y * x
 
 
-def _export(module: torch.nn.Module, args: tuple, path: Path) -> str:
+class _Plain(torch.nn.Module):
+    """One dtype throughout: nothing to promote."""
+
+    def forward(self, x, y):
+        return x * y + x.softmax(-1)
+
+
+class _Mixed(torch.nn.Module):
+    """Ops whose operands torch promotes: half times float, integer true division."""
+
+    def forward(self, x, n):
+        return x.to(torch.float16) * x + n / (n + 1)
+
+
+def _export(module: torch.nn.Module, args: tuple, path: Path, what: str = "decomposition") -> str:
     with lean_decomposition() as record:
-        torch.onnx.export(module, args, str(path), dynamo=True, optimize=False, verbose=False)
-    return record["decomposition"]
+        torch.onnx.export(module.eval(), args, str(path), dynamo=True, optimize=False, verbose=False)
+    return record[what]
 
 
 def _run(path: Path, args: tuple) -> list[np.ndarray]:
@@ -62,6 +76,18 @@ def test_renamed_ops_compute_what_pytorch_computes(tmp_path):
     assert _export(_Renamed(), args, path) == "lean"
     (got,) = _run(path, args)
     np.testing.assert_array_equal(got, _Renamed()(*args).numpy())
+
+
+def test_type_promotion_runs_where_operands_need_it_and_only_there(tmp_path):
+    args = (torch.linspace(-2, 2, 12).reshape(3, 4), torch.arange(12).reshape(3, 4))
+    mixed = tmp_path / "mixed.onnx"
+    assert _export(_Mixed(), args, mixed, "type_promotion") == "run"
+    (got,) = _run(mixed, args)
+    np.testing.assert_array_equal(got, _Mixed()(*args).numpy())
+    same = (torch.ones(2, 3), torch.ones(2, 3))
+    assert _export(_Plain(), same, tmp_path / "same.onnx", "type_promotion") == "not needed"
+    # a comparison with a Python int: the pass makes the scalar a float tensor, so it runs
+    assert _export(_Renamed(), same, tmp_path / "scalar.onnx", "type_promotion") == "run"
 
 
 def test_an_in_place_op_takes_the_retrace(tmp_path):
@@ -102,6 +128,7 @@ def test_lean_export_computes_what_the_retraced_export_computes(family, tmp_path
         ("retraced", _RETRACED[family]) if family in _RETRACED else ("lean", "")
     )
     monkeypatch.setenv(ENV, "retrace")
-    assert export_hf(config, full, **kw)["decomposition"] == "retraced"
+    forced = export_hf(config, full, **kw)
+    assert (forced["decomposition"], forced["type_promotion"]) == ("retraced", "run")
     for x, y in zip(dense_outputs(lean, vocab=200), dense_outputs(full, vocab=200), strict=True):
         np.testing.assert_array_equal(x, y)

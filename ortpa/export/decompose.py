@@ -11,6 +11,10 @@ decomposition is a one-for-one rename: ``aten.__and__`` / ``__or__`` (``bitwise_
 ``alias`` (nothing: values are values in ONNX). :func:`lean_decomposition` swaps those nodes in place and skips the
 retrace; a graph with any other op torchlib lacks, or any op that writes one of its inputs (which the retrace would
 functionalise), goes through ``run_decompositions`` as before (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces that).
+Likewise the type promotion pass that follows (an interpreter re-running every node in fake tensors to insert the
+casts mixed-dtype ops need, ~1 s) runs only when :func:`promotion_needed`, its rules previewed on the values the
+trace recorded, finds a node it would change.
+
 The two graphs compute the same values by the same arithmetic; they may differ in how sizes are read (the retrace
 re-derives them, e.g. ``past + seq`` where the traced graph reads the attention mask's length, equal by the export's
 dynamic shapes) and in ``Identity`` nodes. ``tests/test_export_decompose.py`` checks, family by family, that the
@@ -25,7 +29,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ENV", "lean_decomposition", "lean_rewrite"]
+__all__ = ["ENV", "lean_decomposition", "lean_rewrite", "promotion_needed"]
 
 # removed by torch.onnx's own remove_assertion_nodes after the decomposition step, whichever path ran
 _ASSERTS = (
@@ -111,6 +115,54 @@ def lean_rewrite(graph_module: Any, translated: set[Any]) -> str | None:
     return None
 
 
+def _promotion_changes(arg: Any, dtype: Any) -> bool:
+    """Whether torch.onnx's type promotion pass would rewrite ``arg`` to ``dtype`` (its ``_maybe_promote_arg``)."""
+    import torch
+    from torch.onnx._internal.fx import type_utils
+
+    if dtype is None:
+        return False
+    if isinstance(arg, torch.fx.Node):
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.dtype != dtype
+        if type_utils.is_torch_symbolic_type(val):
+            return type_utils.from_scalar_type_to_torch_dtype(type(val)) != dtype
+        return True  # nothing to judge by: the pass decides
+    scalar = type_utils.from_scalar_type_to_torch_dtype(type(arg))
+    if scalar is not None:
+        return scalar != dtype
+    if isinstance(arg, (tuple, list)):
+        return any(_promotion_changes(a, dtype) for a in arg)
+    return True
+
+
+def promotion_needed(graph_module: Any) -> bool:
+    """Whether torch.onnx's ``insert_type_promotion_nodes`` would change the graph: its rules previewed on the
+    nodes' recorded values, without the pass's re-execution of every node in fake tensors (~1 s)."""
+    import torch
+    from torch.onnx._internal.fx.passes import type_promotion
+
+    table = type_promotion.TypePromotionTable()
+    for module in graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            return True
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            rule = type_promotion.get_type_promotion_rule(node, table)
+            if rule is None:
+                continue
+            args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+            info = rule.preview_type_promotion(args, kwargs)
+            if any(_promotion_changes(a, info.args_dtypes.get(i)) for i, a in enumerate(node.args)):
+                return True
+            if any(_promotion_changes(a, info.kwargs_dtypes.get(k)) for k, a in node.kwargs.items()):
+                return True
+    return False
+
+
 ENV = "ORTPA_EXPORT_DECOMPOSITION"  # "retrace": torch.onnx.export's own decomposition always (for comparison)
 
 
@@ -118,11 +170,12 @@ ENV = "ORTPA_EXPORT_DECOMPOSITION"  # "retrace": torch.onnx.export's own decompo
 def lean_decomposition() -> Iterator[dict[str, str]]:
     """Inside the block, ``torch.onnx.export`` decomposes by :func:`lean_rewrite` where that suffices; yields a
     record whose ``"decomposition"`` says which path the last export took: ``"lean"`` or ``"retraced"``
-    (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces the latter), and ``"retraced_because"`` why."""
+    (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces the latter), and ``"retraced_because"`` why; ``"type_promotion"``
+    whether torch.onnx's type promotion pass ran (``"run"``) or was previewed to change nothing (``"not needed"``)."""
     from torch.onnx._internal.exporter import _decomp, _fx_passes
 
     original = _fx_passes.decompose_with_registry
-    record = {"decomposition": "retraced", "retraced_because": "not run"}
+    record = {"decomposition": "retraced", "retraced_because": "not run", "type_promotion": "not run"}
     forced = os.environ.get(ENV, "").strip().lower()
     if forced not in ("", "lean", "retrace"):
         raise ValueError(f"{ENV} must be 'lean' or 'retrace', found {forced!r}")
@@ -133,8 +186,18 @@ def lean_decomposition() -> Iterator[dict[str, str]]:
         record.update(decomposition="retraced" if why else "lean", retraced_because=why or "")
         return original(exported_program, registry) if why else exported_program
 
+    original_promotion = _fx_passes.insert_type_promotion_nodes
+
+    def promote(graph_module) -> None:
+        needed = forced == "retrace" or promotion_needed(graph_module)
+        record["type_promotion"] = "run" if needed else "not needed"
+        if needed:
+            original_promotion(graph_module)
+
     _fx_passes.decompose_with_registry = decompose
+    _fx_passes.insert_type_promotion_nodes = promote
     try:
         yield record
     finally:
         _fx_passes.decompose_with_registry = original
+        _fx_passes.insert_type_promotion_nodes = original_promotion

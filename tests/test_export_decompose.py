@@ -19,6 +19,7 @@ from support.dense_run import dense_outputs
 from ortpa.export.decompose import ENV, lean_decomposition
 from ortpa.export.hf import export_hf
 from ortpa.testing.sweep.space import draw
+from ortpa.tolerances import tol_for
 
 pytestmark = pytest.mark.export
 
@@ -32,6 +33,27 @@ class _Renamed(torch.nn.Module):
         half = x.to(torch.float16).to(torch.float32)  # a real cast: rounding PyTorch and ONNX Runtime share
         same = y.to(torch.float32).detach()
         return torch.where(both, half, same) + either.to(x.dtype)
+
+
+class _Filled(torch.nn.Module):
+    """MLA's key assembly in transformers: slices of a fresh tensor filled in place, then the tensor read."""
+
+    def forward(self, a, b):
+        out = a.new_empty(*a.shape[:-1], a.shape[-1] + b.shape[-1])
+        out[..., : a.shape[-1]].copy_(a)
+        out[..., a.shape[-1] :].copy_(b.expand(*a.shape[:-1], -1))
+        return out * 2
+
+
+class _ReadBetween(torch.nn.Module):
+    """A fresh tensor read between its fills: the read sees half of it, which only the retrace keeps."""
+
+    def forward(self, a):
+        out = torch.zeros(a.shape[0], 2 * a.shape[1])
+        out[:, : a.shape[1]].copy_(a)
+        first = out.sum(-1, keepdim=True)
+        out[:, a.shape[1] :].copy_(a * 3)
+        return out + first
 
 
 class _InPlace(torch.nn.Module):
@@ -90,6 +112,23 @@ def test_type_promotion_runs_where_operands_need_it_and_only_there(tmp_path):
     assert _export(_Renamed(), same, tmp_path / "scalar.onnx", "type_promotion") == "run"
 
 
+def test_slice_fills_of_a_fresh_tensor_are_written_as_scatters(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    args = (torch.randn(2, 3, 4, 5, generator=gen), torch.randn(2, 1, 4, 3, generator=gen))
+    path = tmp_path / "filled.onnx"
+    assert _export(_Filled(), args, path) == "lean"
+    (got,) = _run(path, args)
+    np.testing.assert_array_equal(got, _Filled()(*args).numpy())
+    between = (torch.randn(3, 4, generator=gen),)
+    with lean_decomposition() as record:
+        torch.onnx.export(_ReadBetween().eval(), between, str(tmp_path / "b.onnx"), dynamo=True, optimize=False)
+    assert record["decomposition"] == "retraced"
+    assert record["retraced_because"] == "aten.copy_.default writes its input (the tensor read between its fills)"
+    (got,) = _run(tmp_path / "b.onnx", between)
+    rtol, atol = tol_for(np.float32)
+    np.testing.assert_allclose(got, _ReadBetween()(*between).numpy(), rtol=rtol, atol=atol)
+
+
 def test_an_in_place_op_takes_the_retrace(tmp_path):
     args = (torch.arange(6, dtype=torch.float32).reshape(2, 3),)
     path = tmp_path / "inplace.onnx"
@@ -109,9 +148,9 @@ def test_the_environment_forces_the_retrace_and_rejects_other_values(tmp_path, m
 
 _DEFAULT = ["llama", "deepseek_v3"]  # plain attention; MLA with MoE (retraced, see _RETRACED)
 _MORE = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "deepseek_v2", "minicpm3"]
-# families whose traced graph writes a tensor in place (MLA's keys assembled by slice assignment into an empty
-# tensor): the retrace makes it functional
-_RETRACED = {f: "aten.copy_.default writes its input" for f in ("deepseek_v2", "deepseek_v3", "minicpm3")}
+# families whose traced graph writes a tensor in place past a slice fill (the MoE router's group mask scattered in
+# place): the retrace makes it functional
+_RETRACED = {f: "aten.scatter_.value writes its input" for f in ("deepseek_v2", "deepseek_v3")}
 
 
 @pytest.mark.parametrize(

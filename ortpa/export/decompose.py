@@ -8,9 +8,11 @@ same), the largest single cost of exporting a checkpoint once :mod:`ortpa.export
 For the decoder models ortpa exports, the traced graph already holds ops torchlib translates, but for a handful whose
 decomposition is a one-for-one rename: ``aten.__and__`` / ``__or__`` (``bitwise_and`` / ``bitwise_or``), ``aten.to``
 (``_to_copy`` to the result's dtype, or nothing when the dtype does not change) and ``aten.detach_`` / ``detach`` /
-``alias`` (nothing: values are values in ONNX). :func:`lean_decomposition` swaps those nodes in place and skips the
-retrace; a graph with any other op torchlib lacks, or any op that writes one of its inputs (which the retrace would
-functionalise), goes through ``run_decompositions`` as before (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces that).
+``alias`` (nothing: values are values in ONNX), and one in-place form the retrace would functionalise into a
+known one: slices of a fresh tensor filled by ``copy_`` (MLA's keys in transformers' DeepSeek-V2/V3 and MiniCPM3),
+written as the ``slice_scatter`` chain functionalisation writes. :func:`lean_decomposition` swaps those nodes in
+place and skips the retrace; a graph with any other op torchlib lacks, or any other op that writes one of its inputs,
+goes through ``run_decompositions`` as before (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces that).
 Likewise the type promotion pass that follows (an interpreter re-running every node in fake tensors to insert the
 casts mixed-dtype ops need, ~1 s) runs only when :func:`promotion_needed`, its rules previewed on the values the
 trace recorded, finds a node it would change.
@@ -49,6 +51,7 @@ def _plan(graph_module: Any, translated: set[Any]) -> list[tuple[Any, str]] | st
     import torch
 
     todo: list[tuple[Any, str]] = []
+    order = {n: i for i, n in enumerate(graph_module.graph.nodes)}
     for node in graph_module.graph.nodes:
         if node.op != "call_function":
             continue
@@ -63,6 +66,14 @@ def _plan(graph_module: Any, translated: set[Any]) -> list[tuple[Any, str]] | st
         if name in _ALIASES:
             todo.append((node, "alias"))
             continue
+        if name == "aten.copy_.default":
+            why = _fill_refused(node, order)
+            if why:
+                return f"{name} writes its input ({why})"
+            if torch.ops.aten.slice_scatter.default not in translated:
+                return f"{name} writes its input (no translation of slice_scatter)"
+            todo.append((node, "fill"))
+            continue
         if target._schema.is_mutable:
             return f"{name} writes its input"  # the retrace would make it functional
         if target in translated:
@@ -74,6 +85,63 @@ def _plan(graph_module: Any, translated: set[Any]) -> list[tuple[Any, str]] | st
         else:
             return f"{name} has no translation"
     return todo
+
+
+_FRESH = ("aten.new_empty.default", "aten.empty.memory_format", "aten.new_zeros.default", "aten.zeros.default")
+
+
+def _fill_refused(copy: Any, order: dict[Any, int]) -> str:
+    """Why ``copy_`` is not a fill of a slice of a fresh tensor that the retrace's functionalisation would write as
+    ``slice_scatter`` ('' when it is): ``x = new_empty(...); x[..., a:b].copy_(y); ...; read x`` (MLA's keys in
+    transformers' DeepSeek-V2/V3 and MiniCPM3). A fresh tensor aliases nothing, so each fill is the tensor before it
+    with the slice replaced, as long as the tensor is read only after its last fill."""
+    view, source = copy.args[0], copy.args[1]
+    if len(copy.args) > 2 or any(v for v in copy.kwargs.values()) or copy.users:
+        return "non_blocking, or its result read"
+    if getattr(view, "op", None) != "call_function" or str(view.target) != "aten.slice.Tensor" or len(view.users) != 1:
+        return "not into a slice read by nothing else"
+    base = view.args[0]
+    step = view.args[4] if len(view.args) > 4 else 1
+    if getattr(base, "op", None) != "call_function" or str(base.target) not in _FRESH or step != 1 or view.kwargs:
+        return "not into a unit-step slice of a fresh tensor"
+    got, want = getattr(source, "meta", {}).get("val"), view.meta.get("val")
+    if got is None or want is None or got.dtype != want.dtype or str(tuple(got.shape)) != str(tuple(want.shape)):
+        return "from a tensor of another dtype or shape"
+    fills = [u for u in base.users if _is_fill_view(u)]
+    last = max(order[next(iter(v.users))] for v in fills)
+    if any(u not in fills and order[u] < last for u in base.users):
+        return "the tensor read between its fills"
+    return ""
+
+
+def _is_fill_view(node: Any) -> bool:
+    return str(node.target) == "aten.slice.Tensor" and any(str(c.target) == "aten.copy_.default" for c in node.users)
+
+
+def _fill(graph: Any, copy: Any) -> None:
+    """``copy_`` of a slice of a fresh tensor (:func:`_fill_refused`) -> ``slice_scatter`` into what the tensor was
+    before it; the tensor's later readers read the last one."""
+    import torch
+
+    view, source = copy.args[0], copy.args[1]
+    base = view.args[0]
+    current = base.meta.get("_ortpa_filled", base)
+    dim, start, end = (list(view.args[1:4]) + [0, None, None][len(view.args) - 1 :])[:3]
+    with graph.inserting_before(copy):
+        scattered = graph.call_function(torch.ops.aten.slice_scatter.default, (current, source, dim, start, end, 1))
+    scattered.meta = {k: v for k, v in base.meta.items() if k != "_ortpa_filled"}
+    graph.erase_node(copy)
+    graph.erase_node(view)
+    base.meta["_ortpa_filled"] = scattered
+    if not any(_is_fill_view(u) for u in base.users):  # the last fill: the tensor's readers read what it made
+        base.replace_all_uses_with(scattered, delete_user_cb=lambda user: user is not _first_scatter(scattered))
+        del base.meta["_ortpa_filled"]
+
+
+def _first_scatter(node: Any) -> Any:
+    while str(node.args[0].target) == "aten.slice_scatter.default":
+        node = node.args[0]
+    return node
 
 
 def _cast_is_plain(node: Any) -> bool:
@@ -95,6 +163,9 @@ def lean_rewrite(graph_module: Any, translated: set[Any]) -> str | None:
     graph = graph_module.graph
     aten = torch.ops.aten
     for node, kind in todo:
+        if kind == "fill":
+            _fill(graph, node)
+            continue
         source = node.args[0]
         if kind == "alias" or (kind == "cast" and source.meta["val"].dtype == node.meta["val"].dtype):
             node.replace_all_uses_with(source)

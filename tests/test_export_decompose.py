@@ -100,6 +100,22 @@ def test_renamed_ops_compute_what_pytorch_computes(tmp_path):
     np.testing.assert_array_equal(got, _Renamed()(*args).numpy())
 
 
+def test_lazy_signatures_write_the_same_graph_byte_for_byte(tmp_path):
+    import onnx
+
+    args = (torch.randn(4, 8), torch.randn(4, 8))
+    protos = []
+    for lazy in (True, False):
+        path = tmp_path / f"lazy_{lazy}.onnx"
+        with lean_decomposition(lazy_signatures=lazy):
+            torch.onnx.export(_Renamed().eval(), args, str(path), dynamo=True, optimize=False, verbose=False)
+        proto = onnx.load(str(path))
+        for node in proto.graph.node:
+            del node.metadata_props[:]  # stack traces name this test's lines
+        protos.append(proto.SerializeToString())
+    assert protos[0] == protos[1]
+
+
 def test_type_promotion_runs_where_operands_need_it_and_only_there(tmp_path):
     args = (torch.linspace(-2, 2, 12).reshape(3, 4), torch.arange(12).reshape(3, 4))
     mixed = tmp_path / "mixed.onnx"

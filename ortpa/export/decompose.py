@@ -15,7 +15,10 @@ place and skips the retrace; a graph with any other op torchlib lacks, or any ot
 goes through ``run_decompositions`` as before (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces that).
 Likewise the type promotion pass that follows (an interpreter re-running every node in fake tensors to insert the
 casts mixed-dtype ops need, ~1 s) runs only when :func:`promotion_needed`, its rules previewed on the values the
-trace recorded, finds a node it would change.
+trace recorded, finds a node it would change. And the registry of torchlib's translations is built without inferring
+every function's ONNX signature (parsing the source of ~500 functions, ~1 s): torch.onnx's dispatcher never reads
+it, and its graph builder infers the signature of a function it calls that has none (``_building.eval_function``),
+so only the translations the graph uses are inferred (the same ONNX graph byte for byte, tested).
 
 The two graphs compute the same values by the same arithmetic; they may differ in how sizes are read (the retrace
 re-derives them, e.g. ``past + seq`` where the traced graph reads the attention mask's length, equal by the export's
@@ -238,12 +241,15 @@ ENV = "ORTPA_EXPORT_DECOMPOSITION"  # "retrace": torch.onnx.export's own decompo
 
 
 @contextlib.contextmanager
-def lean_decomposition() -> Iterator[dict[str, str]]:
+def lean_decomposition(lazy_signatures: bool = True) -> Iterator[dict[str, str]]:
     """Inside the block, ``torch.onnx.export`` decomposes by :func:`lean_rewrite` where that suffices; yields a
     record whose ``"decomposition"`` says which path the last export took: ``"lean"`` or ``"retraced"``
     (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces the latter), and ``"retraced_because"`` why; ``"type_promotion"``
-    whether torch.onnx's type promotion pass ran (``"run"``) or was previewed to change nothing (``"not needed"``)."""
-    from torch.onnx._internal.exporter import _decomp, _fx_passes
+    whether torch.onnx's type promotion pass ran (``"run"``) or was previewed to change nothing (``"not needed"``).
+
+    ``lazy_signatures``: torchlib's registry is built without inferring each translation's ONNX signature up front
+    (see the module docstring); False keeps torch's eager inference."""
+    from torch.onnx._internal.exporter import _decomp, _fx_passes, _registration
 
     original = _fx_passes.decompose_with_registry
     record = {"decomposition": "retraced", "retraced_because": "not run", "type_promotion": "not run"}
@@ -265,10 +271,19 @@ def lean_decomposition() -> Iterator[dict[str, str]]:
         if needed:
             original_promotion(graph_module)
 
+    original_post_init = _registration.OnnxDecompMeta.__post_init__
+
+    def post_init(meta) -> None:
+        if meta.is_custom:  # a caller's translation: inferred (and warned about) as torch does
+            original_post_init(meta)
+
     _fx_passes.decompose_with_registry = decompose
     _fx_passes.insert_type_promotion_nodes = promote
+    if lazy_signatures and forced != "retrace":
+        _registration.OnnxDecompMeta.__post_init__ = post_init
     try:
         yield record
     finally:
         _fx_passes.decompose_with_registry = original
         _fx_passes.insert_type_promotion_nodes = original_promotion
+        _registration.OnnxDecompMeta.__post_init__ = original_post_init

@@ -163,7 +163,8 @@ def _export_checkpoint(
         stack.callback(shutil.rmtree, dense_dir, True)
     dense = dense_dir / "model.onnx"
     report(progress, Stage.EXPORT, f"exporting {folder} -> {dense}")
-    export_dense(folder, dense, opts.export, random_weights=False, progress=progress)
+    # the dense model is rewritten at once: torch's per-node stack traces (most of its graph's bytes) are dropped
+    export_dense(folder, dense, opts.export, random_weights=False, progress=progress, node_metadata=False)
     return ModelRef(dense, folder)
 
 
@@ -175,10 +176,12 @@ def export_dense(
     random_weights: bool = False,
     progress: Progress | None = None,
     layout: Callable[[str, bool], Path | None] | None = None,
+    node_metadata: bool = True,
 ) -> ExportInfo:
     """A Hugging Face model (local folder, or a config with ``random_weights``) -> the dense ONNX model at
     ``out_path`` (``ortpa export``, and the first step of converting a checkpoint). Needs the ``export`` extra.
-    ``layout``: the data file each checkpoint parameter is streamed into (:func:`ortpa.export.hf.export_hf`)."""
+    ``layout``: the data file each checkpoint parameter is streamed into; ``node_metadata``: keep torch's per-node
+    debugging metadata (:func:`ortpa.export.hf.export_hf`)."""
     require_extra("export", "exporting a Hugging Face model")
     from ortpa.export.hf import export_hf
 
@@ -197,6 +200,7 @@ def export_dense(
         written=None if progress is None else lambda done, total: progress(BytesWritten(done, total, Stage.EXPORT)),
         layout=layout,
         repeat_layers=False if o.trace_every_layer else None,
+        node_metadata=node_metadata,
     )
 
 

@@ -155,7 +155,9 @@ def _build(
         Stage.EXPORT,
         f"exporting {folder} into {placement.stages} stages (first layers {list(placement.first_layers)}; {sizes} MB)",
     )
-    export_dense(folder, dense, opts.export, random_weights=False, progress=progress, layout=layout)
+    export_dense(
+        folder, dense, opts.export, random_weights=False, progress=progress, layout=layout, node_metadata=False
+    )
     report(progress, Stage.LOAD, "loading")
     irm = model_store.load_ir(dense)
     pipeline.rewrite(irm, opts.rewrite, progress=progress, spill=model_store.Spill(staging), source=dense)

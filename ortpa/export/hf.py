@@ -249,6 +249,7 @@ def export_hf(
     written: Callable[[int, int], None] | None = None,
     layout: Callable[[str, bool], Path | None] | None = None,
     repeat_layers: bool | None = None,
+    node_metadata: bool = True,
 ) -> ExportInfo:
     """Export a causal LM to dense ONNX with past/present KV; returns an :class:`ExportInfo`.
 
@@ -269,7 +270,9 @@ def export_hf(
     stage's own file when the export writes pipeline stages); the model always has external data then.
     ``repeat_layers``: trace the first two layers of each kind and write the others as their copies
     (:mod:`ortpa.export.repeat`; the full trace whenever the copies do not show the layers to be repeats);
-    default on for a checkpoint folder, never with ``optimize``.
+    default on for a checkpoint folder, never with ``optimize``. ``node_metadata``: keep torch's per-node debugging
+    metadata (the Python stack trace, module class hierarchy and FX node of each ONNX node: most of the graph's
+    bytes); ``ortpa convert`` drops it from the dense model it rewrites at once (read and written twice otherwise).
     """
     say = progress or (lambda message: None)
     with contextlib.ExitStack() as stack:
@@ -290,6 +293,7 @@ def export_hf(
             written=written,
             layout=layout,
             repeat_layers=repeat_layers,
+            node_metadata=node_metadata,
         )
 
 
@@ -335,6 +339,7 @@ def _export(
     written: Callable[[int, int], None] | None,
     layout: Callable[[str, bool], Path | None] | None = None,
     repeat_layers: bool | None = None,
+    node_metadata: bool = True,
 ) -> ExportInfo:
     from ortpa.errors import InvalidModel
     from ortpa.export.checkpoint_dtype import default_export_dtype, stored_dtype
@@ -380,6 +385,10 @@ def _export(
     trace_args = (model, str(config_or_model_dir), opset, optimize, experts, seed, say, placeholders)
     repeat = placeholders is not None if repeat_layers is None else repeat_layers
     traced = _trace_repeating(*trace_args) if repeat and not optimize else _trace(*trace_args)
+    if not node_metadata:
+        for node in traced.program.model.graph.all_nodes():
+            for key in _DEBUG_METADATA:
+                node.metadata_props.pop(key, None)
     if layout is not None and placeholders is None:
         raise ValueError("layout= places a checkpoint's streamed weights: expected a checkpoint folder")
     if placeholders is None:
@@ -530,6 +539,10 @@ def _trace_repeating(model, label, opset, optimize, experts, seed, say, placehol
 
 
 _ROLES = ("key", "value")
+
+
+# torch.onnx's per-node debugging metadata (``node_metadata=False`` drops it); the name scopes stay
+_DEBUG_METADATA = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.class_hierarchy", "pkg.torch.onnx.fx_node")
 
 
 def _has_experts(model) -> bool:

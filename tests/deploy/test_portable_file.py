@@ -119,7 +119,7 @@ def test_a_checkpoint_is_exported_beside_the_output_and_removed_unless_kept(tmp_
 
     exported: list[Path] = []
 
-    def export(model, out_path, options=None, *, random_weights, progress):
+    def export(model, out_path, options=None, *, random_weights, progress, node_metadata=True):
         exported.append(Path(out_path))
         shutil.copyfile(DSV3, out_path)  # the export's stand-in: a dense model where it was asked for
 

@@ -121,30 +121,25 @@ def _is_fill_view(node: Any) -> bool:
     return str(node.target) == "aten.slice.Tensor" and any(str(c.target) == "aten.copy_.default" for c in node.users)
 
 
-def _fill(graph: Any, copy: Any) -> None:
+def _fill(graph: Any, copy: Any, filled: dict[Any, tuple[Any, Any]]) -> None:
     """``copy_`` of a slice of a fresh tensor (:func:`_fill_refused`) -> ``slice_scatter`` into what the tensor was
-    before it; the tensor's later readers read the last one."""
+    before it; after its last fill the tensor's readers read the last scatter. ``filled``: per fresh tensor, its
+    first and latest scatter so far."""
     import torch
 
     view, source = copy.args[0], copy.args[1]
     base = view.args[0]
-    current = base.meta.get("_ortpa_filled", base)
+    first, current = filled.get(base, (None, base))
     dim, start, end = (list(view.args[1:4]) + [0, None, None][len(view.args) - 1 :])[:3]
     with graph.inserting_before(copy):
         scattered = graph.call_function(torch.ops.aten.slice_scatter.default, (current, source, dim, start, end, 1))
-    scattered.meta = {k: v for k, v in base.meta.items() if k != "_ortpa_filled"}
+    scattered.meta = dict(base.meta)
     graph.erase_node(copy)
     graph.erase_node(view)
-    base.meta["_ortpa_filled"] = scattered
+    first = first or scattered
+    filled[base] = (first, scattered)
     if not any(_is_fill_view(u) for u in base.users):  # the last fill: the tensor's readers read what it made
-        base.replace_all_uses_with(scattered, delete_user_cb=lambda user: user is not _first_scatter(scattered))
-        del base.meta["_ortpa_filled"]
-
-
-def _first_scatter(node: Any) -> Any:
-    while str(node.args[0].target) == "aten.slice_scatter.default":
-        node = node.args[0]
-    return node
+        base.replace_all_uses_with(scattered, delete_user_cb=lambda user: user is not first)
 
 
 def _cast_is_plain(node: Any) -> bool:
@@ -165,9 +160,10 @@ def lean_rewrite(graph_module: Any, translated: set[Any]) -> str | None:
         return todo
     graph = graph_module.graph
     aten = torch.ops.aten
+    filled: dict[Any, tuple[Any, Any]] = {}
     for node, kind in todo:
         if kind == "fill":
-            _fill(graph, node)
+            _fill(graph, node, filled)
             continue
         source = node.args[0]
         if kind == "alias" or (kind == "cast" and source.meta["val"].dtype == node.meta["val"].dtype):

@@ -545,12 +545,6 @@ _ROLES = ("key", "value")
 _DEBUG_METADATA = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.class_hierarchy", "pkg.torch.onnx.fx_node")
 
 
-def _has_experts(model) -> bool:
-    """Whether ``model`` runs MoE experts through transformers' experts implementations (which need
-    :func:`ortpa.export.patches.translation_table`; importing it costs ~0.5 s a dense model need not pay)."""
-    return bool(getattr(model, "_can_set_experts_implementation", lambda: False)())
-
-
 def _past_name(layer: int, role: str) -> str:
     return f"past_key_values.{layer}.{role}"
 
@@ -572,7 +566,7 @@ def _trace(
 
     from ortpa.export.decompose import lean_decomposition
     from ortpa.export.errors import ExportError, summarize
-    from ortpa.export.patches import export_patches, translation_table
+    from ortpa.export.patches import export_patches, has_experts, translation_table
 
     model_dtype = next(model.parameters()).dtype
     n_layers = model.config.num_hidden_layers
@@ -644,7 +638,7 @@ def _trace(
                 output_names=output_names,
                 opset_version=opset,
                 optimize=optimize,
-                custom_translation_table=translation_table() if _has_experts(model) else {},
+                custom_translation_table=translation_table() if has_experts(model) else {},
                 verbose=False,
             )
         except Exception as exc:

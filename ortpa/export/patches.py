@@ -21,7 +21,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EXPERTS_IMPLEMENTATIONS", "export_patches", "real_rope", "translation_table", "use_experts"]
+__all__ = [
+    "EXPERTS_IMPLEMENTATIONS",
+    "export_patches",
+    "has_experts",
+    "real_rope",
+    "translation_table",
+    "use_experts",
+]
 
 # What ``--experts`` accepts: the implementations that export (``eager`` loops over the experts hit).
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
@@ -42,13 +49,18 @@ def translation_table() -> dict[Any, Any]:
     return table
 
 
+def has_experts(model) -> bool:
+    """Whether ``model`` runs MoE experts through transformers' experts implementations (which :func:`use_experts`
+    chooses and :func:`translation_table` translates)."""
+    return bool(getattr(model, "_can_set_experts_implementation", lambda: False)())
+
+
 @contextlib.contextmanager
 def use_experts(model, implementation: str | None) -> Iterator[None]:
     """Run ``model``'s MoE experts with ``implementation`` inside the block (models without MoE: no change)."""
     if implementation is not None and implementation not in EXPERTS_IMPLEMENTATIONS:
         raise ValueError(f"experts implementation must be one of {EXPERTS_IMPLEMENTATIONS}, got {implementation!r}")
-    can_set = getattr(model, "_can_set_experts_implementation", lambda: False)()
-    if implementation is None or not can_set:
+    if implementation is None or not has_experts(model):
         yield
         return
     original = model.get_experts_implementation()
@@ -125,6 +137,6 @@ def export_patches(model, experts: str | None = "grouped_mm") -> Iterator[dict[s
     """All of the above for one export; yields what was applied (recorded in the export info)."""
     with use_experts(model, experts), real_rope(model) as rope:
         applied: dict[str, Any] = {"real_rope": rope}
-        if getattr(model, "_can_set_experts_implementation", lambda: False)():
+        if has_experts(model):
             applied["experts_implementation"] = experts
         yield applied

@@ -261,20 +261,8 @@ def expand(
         head, _, rel = value.name[len(param_prefix) :].partition(".")
         return (int(head), rel) if head.isdigit() else None
 
-    past_roles: dict[int, tuple[int, str]] = {}
-    for j in range(n_traced):
-        for role in ("key", "value"):
-            found = [v for v in graph.inputs if v.name == past_name(j, role)]
-            if len(found) != 1:
-                raise NotRepeatable(f"no graph input {past_name(j, role)}")
-            past_roles[id(found[0])] = (j, role)
-    present_roles = {}
-    for j in range(n_traced):
-        for role in ("key", "value"):
-            found = [v for v in graph.outputs if v.name == present_name(j, role)]
-            if len(found) != 1:
-                raise NotRepeatable(f"no graph output {present_name(j, role)}")
-            present_roles[id(found[0])] = (j, role)
+    past_roles = _roles(graph.inputs, past_name, n_traced, "input")
+    present_roles = _roles(graph.outputs, present_name, n_traced, "output")
 
     owner, copies, shared_nodes, tail = _partition(graph, scope, n_traced, past_roles, param_of, None)
     _link(copies, owner, present_roles, traced)
@@ -319,6 +307,19 @@ def expand(
 
     _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, param_of, past_roles, tensor_of,
              past_name, present_name)  # fmt: skip
+
+
+def _roles(values, name_of: Callable[[int, str], str], n_traced: int, what: str) -> dict[int, tuple[int, str]]:
+    """id of the graph input / output (``what``) named ``name_of(layer, role)`` -> (traced layer, role), for every
+    traced layer."""
+    roles: dict[int, tuple[int, str]] = {}
+    for j in range(n_traced):
+        for role in ("key", "value"):
+            found = [v for v in values if v.name == name_of(j, role)]
+            if len(found) != 1:
+                raise NotRepeatable(f"no graph {what} {name_of(j, role)}")
+            roles[id(found[0])] = (j, role)
+    return roles
 
 
 _FIRST_IN = "first layer's input"

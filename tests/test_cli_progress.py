@@ -64,3 +64,22 @@ def test_convert_file_feeds_the_bar_layers_and_bytes(tmp_path, monkeypatch):
     data = (tmp_path / "paged.onnx.data").stat().st_size
     assert p.total_bytes >= data and p.done_bytes == p.total_bytes
     assert "/2 [" in stream.getvalue() and "B/s" in stream.getvalue()  # a layer bar of 2, then bytes
+
+
+def test_plain_lines_rate_counts_from_the_first_report(monkeypatch):
+    """The rate shown is what was written since the count's first report over the time since then: a first tensor
+    written before any report does not count as written in no time."""
+    import ortpa.cli.progress as progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    p = ConvertProgress(stream, tty=False)
+    p(BytesWritten(600_000_000, 1_000_000_000))  # the count starts here (100 s): 600 MB already written
+    now[0] = 101.0
+    p(BytesWritten(700_000_000, 1_000_000_000))  # 100 MB in one second
+    now[0] = 102.0
+    p(BytesWritten(800_000_000, 1_000_000_000))  # 200 MB in two
+    lines = [line for line in stream.getvalue().splitlines() if "written" in line]
+    assert "MB/s" not in lines[0]
+    assert "100 MB/s, ETA 0:03" in lines[1] and "100 MB/s, ETA 0:02" in lines[2]

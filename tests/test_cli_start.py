@@ -49,3 +49,32 @@ def test_a_command_imports_its_own_module_only():
     commands = {f"ortpa.cli.{name}" for name in COMMANDS}
     assert loaded & commands == {"ortpa.cli.generate"}
     assert not loaded & {"ortpa.rewriter", "ortpa.deploy", "ortpa.parity", "ortpa.runtime", "onnxruntime"}
+
+
+def test_the_console_script_ends_fast_yet_flushes_its_output_and_runs_exit_handlers(tmp_path):
+    """``entry`` (the console script) ends the process without the interpreter's module teardown: what a command
+    printed into a pipe (block-buffered) still arrives, the exit status is the command's, and the exit handlers
+    libraries registered (logging, temporary folders, Ray) still run."""
+    marker = tmp_path / "handler-ran"
+    probe = (
+        "import atexit, pathlib, sys\n"
+        f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('yes'))\n"
+        "from ortpa.cli import entry\n"
+        "print('x' * 100000)\n"  # more than a pipe's buffer: written only when flushed
+        "entry()\n"
+        "print('after entry')\n"  # never reached: entry ends the process
+    )
+    dense = ROOT / "tests" / "fixtures" / "dsv3_sdpa_op18.onnx"
+    runs = [
+        (["convert", str(dense), str(tmp_path / "p.onnx"), "--no-verify"], 0, "wrote "),
+        (["convert", str(tmp_path / "missing.onnx"), str(tmp_path / "q.onnx")], 1, ""),
+    ]
+    for argv, code, said in runs:
+        marker.unlink(missing_ok=True)
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert done.returncode == code, done.stderr[-2000:]
+        assert done.stdout.startswith("x" * 100000) and "after entry" not in done.stdout
+        assert said in done.stdout and marker.read_text() == "yes"
+    assert (tmp_path / "p.onnx").is_file() and not (tmp_path / "q.onnx").exists()

@@ -124,15 +124,18 @@ def test_a_transposed_weight_is_written_in_row_blocks(monkeypatch):
     assert [b.data_ptr() for b in streamed._row_blocks(contiguous)] == [contiguous.data_ptr()]
 
 
-def test_the_float16_range_check_finds_an_overflow_in_any_block(monkeypatch):
-    """The check of a weight cast to float16 runs a block at a time (no whole-tensor mask): an infinity anywhere,
-    in a contiguous weight or a transposed view, is found."""
-    monkeypatch.setattr(streamed, "_BLOCK_BYTES", 64)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_the_float16_range_check_finds_an_overflow_anywhere(bad):
+    """The check of a weight cast to float16 finds an infinity or a NaN anywhere, in a contiguous weight, a
+    transposed view or a slice; an empty weight passes."""
     weight = torch.randn(40, 30).half()
-    assert streamed._finite(weight) and streamed._finite(weight.T)
-    weight[39, 29] = float("inf")
-    assert not streamed._finite(weight) and not streamed._finite(weight.T)
-    assert not streamed._finite(weight[39:, 29:])
+    assert streamed._finite(weight) and streamed._finite(weight.T) and streamed._finite(weight[:0])
+    for index in ((0, 0), (17, 3), (39, 29)):
+        w = weight.clone()
+        w[index] = bad
+        assert not streamed._finite(w) and not streamed._finite(w.T)
+        assert not streamed._finite(w[index[0] :, index[1] :])
+        assert streamed._finite(w[index[0] + 1 :]) and bool(torch.isfinite(w[index[0] + 1 :]).all())
 
 
 def test_a_stored_weight_is_cast_a_block_of_rows_at_a_time(tmp_path, monkeypatch):

@@ -74,7 +74,7 @@ def run(quick: bool = False, repeats: int | None = None) -> list[dict]:
         ckpt = root / "ckpt"
         size = _checkpoint(ckpt)
         note = f"SmolLM-135M shape, 30 layers, {size / 1e9:.2f} GB bfloat16, best of {repeats}"
-        main = "import sys; from ortpa.cli import main; sys.exit(main(sys.argv[1:]))"
+        main = "from ortpa.cli import entry; entry()"  # what the console script runs
         ortpa = [sys.executable, "-c", main, "convert", str(ckpt), str(root / "o" / "model.onnx"), "--quiet"]
         commands = {
             "export_rewrite": [*ortpa, "--no-verify"],

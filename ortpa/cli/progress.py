@@ -23,6 +23,9 @@ from ortpa.progress import BytesWritten, LayerStarted, ProgressEvent, Stage, Sta
 __all__ = ["ConvertProgress"]
 
 
+_MIN_RATE_SECONDS = 0.05  # below this a rate is one tensor's write time, not a throughput
+
+
 class ConvertProgress:
     """Progress display for ``ortpa convert``; ``tty=None`` asks the stream."""
 
@@ -39,6 +42,7 @@ class ConvertProgress:
         self._last_tenth = -1
         self._bytes_stage: Stage | None = None
         self._bytes_started = time.monotonic()
+        self._bytes_first = 0  # the count's first report: what was written before the clock started
 
     # -- what the conversion calls ------------------------------------------------------------------
     def __call__(self, event: ProgressEvent) -> None:
@@ -64,6 +68,7 @@ class ConvertProgress:
     def _bytes(self, done: int, total: int, stage: Stage) -> None:
         if stage is not self._bytes_stage or total != self.total_bytes:  # a new count: the export's, then the write's
             self._bytes_stage, self._bytes_started, self._last_tenth = stage, time.monotonic(), -1
+            self._bytes_first = done
             if self._bar_kind == "bytes":
                 self.close()
         self.done_bytes, self.total_bytes = done, total
@@ -76,8 +81,10 @@ class ConvertProgress:
             self._last_tenth = tenth
             line = f"  written {done / 1e9:.2f}/{total / 1e9:.2f} GB ({10 * tenth}%)"
             elapsed = time.monotonic() - self._bytes_started
-            if 0 < done < total and elapsed > 0:
-                rate = done / elapsed
+            # the rate of what was written since the count's first report (its first tensor was written before
+            # any clock started: counted in, it made the first rate thousands of GB/s)
+            if self._bytes_first < done < total and elapsed > _MIN_RATE_SECONDS:
+                rate = (done - self._bytes_first) / elapsed
                 line += f", {rate / 1e6:.0f} MB/s, ETA {_clock((total - done) / rate)}"
             print(line, file=self.stream, flush=True)
 

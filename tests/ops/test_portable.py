@@ -211,6 +211,11 @@ MATRIX = {
     "mha": dict(num_heads=4, kv_num_heads=4),
     "gqa": dict(num_heads=8, kv_num_heads=2, head_size=64, pasts=(15, 16, 47), q_lens=(1, 1, 18)),
     "mqa_decode": dict(num_heads=4, kv_num_heads=1, q_lens=(1, 1, 1, 1), pasts=(0, 31, 32, 70)),
+    # groups of three query heads (SmolLM's 9 over 3), decodes beside prompt chunks, RoPE in the op
+    "gqa_group_of_three": dict(
+        num_heads=9, kv_num_heads=3, head_size=64, q_lens=(1, 1, 18, 5), pasts=(15, 47, 0, 33), rotary=(64, False, 0)
+    ),
+    "mha_decode_64": dict(num_heads=4, kv_num_heads=4, head_size=64, q_lens=(1, 1, 1), pasts=(0, 31, 70)),
     "packed_qkv": dict(packed=True),
     "packed_rope": dict(packed=True, rotary=(32, False, 0)),
     "rope_half": dict(rotary=(32, False, 0), head_size=32),

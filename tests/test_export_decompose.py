@@ -57,12 +57,28 @@ class _ReadBetween(torch.nn.Module):
 
 
 class _InPlace(torch.nn.Module):
-    """An op writing its input: only the retrace makes it functional."""
+    """An op writing a tensor a view of it still reads afterwards: only the retrace keeps the view's sight of it."""
 
     def forward(self, x):
         y = x * 2
+        row = y[0]
         y.add_(1)
-        return y * x
+        return y * x + row
+
+
+class _Router(torch.nn.Module):
+    """DeepSeek's MoE router and dispatch: in-place ops on fresh tensors, read before them only by plain ops and
+    after them only through their results (written as the functional ops)."""
+
+    def forward(self, scores, idx, values):
+        mask = torch.zeros_like(scores)
+        mask.scatter_(1, idx, 1.0)
+        weights = scores.gather(1, idx)
+        total = weights.sum(-1, keepdim=True)
+        weights /= total
+        out = torch.empty_like(values)
+        out[idx[:, 0]] = values * 2
+        return mask * scores, weights, out
 
 
 class _Plain(torch.nn.Module):
@@ -145,12 +161,34 @@ def test_slice_fills_of_a_fresh_tensor_are_written_as_scatters(tmp_path):
     np.testing.assert_allclose(got, _ReadBetween()(*between).numpy(), rtol=rtol, atol=atol)
 
 
-def test_an_in_place_op_takes_the_retrace(tmp_path):
+def test_an_in_place_op_a_view_sees_takes_the_retrace(tmp_path):
     args = (torch.arange(6, dtype=torch.float32).reshape(2, 3),)
     path = tmp_path / "inplace.onnx"
-    assert _export(_InPlace(), args, path) == "retraced"
+    with lean_decomposition() as record:
+        torch.onnx.export(_InPlace().eval(), args, str(path), dynamo=True, optimize=False, verbose=False)
+    assert record["decomposition"] == "retraced"
+    assert (
+        record["retraced_because"] == "aten.add_.Tensor writes its input (the tensor read after it, viewed or written)"
+    )
     (got,) = _run(path, args)
     np.testing.assert_array_equal(got, _InPlace()(*args).numpy())
+
+
+def test_in_place_ops_on_fresh_tensors_are_written_as_functional_ops(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.rand(5, 8, generator=gen) + 0.1
+    # three distinct columns of 8 per row, each below 5: also row ids of `values` (written by index)
+    idx = torch.stack([torch.randperm(5, generator=gen)[:3] for _ in range(5)])
+    values = torch.randn(5, 4, generator=gen)
+    args = (scores, idx, values)
+    path = tmp_path / "router.onnx"
+    assert _export(_Router(), args, path) == "lean"
+    got = _run(path, args)
+    want = _Router()(*args)
+    np.testing.assert_array_equal(got[0], want[0].numpy())
+    np.testing.assert_array_equal(got[1], want[1].numpy())
+    written = np.unique(args[1][:, 0].numpy())  # empty_like's other rows hold whatever memory held
+    np.testing.assert_array_equal(got[2][written], want[2].numpy()[written])
 
 
 def test_the_environment_forces_the_retrace_and_rejects_other_values(tmp_path, monkeypatch):
@@ -162,11 +200,8 @@ def test_the_environment_forces_the_retrace_and_rejects_other_values(tmp_path, m
         _export(_Renamed(), args, tmp_path / "bad.onnx")
 
 
-_DEFAULT = ["llama", "deepseek_v3"]  # plain attention; MLA with MoE (retraced, see _RETRACED)
+_DEFAULT = ["llama", "deepseek_v3"]  # plain attention; MLA with MoE (its router's in-place ops made functional)
 _MORE = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "deepseek_v2", "minicpm3"]
-# families whose traced graph writes a tensor in place past a slice fill (the MoE router's group mask scattered in
-# place): the retrace makes it functional
-_RETRACED = {f: "aten.scatter_.value writes its input" for f in ("deepseek_v2", "deepseek_v3")}
 
 
 @pytest.mark.parametrize(
@@ -179,9 +214,7 @@ def test_lean_export_computes_what_the_retraced_export_computes(family, tmp_path
     kw = dict(random_weights=True, optimize=False, attn_implementation=d.attn_implementation, repeat_layers=False)
     lean, full = tmp_path / "lean" / "model.onnx", tmp_path / "full" / "model.onnx"
     info = export_hf(config, lean, **kw)
-    assert (info["decomposition"], info["retraced_because"]) == (
-        ("retraced", _RETRACED[family]) if family in _RETRACED else ("lean", "")
-    )
+    assert (info["decomposition"], info["retraced_because"]) == ("lean", "")
     monkeypatch.setenv(ENV, "retrace")
     forced = export_hf(config, full, **kw)
     assert (forced["decomposition"], forced["type_promotion"]) == ("retraced", "run")

@@ -8,11 +8,13 @@ same), the largest single cost of exporting a checkpoint once :mod:`ortpa.export
 For the decoder models ortpa exports, the traced graph already holds ops torchlib translates, but for a handful whose
 decomposition is a one-for-one rename: ``aten.__and__`` / ``__or__`` (``bitwise_and`` / ``bitwise_or``), ``aten.to``
 (``_to_copy`` to the result's dtype, or nothing when the dtype does not change) and ``aten.detach_`` / ``detach`` /
-``alias`` (nothing: values are values in ONNX), and one in-place form the retrace would functionalise into a
-known one: slices of a fresh tensor filled by ``copy_`` (MLA's keys in transformers' DeepSeek-V2/V3 and MiniCPM3),
-written as the ``slice_scatter`` chain functionalisation writes. :func:`lean_decomposition` swaps those nodes in
-place and skips the retrace; a graph with any other op torchlib lacks, or any other op that writes one of its inputs,
-goes through ``run_decompositions`` as before (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces that).
+``alias`` (nothing: values are values in ONNX), and the in-place forms the retrace would functionalise into
+known ones: slices of a fresh tensor filled by ``copy_`` (MLA's keys in transformers' DeepSeek-V2/V3 and MiniCPM3),
+written as the ``slice_scatter`` chain functionalisation writes, and an in-place op (``scatter_``, ``div_``,
+``index_put_``: DeepSeek's MoE router and expert dispatch) that writes a fresh tensor nothing reads afterwards but
+through the op's result, written as its functional form. :func:`lean_decomposition` swaps those nodes in place and
+skips the retrace; a graph with any other op torchlib lacks, or any other op that writes one of its inputs, goes
+through ``run_decompositions`` as before (``ORTPA_EXPORT_DECOMPOSITION=retrace`` forces that).
 Likewise the type promotion pass that follows (an interpreter re-running every node in fake tensors to insert the
 casts mixed-dtype ops need, ~1 s) runs only when :func:`promotion_needed`, its rules previewed on the values the
 trace recorded, finds a node it would change. And the registry of torchlib's translations is built without inferring
@@ -77,8 +79,12 @@ def _plan(graph_module: Any, translated: set[Any]) -> list[tuple[Any, str]] | st
                 return f"{name} writes its input (no translation of slice_scatter)"
             todo.append((node, "fill"))
             continue
-        if target._schema.is_mutable:
-            return f"{name} writes its input"  # the retrace would make it functional
+        if target._schema.is_mutable:  # the retrace would make it functional
+            why = _in_place_refused(node, order, translated)
+            if why:
+                return f"{name} writes its input ({why})"
+            todo.append((node, "functional"))
+            continue
         if target in translated:
             continue
         if name in _RENAMES:
@@ -114,6 +120,51 @@ def _fill_refused(copy: Any, order: dict[Any, int]) -> str:
     last = max(order[next(iter(v.users))] for v in fills)
     if any(u not in fills and order[u] < last for u in base.users):
         return "the tensor read between its fills"
+    return ""
+
+
+def _functional(target: Any) -> Any:
+    """``aten.op_.overload`` -> ``aten.op.overload`` (None when there is none)."""
+    import torch
+
+    packet = target.overloadpacket.__name__
+    if not packet.endswith("_") or packet.startswith("_"):
+        return None
+    return getattr(getattr(torch.ops.aten, packet[:-1], None), target._overloadname, None)
+
+
+def _returns_fresh(node: Any) -> bool:
+    """Whether ``node`` makes a new tensor: an ATen op that writes nothing and returns no alias of an input."""
+    import torch
+
+    target = getattr(node, "target", None)
+    if getattr(node, "op", None) != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    return not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns)
+
+
+def _in_place_refused(node: Any, order: dict[Any, int], translated: set[Any]) -> str:
+    """Why the in-place ``node`` (``x.op_(...)``) is not the functional ``op(x, ...)`` ('' when it is): ``x`` is a
+    fresh tensor (no view, input or weight: nothing else sees the write), read before the op only by ops that
+    neither write it nor view it, and after the op only through the op's result (DeepSeek's MoE router:
+    ``mask = zeros_like(s); mask.scatter_(1, idx, 1)``; ``w = gather(...); w /= w.sum(...)``; its experts' dispatch
+    ``index_put_`` into ``empty_like``)."""
+    functional = _functional(node.target)
+    if functional is None or functional not in translated:
+        return "no translated functional form"
+    arguments = node.target._schema.arguments
+    written = [i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if written != [0]:
+        return "it writes other than its first input"
+    base = node.args[0]
+    if not _returns_fresh(base):
+        return "not into a fresh tensor"
+    for user in base.users:
+        if user is node:
+            continue
+        if order[user] > order[node] or not _returns_fresh(user):
+            return "the tensor read after it, viewed or written"
     return ""
 
 
@@ -164,6 +215,9 @@ def lean_rewrite(graph_module: Any, translated: set[Any]) -> str | None:
     for node, kind in todo:
         if kind == "fill":
             _fill(graph, node, filled)
+            continue
+        if kind == "functional":  # the node itself, its name kept: the graph signature may name it as an output
+            node.target = _functional(node.target)
             continue
         source = node.args[0]
         if kind == "alias" or (kind == "cast" and source.meta["val"].dtype == node.meta["val"].dtype):

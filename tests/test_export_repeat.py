@@ -117,3 +117,13 @@ def test_plan_groups_layers_by_what_their_modules_are():
     plan = repeat.plan(build_model(gemma2, seed=0, attn_implementation=attn))
     assert plan is not None and plan.kinds == (0, 1, 0, 1, 0) and plan.traced == (0, 1, 2, 3)
     assert repeat.plan(build_model({**dsv3, "num_hidden_layers": 3, "first_k_dense_replace": 1}, seed=0)) is None
+
+
+def test_traced_layers_renamed_past_one_another(tmp_path):
+    """Kinds [full x 3, sliding x 3] (Qwen-2 sliding past ``max_window_layers`` 3): layers 0, 1, 3 and 4 traced, so
+    the third traced copy takes the name of layer 3 while the fourth still holds it; every one lands on its own."""
+    config, attn = _config("qwen2")
+    config.update(num_hidden_layers=6, use_sliding_window=True, sliding_window=4, max_window_layers=3)
+    lines, copied, full = _export_both(config, tmp_path, random_weights=True, optimize=False, attn_implementation=attn)
+    assert "4 of 6 layers (the others repeat them)" in _traced_line(lines), lines
+    _assert_same(copied, full)

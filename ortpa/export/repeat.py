@@ -493,12 +493,17 @@ def _rewrite(irm, layer_plan, copies, shared_nodes, tail, template, param_of, pa
         for role in ("key", "value"):
             pasts[(j, role)].name = past_name(original, role)
             copies[j].presents[role].name = present_name(original, role)
+    # all moved out before any is renamed: a traced copy's new name may be another's old one (layers 0, 1, 3, 4
+    # traced: copy 2 becomes layer 3 while copy 3 still holds that name)
+    moved = []
     for value in list(graph.initializers.values()):
         found = param_of(value)
         if found is not None and traced[found[0]] != found[0]:
             graph.initializers.pop(value.name)
-            value.name = f"{scope}{traced[found[0]]}.{found[1]}"
-            graph.register_initializer(value)
+            moved.append((value, f"{scope}{traced[found[0]]}.{found[1]}"))
+    for value, name in moved:
+        value.name = name
+        graph.register_initializer(value)
 
     new_inputs = list(other_inputs)
     new_outputs = list(head_outputs)

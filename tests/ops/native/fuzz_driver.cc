@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
     const bool latent = coin(3);
     const bool packed = !latent && coin(3);
     const int64_t kvh = latent ? 1 : pick(1, 3);
-    const int64_t g = coin(2) ? 4 * pick(1, 2) : pick(1, 3), nh = kvh * g;  // 4, 8: the fused 16-bit path
+    const int64_t g = coin(2) ? 4 * pick(1, 2) : pick(1, 3), nh = kvh * g;  // 16-bit rows: 4-, 2- and 1-row kernels
     const int64_t h = 16 * pick(1, 3);
     const int64_t bs = coin(4) ? 32 : 16;
     const int64_t tokens = pick(0, 9), batch = pick(1, 4), num_blocks = pick(0, 6), maxb = pick(1, 4);

@@ -363,7 +363,9 @@ class Engine:
         feeds = self._decode_feeds
         feeds.set_tokens([c.request.tokens[-1] for c in chunks])
         if self._bound_layout != feeds.layout:  # new arrays (the batch changed, the table widened): bind them
-            self.session.bind_step(feeds.feeds, ["logits"])
+            # and the logits rows ONNX Runtime writes into (overwritten each step: landed before the next runs)
+            into = self.session.step_output("logits", len(chunks))
+            self.session.bind_step(feeds.feeds, ["logits"], into=None if into is None else {"logits": into})
             self._bound_layout = feeds.layout
         logits = self.session.run_bound()["logits"]
         if logits.ndim != 2 or logits.shape[0] != len(chunks):

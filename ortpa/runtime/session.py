@@ -422,6 +422,7 @@ class PagedSession:
         self._cache_outputs = {a.output_name: a.input_name for a in self.aliases if a.output_name}
         # each step input's declared dims, so that a feed of the wrong rank is refused in ortpa's words
         self._declared = {i.name: tuple(i.shape) for i in self.session.get_inputs() if i.shape is not None}
+        self._declared_outputs = {o.name: o for o in self.session.model.graph.output}
         self._lock = threading.Lock()  # serializes every use of the cache buffers (see the class docstring)
         self._io: ort.IOBinding | None = None  # made on the first run (see _binding)
         self._io_key: tuple = ()  # (fetched outputs, fed inputs) self._io was made for
@@ -498,13 +499,37 @@ class PagedSession:
         sess.run_with_iobinding(io)
         return self._fetched(io, fetched)
 
-    def bind_step(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> None:
+    def step_output(self, name: str, rows: int) -> np.ndarray | None:
+        """A host array for output ``name`` of a step with ``rows`` rows, to pass to :meth:`bind_step` as
+        ``into``: when the model declares the output ``[rows, d, ...]`` with every ``d`` a value and a float32 /
+        float16 type, and the session runs on the CPU; None otherwise (the output is then fetched as ONNX Runtime
+        allocates it)."""
+        vi = self._declared_outputs.get(name)
+        if vi is None or self.device != "cpu" or not vi.type.HasField("tensor_type"):
+            return None
+        dims = vi.type.tensor_type.shape.dim
+        if not vi.type.tensor_type.HasField("shape") or len(dims) < 1:
+            return None
+        rest = [d.dim_value if d.HasField("dim_value") else -1 for d in dims[1:]]
+        if any(d < 1 for d in rest) or vi.type.tensor_type.elem_type not in _STEP_OUTPUT_TYPES:
+            return None
+        return np.empty((rows, *rest), _STEP_OUTPUT_TYPES[vi.type.tensor_type.elem_type])
+
+    def bind_step(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        output_names: Sequence[str],
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Bind step inputs that later steps update in place, for :meth:`run_bound` to run without rebinding.
 
         Each array is bound by reference (an ``OrtValue`` over its memory: ONNX Runtime reads what the array
         holds when the step runs), so the caller must keep its dtype, shape and buffer; new arrays need a new
-        ``bind_step``. The caches are bound as :meth:`run` binds them; ``output_names`` are fetched each run.
+        ``bind_step``. The caches are bound as :meth:`run` binds them; ``output_names`` are fetched each run,
+        into a fresh array, except those ``into`` names: ONNX Runtime writes them into the given arrays
+        (:meth:`step_output` makes them), which :meth:`run_bound` returns and every later run overwrites.
         """
+        into = dict(into or {})
         with self._lock:
             io = self.session._sess.io_binding()
             for name, ov in self._values.items():
@@ -516,32 +541,41 @@ class PagedSession:
                 if name in self._values:
                     raise ValueError(f"{name!r} is a cache owned by this PagedSession; do not feed it")
                 self._check_rank(name, array)
-                ov = ort.OrtValue.ortvalue_from_numpy(array) if array.flags.c_contiguous else None
-                if ov is None or ov.data_ptr() != array.ctypes.data:
-                    raise InvalidParameter(
-                        "PagedSession.bind_step", name, "a C-contiguous numpy array bound by reference", "a copy"
-                    )
+                ov = _by_reference(name, array)
                 io.bind_ortvalue_input(name, ov)
                 values[name] = (array, ov)  # the arrays and their OrtValues stay alive while bound
-            fetched = [n for n in output_names if n not in self._cache_outputs]
+            written = {}
+            for name, array in into.items():
+                if name not in output_names or name in self._cache_outputs:
+                    raise InvalidParameter(
+                        "PagedSession.bind_step", f"into[{name!r}]", f"one of the fetched outputs {output_names}", name
+                    )
+                ov = _by_reference(f"into[{name!r}]", array)
+                io.bind_ortvalue_output(name, ov)
+                written[name] = (array, ov)
+            fetched = [n for n in output_names if n not in self._cache_outputs and n not in written]
             for name in fetched:
                 io.bind_output(name, "cpu")
-            self._step_binding = (io, fetched, values)
+            self._step_binding = (io, fetched, values, written)
 
     def run_bound(self) -> dict[str, np.ndarray]:
         """Run one step on the inputs :meth:`bind_step` bound, as they are now; return the fetched outputs."""
         with self._lock:
             if self._step_binding is None:
                 raise InvalidParameter("PagedSession.run_bound", "binding", "a step bound by bind_step first", None)
-            io, fetched, _ = self._step_binding
+            io, fetched, _, written = self._step_binding
             self.session._sess.run_with_iobinding(io)
-            return self._fetched(io, fetched)
+            out = self._fetched(io, fetched, len(written)) if fetched else {}
+            for name, (array, _) in written.items():
+                out[name] = array
+            return out
 
-    def _fetched(self, io: ort.IOBinding, fetched: list[str]) -> dict[str, np.ndarray]:
-        # outputs in binding order: the caches (bound first, once) then the fetched ones. Only the fetched ones
-        # are wrapped (get_outputs would wrap every cache output too: 2 per layer, each step)
+    def _fetched(self, io: ort.IOBinding, fetched: list[str], written: int = 0) -> dict[str, np.ndarray]:
+        # outputs in binding order: the caches (bound first, once), the fetched ones, then ``written`` outputs
+        # bound to the caller's arrays. Only the fetched ones are wrapped (get_outputs would wrap every cache
+        # output too: 2 per layer, each step)
         values = io.get_outputs_as_ortvaluevector()
-        first = len(values) - len(fetched)
+        first = len(values) - len(fetched) - written
         # a numpy view of each fetched output (the view keeps its buffer alive, and the next step binds a fresh
         # output, so nothing overwrites it): no copy of logits rows the caller never samples
         out = {}
@@ -572,6 +606,18 @@ class PagedSession:
                 io.bind_ortvalue_output(out_name, self._values[in_name])
             self._io, self._io_key = io, key
         return self._io
+
+
+# the step outputs PagedSession.step_output preallocates: types numpy and ortvalue_from_numpy both hold
+_STEP_OUTPUT_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+
+
+def _by_reference(name: str, array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over ``array``'s own memory (ONNX Runtime reads and writes the array itself), or an error."""
+    ov = ort.OrtValue.ortvalue_from_numpy(array) if isinstance(array, np.ndarray) and array.flags.c_contiguous else None
+    if ov is None or ov.data_ptr() != array.ctypes.data:
+        raise InvalidParameter("PagedSession.bind_step", name, "a C-contiguous numpy array bound by reference", "a copy")
+    return ov
 
 
 def _raw(dtype: np.dtype):

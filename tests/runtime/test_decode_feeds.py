@@ -9,6 +9,7 @@ Block size 4 on the toy model makes decodes cross block boundaries every four to
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 from ortpa.errors import InvalidParameter, OutOfBlocks
@@ -78,9 +79,9 @@ def test_a_batch_of_different_lengths_crosses_block_boundaries_mid_run():
     layouts = []
     spy = engine.session.bind_step
 
-    def counting(feeds, names):
+    def counting(feeds, names, **kw):
         layouts.append(engine._decode_feeds.layout)
-        return spy(feeds, names)
+        return spy(feeds, names, **kw)
 
     engine.session.bind_step = counting
     assert engine.generate(prompts, params) == want
@@ -248,3 +249,60 @@ def test_bind_step_binds_by_reference_and_run_bound_reads_the_arrays_as_they_are
     assert not np.array_equal(first, second)
     with pytest.raises(InvalidParameter, match="bound by reference"):
         sess.bind_step({**feeds.feeds, "block_table": np.zeros((1, 4), np.int32)[:, ::2]}, ["logits"])
+
+
+def _decoding_session(model=MODEL) -> tuple[PagedSession, DecodeFeeds]:
+    """A session whose sequence 0 holds a 5-token prompt, and the feeds of its next decode."""
+    sess = PagedSession(model, num_blocks=8, block_size=BS, providers=CPU)
+    kv = PagedKVCache(8, BS)
+    kv.add_sequence(0)
+    prompt = kv.plan_step([(0, 5)])
+    sess.run(prompt.model_feeds(np.array(PROMPTS[2][:5], np.int64), attention_metadata=True, position_ids=False))
+    feeds = DecodeFeeds(attention_metadata=True, position_ids=False)
+    feeds.plan(kv, [0])
+    return sess, feeds
+
+
+def test_bind_step_writes_an_output_into_the_callers_array_each_run():
+    sess, feeds = _decoding_session()
+    declared = next(o for o in MODEL.graph.output if o.name == "logits").type.tensor_type
+    buf = sess.step_output("logits", 1)
+    assert buf.shape == (1, CFG.vocab)
+    assert buf.dtype == onnx.helper.tensor_dtype_to_np_dtype(declared.elem_type)
+    feeds.set_tokens([7])
+    sess.bind_step(feeds.feeds, ["logits"], into={"logits": buf})
+    out = sess.run_bound()["logits"]
+    assert out is buf  # written in place: no array of ONNX Runtime's own
+    first = buf.copy()
+    feeds.set_tokens([9])
+    assert sess.run_bound()["logits"] is buf
+    np.testing.assert_array_equal(buf, sess.run(dict(feeds.feeds), ["logits"])["logits"])
+    assert not np.array_equal(first, buf)  # the next run overwrote the rows
+
+
+def test_bind_step_refuses_outputs_it_cannot_write_in_place():
+    sess, feeds = _decoding_session()
+    buf = sess.step_output("logits", 1)
+    with pytest.raises(InvalidParameter, match="one of the fetched outputs"):
+        sess.bind_step(feeds.feeds, [], into={"logits": buf})
+    with pytest.raises(InvalidParameter, match="bound by reference"):
+        sess.bind_step(feeds.feeds, ["logits"], into={"logits": np.zeros((1, 2 * CFG.vocab), buf.dtype)[:, ::2]})
+    assert sess.step_output("no_such_output", 1) is None
+
+
+def test_step_output_needs_every_trailing_dimension():
+    model = onnx.ModelProto()
+    model.CopyFrom(MODEL)
+    logits = next(o for o in model.graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[-1].dim_param = "vocab"  # the value becomes a symbol
+    sess, _ = _decoding_session(model)
+    assert sess.step_output("logits", 1) is None
+
+
+def test_the_engines_decodes_write_logits_into_one_array_per_batch():
+    engine = _engine(True)
+    engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=6))
+    engine.step()  # the prompt
+    engine.step()  # a decode: bound, logits written in place
+    written = engine.session._step_binding[3]
+    assert list(written) == ["logits"] and written["logits"][0].shape == (1, CFG.vocab)

@@ -616,7 +616,9 @@ def _by_reference(name: str, array: np.ndarray) -> ort.OrtValue:
     """An OrtValue over ``array``'s own memory (ONNX Runtime reads and writes the array itself), or an error."""
     ov = ort.OrtValue.ortvalue_from_numpy(array) if isinstance(array, np.ndarray) and array.flags.c_contiguous else None
     if ov is None or ov.data_ptr() != array.ctypes.data:
-        raise InvalidParameter("PagedSession.bind_step", name, "a C-contiguous numpy array bound by reference", "a copy")
+        raise InvalidParameter(
+            "PagedSession.bind_step", name, "a C-contiguous numpy array bound by reference", "a copy"
+        )
     return ov
 
 

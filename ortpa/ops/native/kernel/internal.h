@@ -205,6 +205,10 @@ constexpr int64_t kQueryTile = 16;
 // Keys per part of a decode row's split key range (rounded to whole pages).
 constexpr int64_t kDecodePart = 512;
 
+// A call with fewer short decode tiles than this (and no prefill) cuts each one by KV heads, so that a single
+// sequence's decode still spreads over the threads. A head's result does not depend on which heads share its tile.
+constexpr int64_t kDecodeTilesMin = 4;
+
 // How far ahead of the page being computed the attention loop prefetches: about this many bytes of K and V rows,
 // in whole pages, at least one and at most kPrefetchPages (measured, batch-4 / context-2048 decode: 1 page ahead
 // of 64 KB pages (8 KV heads x 128) 2-4% faster than 3; 3 ahead of 16 KB pages (4 x 64) as fast as 2 or 4).

@@ -448,6 +448,18 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
   // still keep every thread busy. The cut depends on the sequence's own length only: its result never
   // depends on the other sequences of the batch nor on the thread count.
   const int64_t part_keys = std::max<int64_t>(kDecodePart, bs) / bs * bs;
+  // few short decodes and nothing else (a single sequence's decode): each is cut by KV heads into up to
+  // kDecodeTilesMin tiles in all, so the call still spreads over the threads
+  int64_t short_decodes = 0;
+  bool only_short_decodes = true;
+  for (const AttendJob& j : w.jobs) {
+    const bool short_decode = j.t1 - j.t0 == 1 && j.kvlen <= part_keys;
+    short_decodes += short_decode;
+    only_short_decodes = only_short_decodes && short_decode;
+  }
+  const int64_t head_groups = only_short_decodes && short_decodes > 0 && short_decodes < kDecodeTilesMin
+                                  ? std::min<int64_t>(kvh, (kDecodeTilesMin + short_decodes - 1) / short_decodes)
+                                  : 1;
   std::vector<float> parts;
   struct Merge { int64_t job, token, first_part, nparts; };  // a decode row, all KV heads
   std::vector<Merge> merges;
@@ -458,7 +470,10 @@ bool run(const OrtpaPagedAttentionArgs& a, Error* err) {
     if (ql == 1) {
       // a decode: every KV head in one tile (the pages are read as contiguous runs), the key range in parts
       if (j.kvlen <= part_keys) {
-        w.tiles.push_back(Tile{(int32_t)ji, 0, (int32_t)kvh, 0, 1, 0, j.kvlen, nullptr});
+        for (int64_t gi = 0; gi < head_groups; ++gi) {
+          const int64_t h0 = kvh * gi / head_groups, h1 = kvh * (gi + 1) / head_groups;
+          w.tiles.push_back(Tile{(int32_t)ji, (int32_t)h0, (int32_t)(h1 - h0), 0, 1, 0, j.kvlen, nullptr});
+        }
         continue;
       }
       Merge m{(int64_t)ji, 0, (int64_t)w.tiles.size(), 0};

@@ -414,6 +414,11 @@ class PagedSession:
         for alias in self.aliases:
             shape, dtype = layout[alias.input_name]
             arr = np.zeros(shape, dtype=dtype)
+            if self.device == "cpu":
+                # written now, so that every page of the pool is resident before the first step: np.zeros maps
+                # untouched pages, and a step's first write into one faulted inside ONNX Runtime's run (calls of
+                # the attention node of ~40 us took 6 ms now and then, docs/native.md "The driver loop")
+                arr.fill(0)
             self._arrays[alias.input_name] = arr
             self._values[alias.input_name] = to_ortvalue(arr, self.device)
         first = self._arrays[self.aliases[0].input_name]

@@ -306,3 +306,27 @@ def test_the_engines_decodes_write_logits_into_one_array_per_batch():
     engine.step()  # a decode: bound, logits written in place
     written = engine.session._step_binding[3]
     assert list(written) == ["logits"] and written["logits"][0].shape == (1, CFG.vocab)
+
+
+def _resident_pages(array: np.ndarray) -> tuple[int, int]:
+    """(resident, total) pages of ``array``'s buffer, by mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = array.ctypes.data // page * page
+    length = array.ctypes.data + array.nbytes - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec)
+    assert rc == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), pages
+
+
+def test_the_cpu_pool_is_resident_before_the_first_step():
+    sess = PagedSession(MODEL, num_blocks=2048, block_size=BS, providers=CPU)  # MBs: pages mapped, not allocated
+    for name, array in sess._arrays.items():
+        resident, pages = _resident_pages(array)
+        assert resident == pages, f"{name}: {resident} of {pages} pages resident"
+        assert not array.any()

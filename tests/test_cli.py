@@ -211,3 +211,32 @@ def test_bench_cuda_benchmark_without_a_device_says_not_available(capsys, monkey
     assert main(["bench", "--quick", "--only", "decode_dsv3_cuda", "--path", str(checkout), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 1 and "not available" in rows[0]["notes"], rows
+
+
+def test_generate_takes_the_step_budget(paged, capsys, monkeypatch):
+    import ortpa.runtime.engine as engine_module
+
+    seen = []
+
+    class Spy(engine_module.Engine):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("max_num_batched_tokens"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "Engine", Spy)
+    args = ["generate", str(paged), "--prompt-ids", ",".join(map(str, range(1, 12))), "--max-new-tokens", "3", "--json"]
+    assert main([*args, "--max-num-batched-tokens", "4"]) == 0
+    chunked = json.loads(capsys.readouterr().out)["outputs"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"] == chunked  # the prompt in chunks of 4: the same tokens
+    assert seen == [4, None]  # the Engine's own default when not given
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_step_budgets_help_says_the_engines_default(command, capsys):
+    from ortpa.runtime.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"default: the Engine's, {DEFAULT_MAX_NUM_BATCHED_TOKENS})" in help_text

@@ -97,6 +97,9 @@ async def post(host: str, port: int, hostile: Hostile, headers: dict[str, str] |
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if hostile.chunked else piece)
             await writer.drain()
             sent += len(piece)
+            # drain() returns at once while the socket takes the bytes: yield, so that the answer's reader runs
+            # between two pieces (a loaded machine otherwise wrote tens of MB before it looked)
+            await asyncio.sleep(0)
         if hostile.chunked and not answer.done():
             writer.write(b"0\r\n\r\n")
             await writer.drain()

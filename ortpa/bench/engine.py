@@ -43,7 +43,7 @@ __all__ = ["run"]
 
 CONFIG = ToyLMConfig(vocab=512, hidden=256, num_heads=4, kv_heads=2, num_layers=4, max_positions=512)
 BLOCK, NUM_BLOCKS = 16, 1024
-BUDGET = 256  # tokens per step: the Engine's default max_num_batched_tokens
+BUDGET = 256  # tokens per step: small enough that these prompts run in chunks beside decodes
 ARRIVAL_MS = 15.0  # CPU time between two arrivals in the ``arrivals`` workload
 CPU = [CPU_PROVIDER]
 

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         ref.folder if ref.path.name == "stages.json" else ref.path,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
+        **({} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}),
         providers=providers_for(args.provider) if args.provider else None,
         ray_address=args.ray_address,
         placement=args.placement,
@@ -105,6 +106,12 @@ def register(sub) -> None:
     p.add_argument("--provider", choices=["cpu", "cuda"], default=None, help="default: CUDA if present, else CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from a memory budget)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one step computes (a longer prompt is prefilled in chunks; default: the Engine's, 1024)",
+    )
     add_pipeline_options(p)
     p.add_argument(
         "--json",

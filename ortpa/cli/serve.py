@@ -65,6 +65,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         kv_budget_bytes=None if args.kv_memory is None else int(args.kv_memory * (1 << 30)),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         provider=args.provider,
         threads=args.threads,
         ray_address=args.ray_address,
@@ -170,6 +171,13 @@ def register(sub) -> None:
     )
     p.add_argument("--block-size", type=_positive(int), default=16)
     p.add_argument("--max-num-seqs", type=_positive(int), default=64, help="requests running at once")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive(int),
+        default=None,
+        help="tokens one step computes, prompt chunks and decodes together: larger for throughput, smaller so "
+        "that running requests go on sooner while a long prompt is prefilled (default: the Engine's, 1024)",
+    )
     add_pipeline_options(p)
     p.add_argument(
         "--max-queue",

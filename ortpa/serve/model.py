@@ -49,6 +49,7 @@ class ServingModel:
         kv_budget_bytes: int | None = None,
         block_size: int = 16,
         max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
         provider: str | None = None,
         threads: int | None = None,
         ray_address: str | None = None,
@@ -61,6 +62,7 @@ class ServingModel:
         ``generation_config.json``, ``config.json``) are read from ``tokenizer`` if given, else from the
         model's folder, where ``ortpa convert`` copies them. ``threads``: ONNX Runtime's intra-op threads
         (default: its own, one per core; 1 is faster on a machine whose cores are busy with other work).
+        ``max_num_batched_tokens``: the Engine's step budget (None: its default).
         """
         from ortpa.model.folder import eos_token_ids, find_asset, load_tokenizer
         from ortpa.model.ref import ModelRef, locate_model
@@ -91,6 +93,7 @@ class ServingModel:
             kv_budget_bytes=kv_budget_bytes,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
+            **({} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}),
             providers=providers_for(provider) if provider else None,
             sess_options=sess_options,
             ray_address=ray_address,

@@ -22,6 +22,7 @@ def test_listed_with_its_options(capsys):
         "--kv-memory",
         "--block-size",
         "--max-num-seqs",
+        "--max-num-batched-tokens",
         "--max-queue",
         "--api-key",
         "--max-body-bytes",
@@ -40,6 +41,7 @@ def test_listed_with_its_options(capsys):
         ["--port", "x"],
         ["--port", "70000"],
         ["--max-queue", "-1"],
+        ["--max-num-batched-tokens", "0"],
         ["--kv-memory", "0"],
         ["--max-model-len", "0"],
         ["--max-body-bytes", "0"],
@@ -67,3 +69,18 @@ def test_max_model_len_past_the_models_context_is_refused(model_folder, capsys):
     # exit 1: the value is valid as a number, not for this model (docs/cli.md's exit codes)
     assert code == 1 and "--max-model-len" in err[-1] and "256" in err[-1] and "999" in err[-1], (code, err)
     assert err[-1].count("ortpa serve") == 1, err
+
+
+def test_the_step_budget_reaches_the_model(model_folder, monkeypatch, capsys):
+    from ortpa.errors import OrtpaError
+    from ortpa.serve.model import ServingModel
+
+    seen = {}
+
+    def load(model, **kwargs):
+        seen.update(kwargs)
+        raise OrtpaError("stopped after load's arguments were seen")
+
+    monkeypatch.setattr(ServingModel, "load", staticmethod(load))
+    assert main(["serve", str(model_folder), "--max-num-batched-tokens", "77", "--port", "0"]) == 1
+    assert seen["max_num_batched_tokens"] == 77

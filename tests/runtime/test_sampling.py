@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ortpa.runtime.sampling import InvalidSamplingParams, Sampler, SamplingParams, sample_token
+from ortpa.runtime.logits_processing import RowContext
+from ortpa.runtime.sampling import InvalidSamplingParams, Sampler, SamplingParams, sample_rows, sample_token
 
 LOGITS = np.array([0.5, 3.0, 2.9, -1.0, 3.0, 0.0])
 
@@ -47,3 +48,17 @@ def test_stop_token_ids_are_frozen_to_a_tuple():
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     with pytest.raises(InvalidSamplingParams):
         SamplingParams(stop_token_ids=[-1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_greedy_rows_without_controls(dtype):
+    """The batched greedy path: each row's first maximum; a row with no allowed token (all -inf) gets none; a NaN
+    is taken as numpy's argmax takes it (the first NaN), as the processed path would."""
+    rows = np.array(
+        [LOGITS, np.full(6, -np.inf), [0.0, np.nan, 1.0, np.nan, 2.0, 0.0], LOGITS[::-1], [-np.inf] * 5 + [-7.0]],
+        dtype,
+    )
+    samplers = [Sampler(SamplingParams()) for _ in rows]
+    contexts = [RowContext(s.params, [1], 1) for s in samplers]
+    assert [s.token_id for s in sample_rows(rows, samplers, contexts)] == [1, None, 1, 1, 5]
+    assert all(s.logprobs is None for s in sample_rows(rows, samplers, contexts))

@@ -17,12 +17,16 @@ tokens each (``--quick``: 16 and 8). Both sides run with 2 intra-op threads and 
 ``genai_config.json`` session options), on the same CPUs (``--cpus``, default all: ``sched_setaffinity`` here,
 ``taskset`` for genai); times are wall seconds of the generation alone (build, conversion and session creation
 excluded). The two sides alternate round by round (a burst of outside load hits both alike) and each row is the
-median of ``--rounds`` rounds; the ratio is of the medians. Rows record both ONNX Runtime versions and the load
-average before and after. Targets: ortpa / genai >= 1.0 at 1 request, >= 1.3 at 16.
+median of ``--rounds`` rounds; the ratio is of the medians. Every round of either side runs in a fresh process
+(model loaded, one warm-up generation, then the timed one), as genai's always did: six consecutive processes of
+the Engine, each timing the same one-request generation four times, had medians of 129-144 tokens/s on this
+machine, so one long-lived process would be one draw for all its rounds while the other side's were many. Rows
+record both ONNX Runtime versions and the load average before and after. Targets: ortpa / genai >= 1.0 at 1
+request, >= 1.3 at 16.
 
 Both sides keep ONNX Runtime's default for the CPU pool, spinning (genai's ``genai_config.json`` has no key for
 it). ``vs_genai.1.nospin`` and ``vs_genai.16.nospin``: ortpa with ``session.intra_op.allow_spinning=0``, in the same
-alternated rounds (a second Engine): faster where other processes share the cores, slower on a quiet machine
+alternated rounds (a process of its own each): faster where other processes share the cores, slower on a quiet machine
 (docs/native.md, "Threads").
 
 ``vs_genai.ort_release.1`` and ``.16``: genai's own model, one decode step, timed with plain ONNX Runtime in genai's
@@ -264,6 +268,29 @@ def _ortpa_engine(converted: Path, threads: int = THREADS, spinning: bool | None
     )
 
 
+# Runs in this python, a fresh process per round as genai's rounds are: the Engine, a one-prompt warm-up, then the
+# timed generation; prints JSON {wall, cpu} (tokens per wall / CPU second).
+_ORTPA_GENERATE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, {bench_dir!r})
+    import vs_genai
+    engine = vs_genai._ortpa_engine(Path({model!r}), {threads}, spinning={spinning})
+    wall, cpu = vs_genai._ortpa_round(engine, json.loads({prompts!r}), {new_tokens})
+    print(json.dumps({{"wall": wall, "cpu": cpu}}))
+    """
+)
+
+
+def _ortpa_process_round(model: Path, prompts, new_tokens: int, threads: int, spinning, cpus) -> tuple[float, float]:
+    """One round of the Engine in a fresh process (see the module docstring: both sides alike)."""
+    code = _ORTPA_GENERATE.format(bench_dir=str(Path(__file__).resolve().parent), model=str(model), threads=threads,
+                                  spinning=spinning, prompts=json.dumps(prompts), new_tokens=new_tokens)  # fmt: skip
+    result = json.loads(_subprocess(sys.executable, code, timeout=1800, cpus=cpus))
+    return result["wall"], result["cpu"]
+
+
 def _ortpa_round(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """Generated tokens per wall second and per CPU second of this process, after a one-prompt warm-up."""
     from ortpa.runtime.sampling import SamplingParams
@@ -329,8 +356,7 @@ def run(
             return [_row("vs_genai", "throughput_ratio", math.nan, "x", f"conversion not available: {reason}")]
         import onnxruntime as ort
 
-        engine = _ortpa_engine(converted, threads)
-        sleeping = _ortpa_engine(converted, threads, spinning=False)  # for the .nospin rows
+        engine = _ortpa_engine(converted, threads)  # the host rows; the rounds run in processes of their own
         from ortpa.bench._timing import decode_host_share
 
         for n in (1, 16):  # the driver loop's share of a decode step (issue 39: < 10% at one request)
@@ -351,11 +377,11 @@ def run(
                 genai.append(result["tokens"] / result["seconds"])
                 genai_cpu.append(result["tokens"] / result["cpu_seconds"])
                 versions = f"genai {result['genai']} on ORT {result['ort']}; ortpa on ORT {ort.__version__}"
-                wall, cpu = _ortpa_round(engine, prompts, new_tokens)
+                wall, cpu = _ortpa_process_round(converted, prompts, new_tokens, threads, None, cpus)
                 ours.append(wall)
                 ours_cpu.append(cpu)
                 if n in NOSPIN_ROWS:
-                    slept.append(_ortpa_round(sleeping, prompts, new_tokens)[0])
+                    slept.append(_ortpa_process_round(converted, prompts, new_tokens, threads, False, cpus)[0])
             load = f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
             notes = f"{dims}; median of {rounds}, alternated; {versions}; {load}"
             g, o = statistics.median(genai), statistics.median(ours)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         ref.folder if ref.path.name == "stages.json" else ref.path,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
-        **({} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         providers=providers_for(args.provider) if args.provider else None,
         ray_address=args.ray_address,
         placement=args.placement,

@@ -119,7 +119,7 @@ class Engine:
 
     ``num_blocks`` sizes the KV pool directly; otherwise ``kv_budget_bytes`` (default
     :data:`DEFAULT_KV_BUDGET_BYTES`) is divided by the bytes one block costs across all layers' caches.
-    ``max_num_batched_tokens`` bounds the tokens of one step (default :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`; a
+    ``max_num_batched_tokens`` bounds the tokens of one step (None: :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`; a
     longer prompt is prefilled in chunks),
     ``max_num_seqs`` the requests running at once. ``providers`` and ``sess_options`` go to ONNX Runtime;
     ``paged_attention`` forces a PagedAttention path (:class:`InferenceSession`). The CPU pool's spinning is ONNX
@@ -159,7 +159,7 @@ class Engine:
         num_blocks: int | None = None,
         block_size: int = 16,
         providers: Sequence[Any] | None = None,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,
         kv_budget_bytes: int | None = None,
@@ -223,7 +223,9 @@ class Engine:
         self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.kv,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if max_num_batched_tokens is None
+            else max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             prefix_cache=self.prefix_cache,
             mixed_steps=mixed_steps,

@@ -93,7 +93,7 @@ class ServingModel:
             kv_budget_bytes=kv_budget_bytes,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
-            **({} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}),
+            max_num_batched_tokens=max_num_batched_tokens,
             providers=providers_for(provider) if provider else None,
             sess_options=sess_options,
             ray_address=ray_address,

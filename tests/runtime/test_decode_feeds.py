@@ -229,28 +229,6 @@ def test_a_step_not_planned_by_the_feeds_resets_them():
 
 
 # -- the session ------------------------------------------------------------------------------------------
-def test_bind_step_binds_by_reference_and_run_bound_reads_the_arrays_as_they_are():
-    sess = PagedSession(MODEL, num_blocks=8, block_size=BS, providers=CPU)
-    with pytest.raises(InvalidParameter, match="bind_step first"):
-        sess.run_bound()
-    kv = PagedKVCache(8, BS)
-    kv.add_sequence(0)
-    prompt = kv.plan_step([(0, 5)])
-    sess.run(prompt.model_feeds(np.array(PROMPTS[2][:5], np.int64), attention_metadata=True, position_ids=False))
-    feeds = DecodeFeeds(attention_metadata=True, position_ids=False)
-    feeds.plan(kv, [0])
-    feeds.set_tokens([7])
-    sess.bind_step(feeds.feeds, ["logits"])
-    first = sess.run_bound()["logits"].copy()
-    feeds.set_tokens([9])  # in place: the bound step now reads token 9
-    second = sess.run_bound()["logits"]
-    unbound = sess.run(dict(feeds.feeds), ["logits"])["logits"]
-    np.testing.assert_array_equal(second, unbound)
-    assert not np.array_equal(first, second)
-    with pytest.raises(InvalidParameter, match="bound by reference"):
-        sess.bind_step({**feeds.feeds, "block_table": np.zeros((1, 4), np.int32)[:, ::2]}, ["logits"])
-
-
 def _decoding_session(model=MODEL) -> tuple[PagedSession, DecodeFeeds]:
     """A session whose sequence 0 holds a 5-token prompt, and the feeds of its next decode."""
     sess = PagedSession(model, num_blocks=8, block_size=BS, providers=CPU)
@@ -261,6 +239,22 @@ def _decoding_session(model=MODEL) -> tuple[PagedSession, DecodeFeeds]:
     feeds = DecodeFeeds(attention_metadata=True, position_ids=False)
     feeds.plan(kv, [0])
     return sess, feeds
+
+
+def test_bind_step_binds_by_reference_and_run_bound_reads_the_arrays_as_they_are():
+    sess, feeds = _decoding_session()
+    with pytest.raises(InvalidParameter, match="bind_step first"):
+        sess.run_bound()
+    feeds.set_tokens([7])
+    sess.bind_step(feeds.feeds, ["logits"])
+    first = sess.run_bound()["logits"].copy()
+    feeds.set_tokens([9])  # in place: the bound step now reads token 9
+    second = sess.run_bound()["logits"]
+    unbound = sess.run(dict(feeds.feeds), ["logits"])["logits"]
+    np.testing.assert_array_equal(second, unbound)
+    assert not np.array_equal(first, second)
+    with pytest.raises(InvalidParameter, match="bound by reference"):
+        sess.bind_step({**feeds.feeds, "block_table": np.zeros((1, 4), np.int32)[:, ::2]}, ["logits"])
 
 
 def test_bind_step_writes_an_output_into_the_callers_array_each_run():
